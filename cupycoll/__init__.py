@@ -1,0 +1,44 @@
+"""cupycoll: a torch.distributed backend that runs NCCL through CuPy.
+
+``import cupycoll`` registers the backend name ``"cupycoll"`` for CUDA devices, so that
+``torch.distributed.init_process_group("cuda:cupycoll")`` (or ``"cupycoll"``, or
+``"cpu:gloo,cuda:cupycoll"``) builds a :class:`ProcessGroupCupycoll`. Importing the package
+does not import CuPy: that happens at the first CUDA collective.
+"""
+
+from __future__ import annotations
+
+from ._registration import register
+from .config import ENVIRONMENT, Options
+from .errors import (
+    CommunicatorAbortedError,
+    CupycollError,
+    CupycollTypeError,
+    CupycollValueError,
+    MissingDependencyError,
+    NcclError,
+    NoCudaDeviceError,
+)
+from .process_group import BACKEND_NAME, ProcessGroupCupycoll
+from .work import CollectiveTimeoutError, CudaWork
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKEND_NAME",
+    "CollectiveTimeoutError",
+    "CommunicatorAbortedError",
+    "CudaWork",
+    "CupycollError",
+    "CupycollTypeError",
+    "CupycollValueError",
+    "ENVIRONMENT",
+    "MissingDependencyError",
+    "NcclError",
+    "NoCudaDeviceError",
+    "Options",
+    "ProcessGroupCupycoll",
+    "register",
+]
+
+register()

@@ -1,0 +1,47 @@
+"""Registration of the "cupycoll" backend name with torch.distributed.
+
+Two ways in: ``import cupycoll`` calls :func:`register`, and torch's ``torch.backends``
+entry point calls :func:`autoload` while ``import torch`` runs, so that
+``init_process_group("cuda:cupycoll")`` works with no explicit import. The entry point must
+be cheap and must never raise (an exception there breaks ``import torch``): it imports
+neither CuPy nor the process-group module; the creator imports that on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("cupycoll")
+
+BACKEND_NAME = "cupycoll"
+
+
+def _create_process_group(dist_backend_opts, pg_options):
+    from .process_group import ProcessGroupCupycoll
+
+    return ProcessGroupCupycoll(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        dist_backend_opts.timeout,
+        pg_options,
+        global_ranks=list(getattr(dist_backend_opts, "global_ranks_in_group", []) or []),
+        group_id=str(getattr(dist_backend_opts, "group_id", "") or ""),
+    )
+
+
+def register() -> None:
+    """Register "cupycoll" for device type "cuda" (extended API); idempotent."""
+    from torch.distributed import Backend
+
+    if BACKEND_NAME.upper() in Backend._plugins:
+        return
+    Backend.register_backend(BACKEND_NAME, _create_process_group, extended_api=True, devices=["cuda"])
+
+
+def autoload() -> None:
+    """The ``torch.backends`` entry point. Never raises."""
+    try:
+        register()
+    except Exception:  # noqa: BLE001 - must not break ``import torch``
+        logger.debug("cupycoll: registration from the torch.backends entry point failed", exc_info=True)

@@ -1,0 +1,83 @@
+"""The cupycoll exception family.
+
+Every error cupycoll raises on purpose derives from :class:`CupycollError`. Input
+validation errors also derive from the builtin ``ValueError`` / ``TypeError`` so that
+callers catching those keep working. NCCL failures carry the NCCL status, the C function
+that returned it and NCCL's own last-error text.
+
+Deliberately left out: any retry or recovery policy. Errors describe; callers decide.
+"""
+
+from __future__ import annotations
+
+
+class CupycollError(Exception):
+    """Base class of every error raised by cupycoll."""
+
+
+class CupycollValueError(CupycollError, ValueError):
+    """An argument has the right type but a bad value (size, rank, device, op...)."""
+
+
+class CupycollTypeError(CupycollError, TypeError):
+    """An argument has the wrong type (dtype unsupported by NCCL, not a tensor...)."""
+
+
+class MissingDependencyError(CupycollError, ImportError):
+    """CuPy or NCCL is not installed or cannot be loaded.
+
+    The message names the pip extra that installs what is missing.
+    """
+
+
+class NoCudaDeviceError(CupycollError, RuntimeError):
+    """A CUDA collective was requested on a machine where no CUDA device is visible."""
+
+
+class NcclError(CupycollError, RuntimeError):
+    """An NCCL call returned a status other than ncclSuccess.
+
+    Attributes:
+        status: the raw ``ncclResult_t`` value.
+        status_name: its C name (``ncclUnhandledCudaError``...).
+        function: the NCCL function (or CuPy method) that failed.
+        last_error: ``ncclGetLastError`` text when the library provides it, else "".
+    """
+
+    def __init__(self, status: int, function: str, message: str = "", last_error: str = ""):
+        self.status = int(status)
+        self.status_name = nccl_status_name(self.status)
+        self.function = function
+        self.last_error = last_error
+        text = f"{function} failed: {self.status_name} ({self.status})"
+        if message:
+            text += f": {message}"
+        if last_error and last_error not in text:
+            text += f" [NCCL: {last_error}]"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (type(self), (self.status, self.function, "", self.last_error))
+
+
+class CommunicatorAbortedError(CupycollError, RuntimeError):
+    """The communicator (or the whole group) was aborted or shut down; it cannot be used."""
+
+
+# ncclResult_t values, from nccl.h. Kept here (not in the bindings module) so that error
+# formatting never needs the library to be loadable.
+NCCL_STATUS_NAMES = {
+    0: "ncclSuccess",
+    1: "ncclUnhandledCudaError",
+    2: "ncclSystemError",
+    3: "ncclInternalError",
+    4: "ncclInvalidArgument",
+    5: "ncclInvalidUsage",
+    6: "ncclRemoteError",
+    7: "ncclInProgress",
+    8: "ncclTimeout",
+}
+
+
+def nccl_status_name(status: int) -> str:
+    return NCCL_STATUS_NAMES.get(int(status), f"ncclResult({int(status)})")

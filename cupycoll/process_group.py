@@ -1,0 +1,905 @@
+"""The torch ProcessGroup adapter: torch.distributed calls in, NCCL calls out.
+
+:class:`ProcessGroupCupycoll` is a Python subclass of ``torch.distributed.ProcessGroup``.
+torch makes such an object the *whole* group (see docs/design.md), so it routes:
+
+* CPU tensors, CPU barriers and (through them) the object collectives to an inner
+  gloo ``ProcessGroup`` built on the same store: they behave exactly as ``"cpu:gloo"``;
+* CUDA tensors to one NCCL :class:`~cupycoll.communicator.Communicator` per device,
+  created lazily at the first CUDA collective, or eagerly when ``init_process_group`` is
+  given ``device_id``.
+
+Streams follow recent ProcessGroupNCCL: a synchronous call (``async_op=False``) is issued
+on the caller's current stream with no side stream and no event; an asynchronous one on
+the communicator's internal stream after it waits for the current stream, and the tensors
+stay referenced until the GPU is done with them.
+
+Point-to-point calls on CUDA are queued and issued together, as one NCCL group, when one of
+their Works is touched or any other CUDA call is made on the group. torch (2.7+) hands a
+Python group the ops of ``batch_isend_irecv`` one by one, and issued one by one NCCL
+send/recv deadlock in patterns like a ring exchange. ``_start_coalescing`` /
+``_end_coalescing`` queue every CUDA call in between into one NCCL group the same way.
+
+Deliberately left out: input validation beyond what is needed to fail before enqueueing,
+and the watchdog (later layers).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import functools
+import itertools
+import zlib
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, ProcessGroup
+
+from . import _types, config
+from .communicator import Communicator, new_unique_id, nccl_group
+from .errors import CommunicatorAbortedError, CupycollError, CupycollTypeError, CupycollValueError
+from .work import CudaWork
+
+BACKEND_NAME = "cupycoll"
+
+_GLOO = ProcessGroup.BackendType.GLOO
+_CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------
+# guard helpers: raise before anything is enqueued, naming the offending value
+
+
+def _check_tensor(tensor, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise CupycollTypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def _single(tensors, what: str) -> torch.Tensor:
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+        count = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+        raise CupycollValueError(f"{what}: cupycoll takes exactly one tensor per process, got {count}")
+    return _check_tensor(tensors[0], what)
+
+
+def _check_list(tensors, what: str, length: int) -> List[torch.Tensor]:
+    if not isinstance(tensors, (list, tuple)):
+        raise CupycollTypeError(f"{what} must be a list of tensors, got {type(tensors).__name__}")
+    if len(tensors) != length:
+        raise CupycollValueError(f"{what} has {len(tensors)} tensors; the group has {length} ranks")
+    for index, tensor in enumerate(tensors):
+        _check_tensor(tensor, f"{what}[{index}]")
+    return list(tensors)
+
+
+def _check_numel(tensor: torch.Tensor, expected: int, what: str) -> None:
+    if tensor.numel() != expected:
+        raise CupycollValueError(
+            f"{what} has {tensor.numel()} elements (shape {tuple(tensor.shape)}); expected {expected}"
+        )
+
+
+def _check_same_dtype(tensors: Sequence[torch.Tensor], reference: torch.Tensor, what: str) -> None:
+    for tensor in tensors:
+        if tensor.dtype != reference.dtype:
+            raise CupycollTypeError(f"{what}: dtype {tensor.dtype} differs from {reference.dtype}")
+
+
+def _flat(tensors) -> List[torch.Tensor]:
+    out = []
+    for item in tensors:
+        if isinstance(item, (list, tuple)):
+            out.extend(_flat(item))
+        else:
+            out.append(item)
+    return out
+
+
+def _async_requested(opts) -> bool:
+    # torch < 2.7 has no asyncOp; then every call is treated as async and torch waits.
+    return bool(getattr(opts, "asyncOp", True))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _split_color(ranks: Sequence[int]) -> int:
+    # Identical on every member, distinct (with high probability) across groups.
+    return zlib.crc32(",".join(map(str, sorted(ranks))).encode()) & 0x7FFFFFFF
+
+
+class _Issue:
+    """One NCCL call (or a few, e.g. an all-to-all) waiting to be enqueued."""
+
+    __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer")
+
+    def __init__(self, work, launch, finish, keepalive, async_op, peer=None):
+        self.work = work
+        self.launch = launch  # launch(comm_for_peer, stream_ptr): the NCCL calls
+        self.finish = finish  # finish(): copies that must follow the NCCL group, or None
+        self.keepalive = keepalive
+        self.async_op = async_op
+        self.peer = peer  # point-to-point peer (group rank), None for collectives
+
+
+class _CudaBackendHandle:
+    """What ``pg._get_backend(cuda)`` gives torch: eager connect and no-color split."""
+
+    supports_splitting = True
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def __init__(self, group: "ProcessGroupCupycoll"):
+        self._group = group
+
+    def eager_connect_single_device(self, device) -> None:
+        self._group._bind_device(torch.device(device))
+
+    def perform_nocolor_split(self, device) -> None:
+        self._group._nocolor_split(torch.device(device))
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+
+class ProcessGroupCupycoll(ProcessGroup):
+    """A torch ProcessGroup whose CUDA collectives run on NCCL through CuPy."""
+
+    def __init__(
+        self,
+        store,
+        rank: int,
+        size: int,
+        timeout: Optional[datetime.timedelta] = None,
+        options: Optional[config.Options] = None,
+        global_ranks: Optional[Sequence[int]] = None,
+        group_id: str = "",
+    ):
+        super().__init__(rank, size)
+        self.settings = config.resolve(options, timeout)
+        self.options = options if options is not None else config.Options()
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._global_ranks = list(global_ranks or range(size))
+        self._group_id = group_id
+        self._group_name = group_id
+        self._group_desc = ""
+        self._cpu = self._build_cpu_group(store, rank, size, self.settings.timeout)
+
+        self._device: Optional[torch.device] = None
+        self._comm: Optional[Communicator] = None
+        self._comm_stream = None  # torch view of the communicator's internal stream
+        self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
+        self._comm_count = itertools.count()
+        self._queue: List[_Issue] = []  # calls not yet issued (P2P batches, coalescing)
+        self._coalescing: Optional[List[CudaWork]] = None
+        self._inflight = collections.deque()  # (event, tensors) kept alive until done
+        self._state = "ok"
+        self._fp8: Optional[bool] = None
+        self._handle = _CudaBackendHandle(self)
+
+        parent = self._split_parent()
+        if parent is not None:
+            self._comm = parent._comm.split(_split_color(self._global_ranks), rank)
+            self._adopt_device(parent._device)
+
+    # -- construction helpers ---------------------------------------------------------
+    def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
+        cpu_store = PrefixStore("cupycoll-cpu/", store)
+        gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
+        try:
+            inner = ProcessGroup(cpu_store, rank, size)
+        except TypeError:  # torch < 2.6 also takes ProcessGroup.Options
+            inner = ProcessGroup(cpu_store, rank, size, ProcessGroup.Options(backend="gloo"))
+        inner._set_default_backend(_GLOO)
+        inner._register_backend(_CPU, _GLOO, gloo)
+        # C++ callers asking this group for its CPU backend get the same gloo.
+        self._register_backend(_CPU, _GLOO, gloo)
+        return inner
+
+    def _split_parent(self) -> Optional["ProcessGroupCupycoll"]:
+        """The default group when torch splits subgroups from it (it was bound to a device)."""
+        if not self._global_ranks or not dist.is_initialized():
+            return None
+        parent = dist.distributed_c10d._get_default_group()
+        if not isinstance(parent, ProcessGroupCupycoll) or parent is self:
+            return None
+        if not parent._splits_children():
+            return None
+        return parent
+
+    def _splits_children(self) -> bool:
+        return (self.settings.comm_split and self._comm is not None
+                and getattr(self, "bound_device_id", None) is not None and Communicator.can_split())
+
+    def _nocolor_split(self, device: torch.device) -> None:
+        # torch calls this on ranks left out of a new subgroup; it must mirror the
+        # members' split exactly, so it follows the same predicate.
+        if self._splits_children():
+            self._comm.split(-1, self._rank)
+
+    # -- identity ---------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def _get_backend_name(self) -> str:
+        return BACKEND_NAME
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+        super()._set_group_name(name)
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+        super()._set_group_desc(desc)
+
+    def _get_backend(self, device):
+        device = torch.device(device)
+        if device.type == "cuda":
+            return self._handle
+        return super()._get_backend(device)
+
+    def __repr__(self) -> str:
+        return (f"ProcessGroupCupycoll(rank={self._rank}, size={self._size}, "
+                f"device={self._device}, name={self._group_name!r})")
+
+    # -- device and communicators -----------------------------------------------------
+    def _adopt_device(self, device: torch.device) -> None:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+
+    def _bind_device(self, device: torch.device) -> None:
+        """Eager init (``device_id``): bind the group to ``device`` and connect now."""
+        self.bound_device_id = device
+        self._comm_for(device)
+
+    def _check_usable(self) -> None:
+        if self._state != "ok":
+            raise CommunicatorAbortedError(f"process group {self._group_name!r} was {self._state}")
+
+    def _check_device(self, tensor: torch.Tensor, what: str) -> torch.device:
+        device = tensor.device
+        if self._device is not None and device != self._device:
+            raise CupycollValueError(
+                f"{what} is on {device} but this group's communicator is on {self._device}"
+            )
+        if not tensor.is_contiguous():
+            raise CupycollValueError(
+                f"{what} is not contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()})"
+            )
+        return device
+
+    def _comm_for(self, device: torch.device) -> Communicator:
+        self._check_usable()
+        if self._comm is None:
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            unique_id = self._exchange_unique_id(f"comm/{next(self._comm_count)}", self._rank == 0)
+            self._comm = Communicator.create(unique_id, self._rank, self._size, device.index,
+                                             self.settings.nccl_library)
+            self._adopt_device(device)
+        return self._comm
+
+    def _p2p_comm(self, peer: int) -> Communicator:
+        """The communicator for a point-to-point call with ``peer``: the group's own when it
+        exists, otherwise one of just the two ranks (so a send between two ranks never needs
+        the others), created on first use."""
+        if self._comm is not None:
+            return self._comm
+        comm = self._p2p_comms.get(peer)
+        if comm is None:
+            low, high = sorted((self._rank, peer))
+            unique_id = self._exchange_unique_id(f"p2p/{low}-{high}", self._rank == low)
+            comm = Communicator.create(unique_id, int(self._rank == high), 2, self._device.index,
+                                       self.settings.nccl_library)
+            self._p2p_comms[peer] = comm
+        return comm
+
+    def _exchange_unique_id(self, key: str, creator: bool) -> bytes:
+        key = f"cupycoll/{key}/uid"
+        if creator:
+            self._store.set(key, new_unique_id())
+            return self._store.get(key)
+        self._store.wait([key], self.settings.timeout)
+        return self._store.get(key)
+
+    def _fp8_available(self) -> bool:
+        if self._fp8 is None:
+            from . import _cuda, nccl_bindings
+
+            self._fp8 = nccl_bindings.fp8_supported(_cuda.nccl_module().get_version())
+        return self._fp8
+
+    # -- enqueueing -------------------------------------------------------------------
+    def _submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
+                peer=None, blocking_wait=False) -> CudaWork:
+        """Issue (or queue) one CUDA call and return its Work. Everything is validated."""
+        if self._device is None:
+            self._device = device  # the first CUDA call picks the group's device
+        work = CudaWork(op_name, device, outputs, blocking_wait=blocking_wait)
+        issue = _Issue(work, launch, finish, keepalive, async_op, peer)
+        if self._coalescing is not None or peer is not None:
+            work._flush = self._flush
+            self._queue.append(issue)
+            if self._coalescing is not None:
+                self._coalescing.append(work)
+            return work
+        self._flush()
+        self._comm_for(device)
+        self._enqueue([issue])
+        return work
+
+    def _flush(self) -> None:
+        """Issue every queued call as one NCCL group (not while a coalescing block is open:
+        its calls wait for ``_end_coalescing``, as torch's own collectives do inside one)."""
+        if not self._queue or self._coalescing is not None:
+            return
+        queue, self._queue = self._queue, []
+        try:
+            self._enqueue(queue)
+        except BaseException:
+            for issue in queue:
+                issue.work._flush = None
+            raise
+
+    def _enqueue(self, issues: List[_Issue]) -> None:
+        device = self._device
+        if any(i.peer is None for i in issues):
+            self._comm_for(device)
+        # Pair communicators are created in one global order (by peer), so creating them
+        # can never wait in a cycle.
+        comms = {peer: self._p2p_comm(peer) for peer in sorted({i.peer for i in issues} - {None})}
+        current = torch.cuda.current_stream(device)
+        async_op = any(i.async_op for i in issues)
+        if async_op:
+            stream = self._internal_stream(self._comm or comms[min(comms)])
+            stream.wait_stream(current)
+        else:
+            stream = current
+        stream_ptr = stream.cuda_stream
+        with torch.cuda.stream(stream):
+            if len(issues) == 1:
+                self._launch(issues[0], comms, stream_ptr)
+            else:
+                with nccl_group():
+                    for issue in issues:
+                        self._launch(issue, comms, stream_ptr)
+            for issue in issues:
+                if issue.finish is not None:
+                    issue.finish()
+            event = None
+            if async_op:
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._keep_until_done(event, [i.keepalive for i in issues])
+        for issue in issues:
+            issue.work._issued(stream, event, issue.keepalive if async_op else None)
+
+    def _launch(self, issue: _Issue, comms, stream_ptr: int) -> None:
+        if issue.peer is None:
+            issue.launch(self._comm, stream_ptr)
+            return
+        comm = comms[issue.peer]
+        # On a two-rank pair communicator the peer is whichever of the two we are not.
+        issue.launch(comm, stream_ptr, issue.peer if comm is self._comm else 1 - comm.rank)
+
+    def _internal_stream(self, comm: Communicator):
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.ExternalStream(comm.stream, device=self._device)
+        return self._comm_stream
+
+    def _keep_until_done(self, event, tensors) -> None:
+        inflight = self._inflight
+        while inflight and inflight[0][0].query():
+            inflight.popleft()
+        inflight.append((event, tensors))
+
+    # -- routing ----------------------------------------------------------------------
+    def _is_cuda(self, tensors, op_name: str) -> bool:
+        """True when the call goes to NCCL; rejects calls that mix CPU and CUDA tensors."""
+        self._check_usable()
+        flat = _flat(tensors)
+        for index, tensor in enumerate(flat):
+            _check_tensor(tensor, f"{op_name}: tensor {index}")
+        kinds = {t.device.type for t in flat}
+        if len(kinds) > 1:
+            raise CupycollValueError(f"{op_name}: tensors on different device types {sorted(kinds)}")
+        if not kinds or kinds == {"cpu"}:
+            self._flush()  # a queued CUDA send/recv must not wait behind unrelated CPU work
+            return False
+        if kinds != {"cuda"}:
+            raise CupycollValueError(f"{op_name}: tensors on {kinds.pop()} are not supported")
+        devices = {t.device for t in flat}
+        if len(devices) > 1:
+            raise CupycollValueError(f"{op_name}: tensors on several devices {sorted(map(str, devices))}")
+        return True
+
+    def _check_root(self, root: int, what: str = "root") -> int:
+        if not isinstance(root, int) or not 0 <= root < self._size:
+            raise CupycollValueError(f"{what} {root!r} is out of range for a group of {self._size} ranks")
+        return root
+
+    def _check_peer(self, peer: int) -> int:
+        self._check_root(peer, "peer rank")
+        if peer == self._rank:
+            raise CupycollValueError(f"peer rank {peer} is this process's own rank")
+        return peer
+
+    def _reduction(self, tensor: torch.Tensor, reduce_op, what: str) -> _types.Reduction:
+        red = _types.reduction(tensor.dtype, reduce_op, self._fp8_available())
+        if red.premul_factor is not None and isinstance(red.premul_factor, torch.Tensor):
+            _types.check_premul_tensor(red.premul_factor, tensor.dtype, tensor.device)
+        return red
+
+    def _reduce_launch(self, red: _types.Reduction, dtype: torch.dtype, call: Callable) -> Callable:
+        """A launch(comm, stream) that runs ``call(comm, nccl_op, stream)`` with the NCCL op,
+        creating and destroying the PREMUL_SUM op around it when needed."""
+        if red.premul_factor is None:
+            return lambda comm, stream: call(comm, red.op, stream)
+        factor = red.premul_factor
+
+        def launch(comm, stream):
+            if isinstance(factor, torch.Tensor):
+                op = comm.create_premul_sum(factor.data_ptr(), red.dtype, on_device=True)
+            else:
+                op = comm.create_premul_sum(_types.premul_scalar_bytes(factor, dtype), red.dtype, on_device=False)
+            try:
+                call(comm, op, stream)
+            finally:
+                comm.destroy_op(op)
+        return launch
+
+    # -- collectives ------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        if not self._is_cuda(tensors, "all_reduce"):
+            return self._cpu.allreduce(tensors, opts)
+        tensor = _single(tensors, "all_reduce")
+        device = self._check_device(tensor, "all_reduce tensor")
+        red = self._reduction(tensor, opts.reduceOp, "all_reduce")
+        ptr, count = tensor.data_ptr(), tensor.numel() * red.count_scale
+        launch = self._reduce_launch(red, tensor.dtype,
+                                     lambda comm, op, s: comm.all_reduce(ptr, ptr, count, red.dtype, op, s))
+        return self._submit("all_reduce", device, [tensor], launch, keepalive=tensor,
+                            async_op=_async_requested(opts))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        if not self._is_cuda(tensors, "all_reduce_coalesced"):
+            return self._cpu.allreduce_coalesced(tensors, opts)
+        return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors], tensors)
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        if not self._is_cuda(tensors, "broadcast"):
+            return self._cpu.broadcast(tensors, opts)
+        tensor = _single(tensors, "broadcast")
+        device = self._check_device(tensor, "broadcast tensor")
+        root = self._check_root(opts.rootRank)
+        ptr, nbytes = tensor.data_ptr(), _nbytes(tensor)
+        return self._submit(
+            "broadcast", device, [tensor],
+            lambda comm, s: comm.broadcast(ptr, ptr, nbytes, _types.NCCL_BYTE, root, s),
+            keepalive=tensor, async_op=_async_requested(opts))
+
+    def reduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceOptions()
+        if not self._is_cuda(tensors, "reduce"):
+            return self._cpu.reduce(tensors, opts)
+        tensor = _single(tensors, "reduce")
+        device = self._check_device(tensor, "reduce tensor")
+        root = self._check_root(opts.rootRank)
+        red = self._reduction(tensor, opts.reduceOp, "reduce")
+        ptr, count = tensor.data_ptr(), tensor.numel() * red.count_scale
+        launch = self._reduce_launch(
+            red, tensor.dtype, lambda comm, op, s: comm.reduce(ptr, ptr, count, red.dtype, op, root, s))
+        return self._submit("reduce", device, [tensor], launch, keepalive=tensor,
+                            async_op=_async_requested(opts))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "all_gather"):
+            return self._cpu.allgather(output_tensors, input_tensors, opts)
+        tensor = _single(input_tensors, "all_gather input")
+        outputs = _check_list(_single_list(output_tensors, "all_gather output"), "all_gather output", self._size)
+        device = self._check_device(tensor, "all_gather input")
+        for index, out in enumerate(outputs):
+            self._check_device(out, f"all_gather output[{index}]")
+            _check_numel(out, tensor.numel(), f"all_gather output[{index}]")
+        _check_same_dtype(outputs, tensor, "all_gather output")
+        return self._gather_into(tensor, outputs, device, "all_gather", _async_requested(opts))
+
+    def _gather_into(self, tensor, outputs, device, op_name, async_op):
+        nbytes = _nbytes(tensor)
+        direct = _adjacent(outputs, nbytes)
+        if direct:
+            flat_ptr = outputs[0].data_ptr()
+            launch = lambda comm, s: comm.all_gather(tensor.data_ptr(), flat_ptr, nbytes, _types.NCCL_BYTE, s)
+            return self._submit(op_name, device, outputs, launch, keepalive=(tensor, outputs),
+                                async_op=async_op)
+        staging = []
+
+        def launch(comm, s):
+            flat = torch.empty(self._size * tensor.numel(), dtype=tensor.dtype, device=device)
+            staging.append(flat)
+            comm.all_gather(tensor.data_ptr(), flat.data_ptr(), nbytes, _types.NCCL_BYTE, s)
+
+        def finish():
+            flat = staging.pop()
+            for index, out in enumerate(outputs):
+                out.copy_(flat[index * tensor.numel():(index + 1) * tensor.numel()].view_as(out))
+        return self._submit(op_name, device, outputs, launch, finish, keepalive=(tensor, outputs),
+                            async_op=async_op)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        if not self._is_cuda([output_lists, input_tensors], "all_gather_coalesced"):
+            return self._cpu.allgather_coalesced(output_lists, input_tensors, opts)
+        if len(output_lists) != len(input_tensors):
+            raise CupycollValueError(
+                f"all_gather_coalesced: {len(output_lists)} output lists for {len(input_tensors)} inputs")
+        return self._coalesced(
+            lambda: [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_tensors)],
+            input_tensors)
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        if not self._is_cuda([output, input], "all_gather_into_tensor"):
+            return self._cpu._allgather_base(output, input, opts)
+        device = self._check_device(input, "all_gather_into_tensor input")
+        self._check_device(output, "all_gather_into_tensor output")
+        _check_numel(output, input.numel() * self._size, "all_gather_into_tensor output")
+        _check_same_dtype([output], input, "all_gather_into_tensor output")
+        nbytes = _nbytes(input)
+        in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
+        return self._submit(
+            "all_gather_into_tensor", device, [output],
+            lambda comm, s: comm.all_gather(in_ptr, out_ptr, nbytes, _types.NCCL_BYTE, s),
+            keepalive=(input, output), async_op=_async_requested(opts))
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        if not self._is_cuda([outputs, inputs], "all_gather_into_tensor_coalesced"):
+            return self._cpu.allgather_into_tensor_coalesced(outputs, inputs, opts)
+        return self._coalesced(
+            lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], inputs)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "reduce_scatter"):
+            return self._cpu.reduce_scatter(output_tensors, input_tensors, opts)
+        output = _single(output_tensors, "reduce_scatter output")
+        inputs = _check_list(_single_list(input_tensors, "reduce_scatter input"), "reduce_scatter input", self._size)
+        device = self._check_device(output, "reduce_scatter output")
+        for index, tensor in enumerate(inputs):
+            self._check_device(tensor, f"reduce_scatter input[{index}]")
+            _check_numel(tensor, output.numel(), f"reduce_scatter input[{index}]")
+        _check_same_dtype(inputs, output, "reduce_scatter input")
+        red = self._reduction(output, opts.reduceOp, "reduce_scatter")
+        count = output.numel() * red.count_scale
+        out_ptr = output.data_ptr()
+        flat = [None]
+
+        def call(comm, op, s):
+            flat[0] = torch.cat([t.reshape(-1) for t in inputs])
+            comm.reduce_scatter(flat[0].data_ptr(), out_ptr, count, red.dtype, op, s)
+        return self._submit("reduce_scatter", device, [output], self._reduce_launch(red, output.dtype, call),
+                            keepalive=(output, inputs, flat), async_op=_async_requested(opts))
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if not self._is_cuda([output, input], "reduce_scatter_tensor"):
+            return self._cpu._reduce_scatter_base(output, input, opts)
+        device = self._check_device(output, "reduce_scatter_tensor output")
+        self._check_device(input, "reduce_scatter_tensor input")
+        _check_numel(input, output.numel() * self._size, "reduce_scatter_tensor input")
+        _check_same_dtype([input], output, "reduce_scatter_tensor input")
+        red = self._reduction(output, opts.reduceOp, "reduce_scatter_tensor")
+        count = output.numel() * red.count_scale
+        in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
+        launch = self._reduce_launch(
+            red, output.dtype, lambda comm, op, s: comm.reduce_scatter(in_ptr, out_ptr, count, red.dtype, op, s))
+        return self._submit("reduce_scatter_tensor", device, [output], launch, keepalive=(input, output),
+                            async_op=_async_requested(opts))
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if not self._is_cuda([outputs, inputs], "reduce_scatter_tensor_coalesced"):
+            return self._cpu.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+        return self._coalesced(
+            lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], inputs)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "all_to_all"):
+            return self._cpu.alltoall(output_tensors, input_tensors, opts)
+        outputs = _check_list(output_tensors, "all_to_all output", self._size)
+        inputs = _check_list(input_tensors, "all_to_all input", self._size)
+        device = self._check_device(inputs[0], "all_to_all input[0]")
+        for name, tensors in (("output", outputs), ("input", inputs)):
+            for index, tensor in enumerate(tensors):
+                self._check_device(tensor, f"all_to_all {name}[{index}]")
+        _check_same_dtype(outputs + inputs, inputs[0], "all_to_all")
+        chunks = [(i.data_ptr(), _nbytes(i), o.data_ptr(), _nbytes(o)) for i, o in zip(inputs, outputs)]
+
+        def launch(comm, s):
+            for peer, (send_ptr, send_bytes, recv_ptr, recv_bytes) in enumerate(chunks):
+                comm.send(send_ptr, send_bytes, _types.NCCL_BYTE, peer, s)
+                comm.recv(recv_ptr, recv_bytes, _types.NCCL_BYTE, peer, s)
+        return self._submit("all_to_all", device, outputs, _grouped(launch),
+                            keepalive=(inputs, outputs), async_op=_async_requested(opts))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        if not self._is_cuda([output, input], "all_to_all_single"):
+            return self._cpu.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        device = self._check_device(input, "all_to_all_single input")
+        self._check_device(output, "all_to_all_single output")
+        _check_same_dtype([output], input, "all_to_all_single output")
+        send = _split_bytes(input, input_split_sizes, self._size, "input")
+        recv = _split_bytes(output, output_split_sizes, self._size, "output")
+        in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
+
+        def launch(comm, s):
+            for peer in range(self._size):
+                comm.send(in_ptr + send[peer][0], send[peer][1], _types.NCCL_BYTE, peer, s)
+                comm.recv(out_ptr + recv[peer][0], recv[peer][1], _types.NCCL_BYTE, peer, s)
+        return self._submit("all_to_all_single", device, [output], _grouped(launch),
+                            keepalive=(input, output), async_op=_async_requested(opts))
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.GatherOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "gather"):
+            return self._cpu.gather(output_tensors, input_tensors, opts)
+        root = self._check_root(opts.rootRank)
+        tensor = _single(input_tensors, "gather input")
+        device = self._check_device(tensor, "gather input")
+        if self._rank == root:
+            outputs = _check_list(_single_list(output_tensors, "gather output"), "gather output", self._size)
+            for index, out in enumerate(outputs):
+                self._check_device(out, f"gather output[{index}]")
+                _check_numel(out, tensor.numel(), f"gather output[{index}]")
+            _check_same_dtype(outputs, tensor, "gather output")
+            recv = [(o.data_ptr(), _nbytes(o)) for o in outputs]
+        else:
+            if output_tensors and any(len(lst) for lst in output_tensors):
+                raise CupycollValueError(f"gather: rank {self._rank} is not the root ({root}) and must pass no outputs")
+            outputs, recv = [], []
+        send_ptr, nbytes = tensor.data_ptr(), _nbytes(tensor)
+        rank = self._rank
+
+        def launch(comm, s):
+            if rank == root:
+                for peer, (ptr, size) in enumerate(recv):
+                    comm.recv(ptr, size, _types.NCCL_BYTE, peer, s)
+            comm.send(send_ptr, nbytes, _types.NCCL_BYTE, root, s)
+        return self._submit("gather", device, outputs, _grouped(launch), keepalive=(tensor, outputs),
+                            async_op=_async_requested(opts))
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.ScatterOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "scatter"):
+            return self._cpu.scatter(output_tensors, input_tensors, opts)
+        root = self._check_root(opts.rootRank)
+        tensor = _single(output_tensors, "scatter output")
+        device = self._check_device(tensor, "scatter output")
+        if self._rank == root:
+            inputs = _check_list(_single_list(input_tensors, "scatter input"), "scatter input", self._size)
+            for index, inp in enumerate(inputs):
+                self._check_device(inp, f"scatter input[{index}]")
+                _check_numel(inp, tensor.numel(), f"scatter input[{index}]")
+            _check_same_dtype(inputs, tensor, "scatter input")
+            send = [(i.data_ptr(), _nbytes(i)) for i in inputs]
+        else:
+            if input_tensors and any(len(lst) for lst in input_tensors):
+                raise CupycollValueError(f"scatter: rank {self._rank} is not the root ({root}) and must pass no inputs")
+            inputs, send = [], []
+        recv_ptr, nbytes = tensor.data_ptr(), _nbytes(tensor)
+        rank = self._rank
+
+        def launch(comm, s):
+            if rank == root:
+                for peer, (ptr, size) in enumerate(send):
+                    comm.send(ptr, size, _types.NCCL_BYTE, peer, s)
+            comm.recv(recv_ptr, nbytes, _types.NCCL_BYTE, root, s)
+        return self._submit("scatter", device, [tensor], _grouped(launch), keepalive=(tensor, inputs),
+                            async_op=_async_requested(opts))
+
+    def send(self, tensors, dst_rank, tag=0):
+        if not self._is_cuda(tensors, "send"):
+            return self._cpu.send(tensors, dst_rank, tag)
+        return self._point_to_point("send", tensors, dst_rank)
+
+    def recv(self, tensors, src_rank, tag=0):
+        if not self._is_cuda(tensors, "recv"):
+            return self._cpu.recv(tensors, src_rank, tag)
+        return self._point_to_point("recv", tensors, src_rank)
+
+    def _point_to_point(self, op_name, tensors, peer):
+        tensor = _single(tensors, op_name)
+        device = self._check_device(tensor, f"{op_name} tensor")
+        peer = self._check_peer(peer)
+        ptr, nbytes = tensor.data_ptr(), _nbytes(tensor)
+        if op_name == "send":
+            launch = lambda comm, s, comm_peer: comm.send(ptr, nbytes, _types.NCCL_BYTE, comm_peer, s)
+        else:
+            launch = lambda comm, s, comm_peer: comm.recv(ptr, nbytes, _types.NCCL_BYTE, comm_peer, s)
+        return self._submit(op_name, device, [tensor], launch, keepalive=tensor, peer=peer, async_op=True)
+
+    def recv_anysource(self, tensors, tag=0):
+        if not self._is_cuda(tensors, "recv_anysource"):
+            return self._cpu.recv_anysource(tensors, tag)
+        raise CupycollValueError("recv from any source is not supported by NCCL; name the source rank")
+
+    def barrier(self, opts=None):
+        opts = opts if opts is not None else dist.BarrierOptions()
+        device = getattr(opts, "device", None)
+        device_ids = list(getattr(opts, "device_ids", []) or [])
+        if device is not None and device.type == "cuda" and device.index is None and device_ids:
+            device = torch.device("cuda", device_ids[0])
+        if device is None and device_ids:
+            device = torch.device("cuda", device_ids[0])
+        if device is None or device.type != "cuda":
+            self._check_usable()
+            return self._cpu.barrier(opts)
+        if self._device is not None:
+            device = self._device
+        token = torch.zeros(1, dtype=torch.uint8, device=device)
+        ptr = token.data_ptr()
+        return self._submit("barrier", device, [token],
+                            lambda comm, s: comm.all_reduce(ptr, ptr, 1, _types.NCCL_BYTE, 0, s),
+                            keepalive=token, async_op=True, blocking_wait=True)
+
+    # -- coalescing -------------------------------------------------------------------
+    def _coalesced(self, body: Callable[[], list], tensors) -> CudaWork:
+        """Run ``body`` (which submits CUDA calls) as one NCCL group; one Work for all."""
+        outer = self._coalescing is not None
+        if not outer:
+            self._start_coalescing(self._device or _flat(tensors)[0].device)
+        try:
+            body()
+        except BaseException:
+            if not outer:
+                self._abandon_coalescing()
+            raise
+        if outer:
+            return None
+        return self._end_coalescing(self._device)
+
+    def _start_coalescing(self, device=None):
+        self._check_usable()
+        if self._coalescing is not None:
+            raise CupycollValueError("coalescing is already active on this group; blocks do not nest")
+        self._flush()
+        self._coalescing = []
+
+    def _end_coalescing(self, device=None):
+        works, self._coalescing = self._coalescing, None
+        if works is None:
+            raise CupycollValueError("_end_coalescing without _start_coalescing")
+        if not works:
+            return _empty_work(device)
+        self._flush()
+        first = works[0]
+        outputs = [t for w in works for t in w.result()]
+        work = CudaWork("coalesced", first.device, outputs)
+        work._issued(first._stream, first._event, [w._keepalive for w in works])
+        return work
+
+    def _abandon_coalescing(self) -> None:
+        """An exception inside a coalescing block: drop what it queued, stay usable."""
+        queued = self._coalescing or []
+        self._coalescing = None
+        dropped = {id(w) for w in queued}
+        self._queue = [i for i in self._queue if id(i.work) not in dropped]
+
+    # -- lifetime ---------------------------------------------------------------------
+    def _communicators(self) -> List[Communicator]:
+        comms = list(self._p2p_comms.values())
+        if self._comm is not None:
+            comms.append(self._comm)
+        return comms
+
+    def shutdown(self) -> None:
+        """Destroy the NCCL communicators after their queued work; the group is unusable after."""
+        if self._state != "ok":
+            return
+        self._flush()
+        self._state = "shut down"
+        self._inflight.clear()
+        for comm in self._communicators():
+            comm.shutdown()
+        self._cpu_shutdown()
+
+    def abort(self) -> None:
+        """Abort the NCCL communicators at once, without waiting for peers or the GPU."""
+        if self._state == "aborted":
+            return
+        self._state = "aborted"
+        self._queue = []
+        for comm in self._communicators():
+            comm.abort()
+        self._inflight.clear()
+        self._cpu_shutdown()
+
+    def _cpu_shutdown(self) -> None:
+        shutdown = getattr(self._cpu, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except RuntimeError:
+                pass  # older torch: gloo has nothing to shut down
+
+    # -- torch method names that changed between versions ------------------------------
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+    alltoall_base = all_to_all_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+
+def _single_list(lists, what: str):
+    if not isinstance(lists, (list, tuple)) or len(lists) != 1:
+        raise CupycollValueError(f"{what}: cupycoll takes one list of tensors per process")
+    return lists[0]
+
+
+def _adjacent(tensors: Sequence[torch.Tensor], nbytes: int) -> bool:
+    """Are the tensors consecutive slices of one buffer, in order?"""
+    base = tensors[0].data_ptr()
+    return all(t.data_ptr() == base + i * nbytes for i, t in enumerate(tensors))
+
+
+def _split_bytes(tensor: torch.Tensor, split_sizes, world: int, what: str) -> List[Tuple[int, int]]:
+    """(byte offset, byte count) per peer for all_to_all_single's dim-0 splits."""
+    rows = tensor.shape[0] if tensor.dim() > 0 else 1
+    row_bytes = (_nbytes(tensor) // rows) if rows else 0
+    sizes = list(split_sizes or [])
+    if not sizes:
+        if rows % world:
+            raise CupycollValueError(
+                f"all_to_all_single {what}: dim 0 ({rows}) is not divisible by the group size ({world}); "
+                "pass split sizes")
+        sizes = [rows // world] * world
+    if len(sizes) != world:
+        raise CupycollValueError(f"all_to_all_single {what} split sizes {sizes} have {len(sizes)} entries; "
+                                 f"the group has {world} ranks")
+    if any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise CupycollValueError(f"all_to_all_single {what} split sizes {sizes} do not add up to dim 0 ({rows})")
+    offsets = list(itertools.accumulate([0] + sizes[:-1]))
+    return [(o * row_bytes, s * row_bytes) for o, s in zip(offsets, sizes)]
+
+
+def _grouped(launch):
+    """Several NCCL calls that must run as one NCCL group even when issued alone."""
+    def grouped(comm, stream):
+        with nccl_group():
+            launch(comm, stream)
+    return grouped
+
+
+def _empty_work(device) -> dist.Work:
+    future = torch.futures.Future()
+    future.set_result([])
+    return torch._C._distributed_c10d._create_work_from_future(future)

@@ -1,0 +1,339 @@
+"""cupycoll.nccl_bindings against the real libnccl and nccl.h of the nvidia-nccl pip package.
+
+No GPU needed: only calls that fail or succeed before NCCL touches a device are made.
+The struct layout and the enum values are checked against the installed header by
+compiling a small C program with gcc.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from cupycoll import errors, nccl_bindings as nb
+from cupycoll.errors import MissingDependencyError, NcclError
+
+PIP_LIBRARY = nb._pip_library()
+pytestmark = pytest.mark.skipif(
+    PIP_LIBRARY is None, reason="nvidia-nccl-cu12/-cu13 is not installed (no nvidia/nccl/lib/libnccl.so.2)"
+)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return nb.load(PIP_LIBRARY)
+
+
+# ----------------------------------------------------------------- header fixtures
+
+
+def _include_dir(package: str, header: str):
+    if PIP_LIBRARY is None:
+        return None
+    nvidia = os.path.dirname(os.path.dirname(os.path.dirname(PIP_LIBRARY)))
+    directory = os.path.join(nvidia, package, "include")
+    return directory if os.path.isfile(os.path.join(directory, header)) else None
+
+
+def _enum_names(header_text: str, type_name: str) -> list:
+    body = re.search(r"typedef enum\s*\{([^{}]*)\}\s*" + type_name + r"\s*;", header_text)
+    assert body, f"typedef enum ... {type_name} not found in nccl.h"
+    text = re.sub(r"/\*.*?\*/", "", body.group(1), flags=re.S)
+    return re.findall(r"\b(nccl\w+)\s*=", text)
+
+
+ENUMS = ("ncclResult_t", "ncclDataType_t", "ncclRedOp_t", "ncclScalarResidence_t")
+
+
+@pytest.fixture(scope="module")
+def header(tmp_path_factory):
+    """Facts from the installed nccl.h: struct fields and offsets, enum values, macros."""
+    nccl_inc = _include_dir("nccl", "nccl.h")
+    cuda_inc = _include_dir("cuda_runtime", "cuda_runtime.h")
+    if nccl_inc is None or cuda_inc is None:
+        pytest.skip("nccl.h or cuda_runtime.h not installed (nvidia-nccl / nvidia-cuda-runtime include dirs)")
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc not found: cannot compile the nccl.h layout probe")
+    with open(os.path.join(nccl_inc, "nccl.h")) as f:
+        text = f.read()
+    struct = re.search(r"typedef struct ncclConfig_v\d+\s*\{(.*?)\}\s*ncclConfig_t\s*;", text, re.S)
+    assert struct, "ncclConfig_t definition not found in nccl.h"
+    body = re.sub(r"/\*.*?\*/", "", struct.group(1), flags=re.S)
+    fields = re.findall(r"(\w+)\s*;", body)
+    enums = {name: _enum_names(text, name) for name in ENUMS}
+
+    lines = ['printf("sizeof %zu\\n", sizeof(ncclConfig_t));']
+    lines += [f'printf("field {n} %zu\\n", offsetof(ncclConfig_t, {n}));' for n in fields]
+    lines += [f'printf("fieldsize {n} %zu\\n", sizeof(((ncclConfig_t*)0)->{n}));' for n in fields]
+    lines += [f'printf("enum {n} %d\\n", (int){n});' for names in enums.values() for n in names]
+    for macro in ("NCCL_VERSION(2, 30, 0)", "NCCL_VERSION(2, 24, 0)", "NCCL_VERSION_CODE",
+                  "NCCL_API_MAGIC", "NCCL_CONFIG_UNDEF_INT", "NCCL_SPLIT_NOCOLOR"):
+        lines.append(f'printf("macro {macro.replace(" ", "")} %lld\\n", (long long)({macro}));')
+    work = tmp_path_factory.mktemp("ncclh")
+    source = work / "probe.c"
+    source.write_text(
+        "#include <stddef.h>\n#include <stdio.h>\n#include <nccl.h>\n"
+        "int main(void) {\n" + "\n".join(lines) + "\nreturn 0;\n}\n"
+    )
+    exe = work / "probe"
+    compiled = subprocess.run([gcc, "-I", nccl_inc, "-I", cuda_inc, str(source), "-o", str(exe)],
+                              capture_output=True, text=True, timeout=60)
+    if compiled.returncode != 0:
+        # nvidia-cuda-runtime-cu12's cuda_runtime.h includes crt/*.h, which that wheel does not
+        # ship (they come with nvcc). nccl.h needs only two CUDA handle types from it, neither
+        # used by ncclConfig_t or the enums, so stand-ins change nothing that is checked here.
+        stubs = work / "cuda_stubs"
+        stubs.mkdir()
+        (stubs / "cuda_runtime.h").write_text(
+            "#define CUDART_VERSION 12000\n"
+            "typedef struct CUstream_st* cudaStream_t;\ntypedef struct CUevent_st* cudaEvent_t;\n"
+        )
+        (stubs / "cuda_fp16.h").write_text("")
+        (stubs / "cuda_bf16.h").write_text("")
+        compiled = subprocess.run([gcc, "-I", nccl_inc, "-I", str(stubs), str(source), "-o", str(exe)],
+                                  capture_output=True, text=True, timeout=60)
+    assert compiled.returncode == 0, compiled.stderr
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=30).stdout
+    facts = {"fields": {}, "fieldsize": {}, "enum": {}, "macro": {}}
+    for line in out.splitlines():
+        kind, *rest = line.split()
+        if kind == "sizeof":
+            facts["sizeof"] = int(rest[0])
+        else:
+            facts["fields" if kind == "field" else kind][rest[0]] = int(rest[1])
+    facts["field_order"] = fields
+    facts["enum_names"] = enums
+    return facts
+
+
+# -------------------------------------------------------------------------- version
+
+
+def test_version_matches_cupy(lib):
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+    if not nccl.available:
+        pytest.skip("CuPy was built without NCCL")
+    assert lib.version() == nccl.get_version()
+    assert lib.version() >= 21800
+
+
+def test_version_tuple(lib):
+    major, minor, patch = lib.version_tuple()
+    assert major == 2 and minor >= 18
+    assert lib.version() == major * 10000 + minor * 100 + patch
+
+
+def test_fp8_supported():
+    assert nb.fp8_supported(22400)
+    assert nb.fp8_supported(23203)
+    assert not nb.fp8_supported(22399)
+    assert not nb.fp8_supported(2804)  # 2.8.4, old encoding
+
+
+def test_fp8_supported_matches_header(header, lib):
+    assert header["macro"]["NCCL_VERSION(2,24,0)"] == 22400
+    assert nb.fp8_supported(lib.version()) == ("ncclFloat8e4m3" in header["enum"])
+
+
+# ---------------------------------------------------------------------- the table
+
+
+def test_every_table_function_resolved(lib):
+    for entry in nb.FUNCTIONS:
+        if not entry.optional:
+            assert callable(getattr(lib, entry.name)), entry.name
+            assert lib.has(entry.name)
+    # Every optional entry exists since NCCL 2.18.1.
+    if lib.version_tuple() >= (2, 18, 1):
+        assert lib.missing == []
+        assert all(lib.has(entry.name) for entry in nb.FUNCTIONS)
+    assert not lib.has("version")  # a helper, not a table function
+    assert not lib.has("ncclNoSuchFunction")
+    assert len({entry.name for entry in nb.FUNCTIONS}) == len(nb.FUNCTIONS)
+
+
+def test_missing_required_symbol_is_reported(monkeypatch, lib):
+    bogus = nb.Function("ncclNoSuchFunction", nb.ncclResult_t, ())
+    monkeypatch.setattr(nb, "FUNCTIONS", nb.FUNCTIONS + (bogus,))
+    with pytest.raises(MissingDependencyError, match="ncclNoSuchFunction"):
+        nb.NcclLibrary(PIP_LIBRARY)
+    monkeypatch.setattr(nb, "FUNCTIONS", nb.FUNCTIONS[:-1] + (bogus._replace(optional=True),))
+    partial = nb.NcclLibrary(PIP_LIBRARY)
+    assert partial.missing == ["ncclNoSuchFunction"]
+    assert partial.ncclNoSuchFunction is None and not partial.has("ncclNoSuchFunction")
+
+
+def test_load_is_cached(lib):
+    assert nb.load(PIP_LIBRARY) is lib
+
+
+# ------------------------------------------------------------------------- errors
+
+
+def test_error_strings(lib):
+    strings = [lib.error_string(status) for status in range(7)]
+    assert all(strings), strings
+    assert len(set(strings)) == 7, strings
+
+
+def test_failed_call_raises_nccl_error(lib):
+    count = ctypes.c_int(-1)
+    with pytest.raises(NcclError) as info:
+        lib.ncclCommCount(None, ctypes.byref(count))
+    exc = info.value
+    assert exc.status == 4 and exc.status_name == "ncclInvalidArgument"
+    assert exc.function == "ncclCommCount"
+    assert "ncclCommCount" in str(exc)
+    assert lib.error_string(4) in str(exc)
+    assert count.value == -1
+    if lib.has("ncclGetLastError"):
+        assert exc.last_error  # NCCL explains which argument was bad
+
+    with pytest.raises(NcclError) as info:
+        lib.ncclGetUniqueId(None)
+    assert info.value.status == 4 and info.value.function == "ncclGetUniqueId"
+
+
+def test_success_returns_zero(lib):
+    version = ctypes.c_int()
+    assert lib.ncclGetVersion(ctypes.byref(version)) == 0
+    assert version.value == lib.version()
+
+
+def test_checked_wrapper_status_handling(lib):
+    # Status 7 and 8 cannot be provoked without a GPU: drive the wrapper with fake C functions.
+    def fake(status):
+        return ctypes.CFUNCTYPE(ctypes.c_int)(lambda: status)
+
+    assert nb._checked(lib, "ncclGroupEnd", fake(7))() == nb.ncclInProgress
+    assert nb._checked(lib, "ncclGroupEnd", fake(0))() == 0
+    with pytest.raises(NcclError) as info:
+        nb._checked(lib, "ncclGroupEnd", fake(8))()
+    assert (info.value.status, info.value.status_name, info.value.function) == (8, "ncclTimeout", "ncclGroupEnd")
+
+
+# --------------------------------------------------------------------- unique ids
+
+
+def test_unique_id(lib):
+    first, second = lib.unique_id(), lib.unique_id()
+    assert isinstance(first, bytes) and len(first) == 128 == len(second)
+    assert first != second
+    uid = lib.unique_id_from_bytes(first)
+    assert isinstance(uid, nb.ncclUniqueId)
+    assert bytes(uid) == first
+    assert ctypes.sizeof(nb.ncclUniqueId) == 128
+    with pytest.raises(errors.CupycollValueError):
+        lib.unique_id_from_bytes(first[:-1])
+    with pytest.raises(errors.CupycollTypeError):
+        lib.unique_id_from_bytes(list(first))
+
+
+# ------------------------------------------------------------- header comparisons
+
+
+def test_config_layout_matches_header(header):
+    ours = [name for name, _ in nb.ncclConfig_t._fields_]
+    # Our struct is a prefix of the header's, field by field, at the same offsets.
+    assert header["field_order"][: len(ours)] == ours
+    for name in ours:
+        assert getattr(nb.ncclConfig_t, name).offset == header["fields"][name], name
+        assert getattr(nb.ncclConfig_t, name).size == header["fieldsize"][name], name
+    if header["field_order"] == ours:
+        assert ctypes.sizeof(nb.ncclConfig_t) == header["sizeof"]
+    else:
+        assert ctypes.sizeof(nb.ncclConfig_t) <= header["sizeof"]
+        # A newer field may sit in our tail padding; NCCL_CONFIG_VERSION makes NCCL ignore it.
+        assert nb.NCCL_CONFIG_VERSION < header["macro"]["NCCL_VERSION_CODE"]
+    assert ctypes.sizeof(nb.ncclConfig_t) == 96  # x86-64, NCCL 2.30.0 layout
+
+
+def test_config_constants_match_header(header):
+    assert nb.NCCL_CONFIG_VERSION == header["macro"]["NCCL_VERSION(2,30,0)"] == 23000
+    assert nb.NCCL_API_MAGIC == header["macro"]["NCCL_API_MAGIC"]
+    assert nb.NCCL_CONFIG_UNDEF_INT == header["macro"]["NCCL_CONFIG_UNDEF_INT"]
+    assert nb.NCCL_SPLIT_NOCOLOR == header["macro"]["NCCL_SPLIT_NOCOLOR"]
+
+
+OUR_ENUM_NAMES = {
+    "ncclDataType_t": ["ncclInt8", "ncclUint8", "ncclInt32", "ncclUint32", "ncclInt64", "ncclUint64",
+                       "ncclFloat16", "ncclFloat32", "ncclFloat64", "ncclBfloat16",
+                       "ncclFloat8e4m3", "ncclFloat8e5m2"],
+    "ncclRedOp_t": ["ncclSum", "ncclProd", "ncclMax", "ncclMin", "ncclAvg"],
+    "ncclScalarResidence_t": ["ncclScalarDevice", "ncclScalarHostImmediate"],
+    "ncclResult_t": ["ncclSuccess", "ncclInProgress"],
+}
+
+
+def test_enum_constants_match_header(header):
+    for enum, names in OUR_ENUM_NAMES.items():
+        for name in names:
+            assert name in header["enum_names"][enum], f"{name} not in the header's {enum}"
+            assert getattr(nb, name) == header["enum"][name], name
+
+
+def test_status_names_match_header(header):
+    expected = {header["enum"][n]: n for n in header["enum_names"]["ncclResult_t"] if n != "ncclNumResults"}
+    assert errors.NCCL_STATUS_NAMES == expected
+
+
+def test_make_config():
+    for blocking in (False, True):
+        config = nb.make_config(blocking)
+        assert config.size == ctypes.sizeof(nb.ncclConfig_t) == 96
+        assert config.magic == 0xCAFEBEEF
+        assert config.version == 23000
+        assert config.blocking == int(blocking)
+        ints = [name for name, ctype in nb.ncclConfig_t._fields_[3:] if ctype is ctypes.c_int]
+        assert len(ints) == 15
+        assert all(getattr(config, name) == -(2**31) for name in ints if name != "blocking")
+        assert config.netName is None and config.commName is None
+    assert nb.make_config(False, split_share=True).splitShare == 1
+    assert nb.make_config(False, split_share=False).splitShare == 0
+    raw = bytes(nb.make_config(False))
+    assert raw[92:96] == b"\0\0\0\0"  # tail padding: where 2.30.5+ puts graphStreamOrdering
+
+
+# -------------------------------------------------------------------- find_library
+
+
+def test_find_library_explicit_path_wins(tmp_path):
+    link = tmp_path / "libnccl.so.2"
+    link.symlink_to(PIP_LIBRARY)
+    assert nb.find_library(str(link)) == str(link)
+
+
+def test_find_library_default_finds_an_nccl():
+    found = nb.find_library()
+    if os.path.isabs(found):
+        assert os.path.basename(found).startswith("libnccl.so")
+    assert nb.load().version() >= 21800
+
+
+def test_find_library_bogus_path(tmp_path):
+    bogus = str(tmp_path / "no-such-libnccl.so.2")
+    with pytest.raises(MissingDependencyError) as info:
+        nb.find_library(bogus)
+    message = str(info.value)
+    assert "cuda12" in message and "CUPYCOLL_NCCL_LIBRARY" in message and bogus in message
+    with pytest.raises(MissingDependencyError, match="cuda12"):
+        nb.load(bogus)
+
+
+def test_module_imports_neither_torch_nor_cupy():
+    with open(nb.__file__) as f:
+        tree = ast.parse(f.read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported.add(node.module.split(".")[0])
+    assert imported.isdisjoint({"torch", "cupy", "cupy_backends"}), imported
