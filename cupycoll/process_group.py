@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _types, config
@@ -472,7 +473,7 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.AllreduceOptions()
+        opts = opts if opts is not None else c10d.AllreduceOptions()
         if not self._is_cuda(tensors, "all_reduce"):
             return self._cpu.allreduce(tensors, opts)
         tensor = _single(tensors, "all_reduce")
@@ -485,13 +486,13 @@ class ProcessGroupCupycoll(ProcessGroup):
                             async_op=_async_requested(opts))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         if not self._is_cuda(tensors, "all_reduce_coalesced"):
             return self._cpu.allreduce_coalesced(tensors, opts)
         return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors], tensors)
 
     def broadcast(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.BroadcastOptions()
+        opts = opts if opts is not None else c10d.BroadcastOptions()
         if not self._is_cuda(tensors, "broadcast"):
             return self._cpu.broadcast(tensors, opts)
         tensor = _single(tensors, "broadcast")
@@ -504,7 +505,7 @@ class ProcessGroupCupycoll(ProcessGroup):
             keepalive=tensor, async_op=_async_requested(opts))
 
     def reduce(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.ReduceOptions()
+        opts = opts if opts is not None else c10d.ReduceOptions()
         if not self._is_cuda(tensors, "reduce"):
             return self._cpu.reduce(tensors, opts)
         tensor = _single(tensors, "reduce")
@@ -518,7 +519,7 @@ class ProcessGroupCupycoll(ProcessGroup):
                             async_op=_async_requested(opts))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._is_cuda([output_tensors, input_tensors], "all_gather"):
             return self._cpu.allgather(output_tensors, input_tensors, opts)
         tensor = _single(input_tensors, "all_gather input")
@@ -553,7 +554,7 @@ class ProcessGroupCupycoll(ProcessGroup):
                             async_op=async_op)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._is_cuda([output_lists, input_tensors], "all_gather_coalesced"):
             return self._cpu.allgather_coalesced(output_lists, input_tensors, opts)
         if len(output_lists) != len(input_tensors):
@@ -564,7 +565,7 @@ class ProcessGroupCupycoll(ProcessGroup):
             input_tensors)
 
     def all_gather_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._is_cuda([output, input], "all_gather_into_tensor"):
             return self._cpu._allgather_base(output, input, opts)
         device = self._check_device(input, "all_gather_into_tensor input")
@@ -579,14 +580,14 @@ class ProcessGroupCupycoll(ProcessGroup):
             keepalive=(input, output), async_op=_async_requested(opts))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._is_cuda([outputs, inputs], "all_gather_into_tensor_coalesced"):
             return self._cpu.allgather_into_tensor_coalesced(outputs, inputs, opts)
         return self._coalesced(
             lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], inputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([output_tensors, input_tensors], "reduce_scatter"):
             return self._cpu.reduce_scatter(output_tensors, input_tensors, opts)
         output = _single(output_tensors, "reduce_scatter output")
@@ -608,7 +609,7 @@ class ProcessGroupCupycoll(ProcessGroup):
                             keepalive=(output, inputs, flat), async_op=_async_requested(opts))
 
     def reduce_scatter_single(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([output, input], "reduce_scatter_tensor"):
             return self._cpu._reduce_scatter_base(output, input, opts)
         device = self._check_device(output, "reduce_scatter_tensor output")
@@ -624,14 +625,14 @@ class ProcessGroupCupycoll(ProcessGroup):
                             async_op=_async_requested(opts))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([outputs, inputs], "reduce_scatter_tensor_coalesced"):
             return self._cpu.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
         return self._coalesced(
             lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], inputs)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else dist.AllToAllOptions()
+        opts = opts if opts is not None else c10d.AllToAllOptions()
         if not self._is_cuda([output_tensors, input_tensors], "all_to_all"):
             return self._cpu.alltoall(output_tensors, input_tensors, opts)
         outputs = _check_list(output_tensors, "all_to_all output", self._size)
@@ -651,7 +652,7 @@ class ProcessGroupCupycoll(ProcessGroup):
                             keepalive=(inputs, outputs), async_op=_async_requested(opts))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        opts = opts if opts is not None else dist.AllToAllOptions()
+        opts = opts if opts is not None else c10d.AllToAllOptions()
         if not self._is_cuda([output, input], "all_to_all_single"):
             return self._cpu.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
         device = self._check_device(input, "all_to_all_single input")
@@ -669,7 +670,7 @@ class ProcessGroupCupycoll(ProcessGroup):
                             keepalive=(input, output), async_op=_async_requested(opts))
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else dist.GatherOptions()
+        opts = opts if opts is not None else c10d.GatherOptions()
         if not self._is_cuda([output_tensors, input_tensors], "gather"):
             return self._cpu.gather(output_tensors, input_tensors, opts)
         root = self._check_root(opts.rootRank)
@@ -698,7 +699,7 @@ class ProcessGroupCupycoll(ProcessGroup):
                             async_op=_async_requested(opts))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else dist.ScatterOptions()
+        opts = opts if opts is not None else c10d.ScatterOptions()
         if not self._is_cuda([output_tensors, input_tensors], "scatter"):
             return self._cpu.scatter(output_tensors, input_tensors, opts)
         root = self._check_root(opts.rootRank)
@@ -753,7 +754,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         raise CupycollValueError("recv from any source is not supported by NCCL; name the source rank")
 
     def barrier(self, opts=None):
-        opts = opts if opts is not None else dist.BarrierOptions()
+        opts = opts if opts is not None else c10d.BarrierOptions()
         device = getattr(opts, "device", None)
         device_ids = list(getattr(opts, "device_ids", []) or [])
         if device is not None and device.type == "cuda" and device.index is None and device_ids:

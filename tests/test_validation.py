@@ -1,0 +1,304 @@
+"""Bad input gets a typed error before anything is enqueued; good input maps to the right
+NCCL calls. Pure logic on CPU: a stand-in group sends CPU tensors down the NCCL path and a
+recording communicator stands in for NCCL (the GPU tier runs the same calls for real)."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+import cupycoll
+from cupycoll import _cuda, nccl_bindings as nb
+from cupycoll.errors import (CupycollError, CupycollTypeError, CupycollValueError,
+                             MissingDependencyError, NoCudaDeviceError)
+from cupycoll.process_group import ProcessGroupCupycoll
+
+R = dist.ReduceOp
+
+
+class RecordingComm:
+    def __init__(self):
+        self.calls = []
+        self.size = 2
+        self.rank = 0
+
+    def __getattr__(self, verb):
+        if verb == "destroy_op":
+            return lambda op: self.calls.append((verb, op))
+        if verb in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv"):
+            # the last argument is the stream
+            return lambda *args: self.calls.append((verb, *args[:-1]))
+        if verb == "create_premul_sum":
+            return lambda scalar, dtype, on_device: (self.calls.append((verb, scalar, dtype, on_device)), 99)[1]
+        raise AttributeError(verb)
+
+
+class LogicGroup(ProcessGroupCupycoll):
+    """CPU tensors take the NCCL path; nothing reaches NCCL or gloo."""
+
+    def _build_cpu_group(self, store, rank, size, timeout):
+        return None
+
+    def _is_cuda(self, tensors, op_name):
+        ProcessGroupCupycoll._is_cuda(self, tensors, op_name)  # the real mixing/type checks
+        return True
+
+    def _fp8_available(self):
+        return True
+
+    def _submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
+                peer=None, blocking_wait=False):
+        comm = RecordingComm()
+        if peer is None:
+            launch(comm, 1234)
+        else:
+            launch(comm, 1234, peer)
+        if finish is not None:
+            finish()
+        self.submitted.append((op_name, comm.calls))
+        return comm.calls
+
+
+@pytest.fixture
+def group():
+    g = LogicGroup(None, 0, 2, datetime.timedelta(seconds=5))
+    g.submitted = []
+    return g
+
+
+def t(*shape, dtype=torch.float32):
+    return torch.ones(*shape, dtype=dtype)
+
+
+def ar_opts(op=R.SUM):
+    o = dist.AllreduceOptions()
+    o.reduceOp = op if not isinstance(op, R.RedOpType) else R(op)
+    return o
+
+
+def expect(group, exc_type, match, fn):
+    with pytest.raises(exc_type, match=match):
+        fn()
+    assert group.submitted == [], "nothing may be enqueued after a rejected call"
+    # the group stays usable
+    group.allreduce([t(3)], ar_opts())
+    assert group.submitted[-1][0] == "all_reduce"
+    group.submitted.clear()
+
+
+# ---- good input maps to the right NCCL calls ------------------------------------------
+def test_all_reduce_codes(group):
+    x = t(10)
+    calls = group.allreduce([x], ar_opts())
+    assert calls == [("all_reduce", x.data_ptr(), x.data_ptr(), 10, nb.ncclFloat32, nb.ncclSum)]
+
+
+@pytest.mark.parametrize("dtype,op,nccl_dtype,nccl_op,count", [
+    (torch.bool, R.SUM, nb.ncclUint8, nb.ncclMax, 6),
+    (torch.bool, R.PRODUCT, nb.ncclUint8, nb.ncclMin, 6),
+    (torch.complex64, R.SUM, nb.ncclFloat32, nb.ncclSum, 12),
+    (torch.complex128, R.AVG, nb.ncclFloat64, nb.ncclAvg, 12),
+    (torch.bfloat16, R.MIN, nb.ncclBfloat16, nb.ncclMin, 6),
+    (torch.float16, R.PRODUCT, nb.ncclFloat16, nb.ncclProd, 6),
+    (torch.int8, R.MAX, nb.ncclInt8, nb.ncclMax, 6),
+    (torch.uint8, R.AVG, nb.ncclUint8, nb.ncclAvg, 6),
+    (torch.float8_e4m3fn, R.SUM, nb.ncclFloat8e4m3, nb.ncclSum, 6),
+    (torch.float8_e5m2, R.MAX, nb.ncclFloat8e5m2, nb.ncclMax, 6),
+])
+def test_reduction_mapping(group, dtype, op, nccl_dtype, nccl_op, count):
+    x = torch.zeros(6, dtype=dtype)
+    (call,) = group.allreduce([x], ar_opts(op))
+    assert call[3:] == (count, nccl_dtype, nccl_op)
+
+
+def test_premul_sum_creates_and_destroys_op(group):
+    x = t(4, dtype=torch.float16)
+    calls = group.allreduce([x], ar_opts(dist._make_nccl_premul_sum(0.5)))
+    assert calls[0][0] == "create_premul_sum"
+    assert calls[0][1] == torch.tensor([0.5], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    assert calls[0][2:] == (nb.ncclFloat16, False)
+    assert calls[1] == ("all_reduce", x.data_ptr(), x.data_ptr(), 4, nb.ncclFloat16, 99)
+    assert calls[2] == ("destroy_op", 99)
+
+
+def test_data_movers_send_bytes(group):
+    x = torch.zeros(5, dtype=torch.int16)  # no NCCL reduction type, fine to move
+    o = dist.BroadcastOptions()
+    o.rootRank = 1
+    assert group.broadcast([x], o) == [("broadcast", x.data_ptr(), x.data_ptr(), 10, nb.ncclUint8, 1)]
+
+
+def test_all_to_all_single_uneven_offsets(group):
+    inp = torch.zeros(5, 3)  # rows of 12 bytes; send 2 rows to rank 0, 3 rows to rank 1
+    out = torch.zeros(4, 3)  # receive 1 row from rank 0, 3 rows from rank 1
+    calls = group.all_to_all_single(out, inp, [1, 3], [2, 3], dist.AllToAllOptions())
+    i, o = inp.data_ptr(), out.data_ptr()
+    assert calls == [("send", i, 24, nb.ncclUint8, 0), ("recv", o, 12, nb.ncclUint8, 0),
+                     ("send", i + 24, 36, nb.ncclUint8, 1), ("recv", o + 12, 36, nb.ncclUint8, 1)]
+
+
+def test_all_gather_list_stages_and_copies_out(group):
+    outs = [torch.zeros(3), torch.zeros(3)]
+    calls = group.allgather([outs], [t(3)], c10d.AllgatherOptions())
+    assert calls[0][0] == "all_gather" and calls[0][3:] == (12, nb.ncclUint8)
+    assert calls[0][2] not in (outs[0].data_ptr(), outs[1].data_ptr())  # staged
+
+
+def test_all_gather_adjacent_views_direct(group):
+    flat = torch.zeros(6)
+    calls = group.allgather([list(flat.chunk(2))], [t(3)], c10d.AllgatherOptions())
+    assert calls[0][2] == flat.data_ptr()
+
+
+def test_gather_root_receives_from_all(group):
+    o = dist.GatherOptions()
+    o.rootRank = 0
+    outs = [torch.zeros(2), torch.zeros(2)]
+    x = t(2)
+    calls = group.gather([outs], [x], o)
+    assert calls == [("recv", outs[0].data_ptr(), 8, 1, 0), ("recv", outs[1].data_ptr(), 8, 1, 1),
+                     ("send", x.data_ptr(), 8, 1, 0)]
+
+
+# ---- bad input ------------------------------------------------------------------------
+def test_non_contiguous(group):
+    x = torch.zeros(4, 4).t()
+    expect(group, CupycollValueError, "not contiguous", lambda: group.allreduce([x], ar_opts()))
+
+
+def test_other_device(group):
+    group._device = torch.device("cuda", 1)
+    with pytest.raises(CupycollValueError, match=r"is on cpu but this group's communicator is on cuda:1"):
+        group.allreduce([t(2)], ar_opts())
+    assert group.submitted == []
+
+
+def test_mixed_device_types(group):
+    out = torch.zeros(4, device="meta")
+    expect(group, CupycollValueError, "different device types",
+           lambda: group.all_gather_single(out, t(2), c10d.AllgatherOptions()))
+
+
+def test_wrong_output_size(group):
+    expect(group, CupycollValueError, r"has 5 elements .* expected 4",
+           lambda: group.all_gather_single(t(5), t(2), c10d.AllgatherOptions()))
+    expect(group, CupycollValueError, r"expected 6",
+           lambda: group.reduce_scatter_single(t(3), t(7), dist.ReduceScatterOptions()))
+
+
+def test_list_length(group):
+    expect(group, CupycollValueError, "has 3 tensors; the group has 2 ranks",
+           lambda: group.allgather([[t(2), t(2), t(2)]], [t(2)], c10d.AllgatherOptions()))
+    expect(group, CupycollValueError, "has 1 tensors",
+           lambda: group.alltoall([t(2)], [t(2), t(2)], dist.AllToAllOptions()))
+
+
+@pytest.mark.parametrize("root", [2, -1, 7])
+def test_root_out_of_range(group, root):
+    o = dist.BroadcastOptions()
+    o.rootRank = root
+    expect(group, CupycollValueError, f"root {root} is out of range", lambda: group.broadcast([t(2)], o))
+
+
+def test_peer_out_of_range_or_self(group):
+    expect(group, CupycollValueError, "peer rank 5 is out of range", lambda: group.send([t(2)], 5, 0))
+    expect(group, CupycollValueError, "own rank", lambda: group.recv([t(2)], 0, 0))
+
+
+def test_unsupported_dtype(group):
+    expect(group, CupycollTypeError, r"torch.int16 cannot be reduced by NCCL \(ReduceOp.SUM\)",
+           lambda: group.allreduce([t(2, dtype=torch.int16)], ar_opts()))
+
+
+@pytest.mark.parametrize("op", [R.BAND, R.BOR, R.BXOR])
+def test_bitwise_ops_rejected(group, op):
+    expect(group, CupycollValueError, f"ReduceOp.{op.name} is not supported by NCCL \\(dtype torch.int32\\)",
+           lambda: group.allreduce([t(2, dtype=torch.int32)], ar_opts(op)))
+
+
+def test_undefined_op_dtype_pairs(group):
+    expect(group, CupycollValueError, "ReduceOp.MAX is not defined for dtype torch.complex64",
+           lambda: group.allreduce([t(2, dtype=torch.complex64)], ar_opts(R.MAX)))
+    expect(group, CupycollValueError, "ReduceOp.AVG is not defined for dtype torch.bool",
+           lambda: group.allreduce([t(2, dtype=torch.bool)], ar_opts(R.AVG)))
+    expect(group, CupycollValueError, "PREMUL_SUM needs a floating dtype, got torch.int64",
+           lambda: group.allreduce([t(2, dtype=torch.int64)], ar_opts(dist._make_nccl_premul_sum(2.0))))
+
+
+def test_premul_factor_tensor_checked(group):
+    factor = torch.tensor([2.0], dtype=torch.float64)  # the data is float32
+    expect(group, CupycollValueError, "factor tensor must be one element of torch.float32",
+           lambda: group.allreduce([t(2)], ar_opts(dist._make_nccl_premul_sum(factor))))
+
+
+def test_not_a_tensor_and_multi_tensor(group):
+    expect(group, CupycollTypeError, "must be a torch.Tensor, got str",
+           lambda: group.allreduce(["x"], ar_opts()))
+    expect(group, CupycollValueError, "exactly one tensor per process, got 2",
+           lambda: group.allreduce([t(2), t(2)], ar_opts()))
+
+
+def test_uneven_split_sizes(group):
+    expect(group, CupycollValueError, r"split sizes \[1, 1\] do not add up to dim 0 \(3\)",
+           lambda: group.all_to_all_single(t(3), t(3), [1, 1], [1, 2], dist.AllToAllOptions()))
+    expect(group, CupycollValueError, "not divisible by the group size",
+           lambda: group.all_to_all_single(t(3), t(3), [], [], dist.AllToAllOptions()))
+
+
+def test_recv_anysource_rejected(group):
+    expect(group, CupycollValueError, "any source", lambda: group.recv_anysource([t(2)], 0))
+
+
+def test_errors_are_one_family():
+    for exc in (CupycollValueError, CupycollTypeError, MissingDependencyError, NoCudaDeviceError):
+        assert issubclass(exc, CupycollError)
+    assert issubclass(CupycollValueError, ValueError) and issubclass(CupycollTypeError, TypeError)
+
+
+# ---- the real group on this machine ----------------------------------------------------
+@pytest.fixture
+def real_group():
+    store = dist.HashStore()
+    return ProcessGroupCupycoll(store, 0, 1, datetime.timedelta(seconds=10))
+
+
+def test_no_cuda_device(real_group):
+    pytest.importorskip("cupy")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(NoCudaDeviceError, match="no CUDA device"):
+        real_group._comm_for(torch.device("cuda", 0))
+    x = torch.ones(3)  # CPU work still goes through
+    real_group.allreduce([x], ar_opts()).wait()
+    assert torch.equal(x, torch.ones(3))
+
+
+def test_missing_cupy_names_the_extra(monkeypatch):
+    _cuda.nccl_module.cache_clear()
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    try:
+        with pytest.raises(MissingDependencyError, match=r"cupycoll\[cuda12\].*cupycoll\[cuda13\]"):
+            _cuda.nccl_module()
+    finally:
+        _cuda.nccl_module.cache_clear()
+
+
+def test_missing_nccl_names_the_extra(monkeypatch):
+    cupy_nccl = pytest.importorskip("cupy.cuda.nccl")
+    _cuda.nccl_module.cache_clear()
+    monkeypatch.setattr(cupy_nccl, "available", False)
+    try:
+        with pytest.raises(MissingDependencyError, match=r"no NCCL library.*cupycoll\[cuda12\]"):
+            _cuda.nccl_module()
+    finally:
+        _cuda.nccl_module.cache_clear()
+
+
+def test_bad_pg_options():
+    with pytest.raises(CupycollValueError, match="cupycoll.Options"):
+        ProcessGroupCupycoll(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5), options={"timeout": 3})
