@@ -30,6 +30,7 @@ import collections
 import datetime
 import functools
 import itertools
+import warnings
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -176,7 +177,6 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._comm: Optional[Communicator] = None
         self._comm_stream = None  # torch view of the communicator's internal stream
         self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
-        self._comm_count = itertools.count()
         self._queue: List[_Issue] = []  # calls not yet issued (P2P batches, coalescing)
         self._coalescing: Optional[List[CudaWork]] = None
         self._inflight = collections.deque()  # (event, tensors) kept alive until done
@@ -296,7 +296,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         if self._comm is None:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            unique_id = self._exchange_unique_id(f"comm/{next(self._comm_count)}", self._rank == 0)
+            unique_id = self._exchange_unique_id("comm", self._rank == 0)
             self._comm = Communicator.create(unique_id, self._rank, self._size, device.index,
                                              self.settings.nccl_library)
             self._adopt_device(device)
@@ -347,7 +347,6 @@ class ProcessGroupCupycoll(ProcessGroup):
                 self._coalescing.append(work)
             return work
         self._flush()
-        self._comm_for(device)
         self._enqueue([issue])
         return work
 
@@ -755,19 +754,14 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else c10d.BarrierOptions()
-        device = getattr(opts, "device", None)
-        device_ids = list(getattr(opts, "device_ids", []) or [])
-        if device is not None and device.type == "cuda" and device.index is None and device_ids:
-            device = torch.device("cuda", device_ids[0])
-        if device is None and device_ids:
-            device = torch.device("cuda", device_ids[0])
-        if device is None or device.type != "cuda":
+        device = _barrier_device(opts)
+        if device is None:
             self._check_usable()
             return self._cpu.barrier(opts)
-        if self._device is not None:
-            device = self._device
+        device = self._device or device
         token = torch.zeros(1, dtype=torch.uint8, device=device)
         ptr = token.data_ptr()
+        # Like ProcessGroupNCCL: a one-byte all-reduce whose wait() blocks the CPU.
         return self._submit("barrier", device, [token],
                             lambda comm, s: comm.all_reduce(ptr, ptr, 1, _types.NCCL_BYTE, 0, s),
                             keepalive=token, async_op=True, blocking_wait=True)
@@ -791,7 +785,11 @@ class ProcessGroupCupycoll(ProcessGroup):
     def _start_coalescing(self, device=None):
         self._check_usable()
         if self._coalescing is not None:
-            raise CupycollValueError("coalescing is already active on this group; blocks do not nest")
+            # torch's _coalescing_manager never calls _end_coalescing when its body raises;
+            # the block left open by such an exception is dropped here, never issued.
+            warnings.warn("cupycoll: a coalescing block left open (its body raised) was discarded",
+                          RuntimeWarning, stacklevel=2)
+            self._abandon_coalescing()
         self._flush()
         self._coalescing = []
 
@@ -858,6 +856,19 @@ class ProcessGroupCupycoll(ProcessGroup):
     alltoall_base = all_to_all_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+
+def _barrier_device(opts) -> Optional[torch.device]:
+    """The CUDA device a barrier should run on, or None for a CPU (gloo) barrier."""
+    device = getattr(opts, "device", None)
+    device_ids = list(getattr(opts, "device_ids", None) or [])
+    if device is not None and device.type == "cuda":
+        if device.index is None:
+            return torch.device("cuda", device_ids[0] if device_ids else torch.cuda.current_device())
+        return device
+    if device_ids and (device is None or device.type != "cpu"):
+        return torch.device("cuda", device_ids[0])
+    return None
 
 
 def _single_list(lists, what: str):
