@@ -784,6 +784,8 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     def _start_coalescing(self, device=None):
         self._check_usable()
+        if _is_cpu(device):
+            return self._cpu._start_coalescing(device)
         if self._coalescing is not None:
             # torch's _coalescing_manager never calls _end_coalescing when its body raises;
             # the block left open by such an exception is dropped here, never issued.
@@ -794,6 +796,8 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._coalescing = []
 
     def _end_coalescing(self, device=None):
+        if _is_cpu(device):
+            return self._cpu._end_coalescing(device)
         works, self._coalescing = self._coalescing, None
         if works is None:
             raise CupycollValueError("_end_coalescing without _start_coalescing")
@@ -856,6 +860,10 @@ class ProcessGroupCupycoll(ProcessGroup):
     alltoall_base = all_to_all_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+
+def _is_cpu(device) -> bool:
+    return device is not None and torch.device(device).type == "cpu"
 
 
 def _barrier_device(opts) -> Optional[torch.device]:

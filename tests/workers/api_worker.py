@@ -70,6 +70,7 @@ class Suite:
         self.out = out
         self.results = {}
         self.failures = []
+        self.errors = {}  # cases whose backend raised, by design (compared across backends)
         self.cases = 0
 
     def check(self, name, got, expected, exact=True, rtol=1e-2, atol=1e-2):
@@ -96,6 +97,16 @@ class Suite:
         except Exception as exc:  # noqa: BLE001 - recorded, reported by the test
             self.failures.append(f"{name}: raised {type(exc).__name__}: {exc}")
             traceback.print_exc()
+
+    def run_recording_errors(self, name, fn):
+        """For forms a backend may reject (gloo has no startCoalescing): record which."""
+        try:
+            fn(name)
+        except Exception as exc:  # noqa: BLE001
+            self.errors[name] = type(exc).__name__
+            # torch leaves the group in its coalescing state when _start_coalescing raises
+            # (any backend): later collectives would be captured and never run.
+            dist.distributed_c10d._world.pg_coalesce_state.pop(dist.group.WORLD, None)
 
     def t(self, rank, n, dtype, salt=0):
         return value(rank, n, dtype, salt).to(self.device)
@@ -354,6 +365,47 @@ def main():
         s.check(name, out, value(left, 13, torch.float32))
     s.run("batch_isend_irecv/ring", case)
 
+    # ---- coalescing manager forms ------------------------------------------------------
+    for form in ("plain", "async", "device", "device_async"):
+        cm_device = device if form.startswith("device") else None
+        async_ops = form.endswith("async")
+
+        def case(name, cm_device=cm_device, async_ops=async_ops):
+            ts = [s.t(RANK, 5 + i, torch.float32, salt=i) for i in range(4)]
+            with dist._coalescing_manager(device=cm_device, async_ops=async_ops) as cm:
+                for t in ts:
+                    dist.all_reduce(t)
+            if async_ops:
+                cm.wait()
+            s.check(name, ts, [reduce_ref([value(r, 5 + i, torch.float32, salt=i) for r in range(WORLD)], R.SUM)
+                               for i in range(4)])
+        s.run_recording_errors(f"coalesced/all_reduce/{form}", case)
+
+        def case(name, cm_device=cm_device, async_ops=async_ops):
+            outs = [torch.zeros(WORLD * (3 + i), device=device) for i in range(3)]
+            with dist._coalescing_manager(device=cm_device, async_ops=async_ops) as cm:
+                for i, o in enumerate(outs):
+                    dist.all_gather_into_tensor(o, s.t(RANK, 3 + i, torch.float32, salt=i))
+            if async_ops:
+                cm.wait()
+            s.check(name, outs, [torch.cat([value(r, 3 + i, torch.float32, salt=i) for r in range(WORLD)])
+                                 for i in range(3)])
+        s.run_recording_errors(f"coalesced/all_gather_into_tensor/{form}", case)
+
+        def case(name, cm_device=cm_device, async_ops=async_ops):
+            outs = [torch.zeros(2 + i, device=device) for i in range(3)]
+            with dist._coalescing_manager(device=cm_device, async_ops=async_ops) as cm:
+                for i, o in enumerate(outs):
+                    dist.reduce_scatter_tensor(o, s.t(RANK, WORLD * (2 + i), torch.float32, salt=i))
+            if async_ops:
+                cm.wait()
+            exp = []
+            for i in range(3):
+                full = reduce_ref([value(r, WORLD * (2 + i), torch.float32, salt=i) for r in range(WORLD)], R.SUM)
+                exp.append(full[RANK * (2 + i):(RANK + 1) * (2 + i)])
+            s.check(name, outs, exp)
+        s.run_recording_errors(f"coalesced/reduce_scatter_tensor/{form}", case)
+
     # ---- barrier --------------------------------------------------------------------
     def case(name):
         dist.barrier()
@@ -423,7 +475,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     torch.save(s.results, os.path.join(args.out, f"rank{RANK}.pt"))
     with open(os.path.join(args.out, f"rank{RANK}.json"), "w") as f:
-        json.dump({"cases": s.cases, "failures": s.failures,
+        json.dump({"cases": s.cases, "failures": s.failures, "errors": s.errors,
                    "group_type": type(dist.group.WORLD).__name__}, f)
     dist.destroy_process_group()
     print(f"rank {RANK}: {s.cases} cases, {len(s.failures)} failures")
