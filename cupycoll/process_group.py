@@ -417,7 +417,14 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     # -- routing ----------------------------------------------------------------------
     def _is_cuda(self, tensors, op_name: str) -> bool:
-        """True when the call goes to NCCL; rejects calls that mix CPU and CUDA tensors."""
+        """True when the call goes to NCCL, False for gloo."""
+        if self._classify(tensors, op_name):
+            return True
+        self._flush()  # a queued CUDA send/recv must not wait behind unrelated CPU work
+        return False
+
+    def _classify(self, tensors, op_name: str) -> bool:
+        """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""
         self._check_usable()
         flat = _flat(tensors)
         for index, tensor in enumerate(flat):
@@ -426,7 +433,6 @@ class ProcessGroupCupycoll(ProcessGroup):
         if len(kinds) > 1:
             raise CupycollValueError(f"{op_name}: tensors on different device types {sorted(kinds)}")
         if not kinds or kinds == {"cpu"}:
-            self._flush()  # a queued CUDA send/recv must not wait behind unrelated CPU work
             return False
         if kinds != {"cuda"}:
             raise CupycollValueError(f"{op_name}: tensors on {kinds.pop()} are not supported")
@@ -488,7 +494,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         if not self._is_cuda(tensors, "all_reduce_coalesced"):
             return self._cpu.allreduce_coalesced(tensors, opts)
-        return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors], tensors)
+        return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.BroadcastOptions()
@@ -560,8 +566,7 @@ class ProcessGroupCupycoll(ProcessGroup):
             raise CupycollValueError(
                 f"all_gather_coalesced: {len(output_lists)} output lists for {len(input_tensors)} inputs")
         return self._coalesced(
-            lambda: [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_tensors)],
-            input_tensors)
+            lambda: [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_tensors)])
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
@@ -582,8 +587,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._is_cuda([outputs, inputs], "all_gather_into_tensor_coalesced"):
             return self._cpu.allgather_into_tensor_coalesced(outputs, inputs, opts)
-        return self._coalesced(
-            lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], inputs)
+        return self._coalesced(lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
@@ -627,8 +631,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([outputs, inputs], "reduce_scatter_tensor_coalesced"):
             return self._cpu.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
-        return self._coalesced(
-            lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], inputs)
+        return self._coalesced(lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllToAllOptions()
@@ -767,46 +770,50 @@ class ProcessGroupCupycoll(ProcessGroup):
                             keepalive=token, async_op=True, blocking_wait=True)
 
     # -- coalescing -------------------------------------------------------------------
-    def _coalesced(self, body: Callable[[], list], tensors) -> CudaWork:
-        """Run ``body`` (which submits CUDA calls) as one NCCL group; one Work for all."""
-        outer = self._coalescing is not None
-        if not outer:
-            self._start_coalescing(self._device or _flat(tensors)[0].device)
+    def _coalesced(self, body: Callable[[], list]) -> Optional[CudaWork]:
+        """Run ``body`` (which submits CUDA calls) as one NCCL group; one Work for all.
+        Inside an open coalescing block the calls join it and the block's Work covers them."""
+        if self._coalescing is not None:
+            body()
+            return None
+        self._open_block()
         try:
             body()
         except BaseException:
-            if not outer:
-                self._abandon_coalescing()
+            self._abandon_coalescing()
             raise
-        if outer:
-            return None
-        return self._end_coalescing(self._device)
+        return self._close_block()
 
     def _start_coalescing(self, device=None):
-        self._check_usable()
         if _is_cpu(device):
             return self._cpu._start_coalescing(device)
-        if self._coalescing is not None:
-            # torch's _coalescing_manager never calls _end_coalescing when its body raises;
-            # the block left open by such an exception is dropped here, never issued.
-            warnings.warn("cupycoll: a coalescing block left open (its body raised) was discarded",
-                          RuntimeWarning, stacklevel=2)
-            self._abandon_coalescing()
-        self._flush()
-        self._coalescing = []
+        self._open_block()
 
     def _end_coalescing(self, device=None):
         if _is_cpu(device):
             return self._cpu._end_coalescing(device)
+        return self._close_block()
+
+    def _open_block(self) -> None:
+        self._check_usable()
+        if self._coalescing is not None:
+            # torch's _coalescing_manager never calls _end_coalescing when its body raises;
+            # the block left open by such an exception is dropped here, never issued.
+            warnings.warn("cupycoll: a coalescing block left open (its body raised) was discarded",
+                          RuntimeWarning, stacklevel=3)
+            self._abandon_coalescing()
+        self._flush()
+        self._coalescing = []
+
+    def _close_block(self) -> dist.Work:
         works, self._coalescing = self._coalescing, None
         if works is None:
             raise CupycollValueError("_end_coalescing without _start_coalescing")
         if not works:
-            return _empty_work(device)
+            return _empty_work()
         self._flush()
         first = works[0]
-        outputs = [t for w in works for t in w.result()]
-        work = CudaWork("coalesced", first.device, outputs)
+        work = CudaWork("coalesced", first.device, [t for w in works for t in w.result()])
         work._issued(first._stream, first._event, [w._keepalive for w in works])
         return work
 
@@ -919,7 +926,7 @@ def _grouped(launch):
     return grouped
 
 
-def _empty_work(device) -> dist.Work:
+def _empty_work() -> dist.Work:
     future = torch.futures.Future()
     future.set_result([])
     return torch._C._distributed_c10d._create_work_from_future(future)

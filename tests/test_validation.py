@@ -45,7 +45,7 @@ class LogicGroup(ProcessGroupCupycoll):
         return None
 
     def _is_cuda(self, tensors, op_name):
-        ProcessGroupCupycoll._is_cuda(self, tensors, op_name)  # the real mixing/type checks
+        self._classify(tensors, op_name)  # the real mixing/type checks, CPU tensors stand in
         return True
 
     def _fp8_available(self):

@@ -1,0 +1,127 @@
+"""The CUDA call queue as pure logic: when point-to-point and coalesced calls are issued,
+and as which NCCL groups. A stand-in group records each batch ``_enqueue`` would issue as one
+NCCL group (the GPU tier issues the same batches for real)."""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import pytest
+import torch
+from torch._C import _distributed_c10d as c10d
+
+from cupycoll.errors import CupycollValueError
+from cupycoll.process_group import ProcessGroupCupycoll
+
+CUDA = torch.device("cuda", 0)
+
+
+class QueueGroup(ProcessGroupCupycoll):
+    def _build_cpu_group(self, store, rank, size, timeout):
+        return None
+
+    def _is_cuda(self, tensors, op_name):
+        self._classify(tensors, op_name)
+        return True
+
+    def _check_device(self, tensor, what):
+        if not tensor.is_contiguous():
+            raise CupycollValueError(f"{what} is not contiguous")
+        return CUDA
+
+    def _enqueue(self, issues):
+        self.batches.append([i.work.op_name for i in issues])
+        for issue in issues:
+            issue.work._issued(None, None)
+
+
+@pytest.fixture
+def group():
+    g = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
+    g.batches = []
+    return g
+
+
+def x(n=4):
+    return torch.ones(n)
+
+
+def test_p2p_waits_for_a_work_to_be_touched(group):
+    send = group.send([x()], 1, 0)
+    recv = group.recv([x()], 2, 0)
+    assert group.batches == []
+    recv.wait()
+    assert group.batches == [["send", "recv"]]
+    send.wait()  # already issued: no second batch
+    assert group.batches == [["send", "recv"]]
+
+
+def test_another_call_issues_queued_p2p_first(group):
+    group.send([x()], 1, 0)
+    group.recv([x()], 2, 0)
+    group.allreduce([x()], c10d.AllreduceOptions())
+    assert group.batches == [["send", "recv"], ["all_reduce"]]
+
+
+def test_coalescing_block_is_one_group_with_one_work(group):
+    group._start_coalescing(CUDA)
+    a, b = x(), x(2)
+    group.allreduce([a], c10d.AllreduceOptions())
+    pending = group.broadcast([b], c10d.BroadcastOptions())
+    pending.wait()  # inside an open block: nothing is issued yet
+    group.send([x()], 1, 0)
+    assert group.batches == []
+    work = group._end_coalescing(CUDA)
+    assert group.batches == [["all_reduce", "broadcast", "send"]]
+    assert work.result()[:2] == [a, b]
+
+
+def test_fast_path_coalesced_ops(group):
+    group.allreduce_coalesced([x(), x(2), x(3)], c10d.AllreduceCoalescedOptions())
+    outs, ins = [torch.zeros(6), torch.zeros(3)], [x(2), x(1)]
+    group.all_gather_single_coalesced(outs, ins, c10d.AllgatherOptions())
+    group.reduce_scatter_single_coalesced([torch.zeros(1)], [x(3)], c10d.ReduceScatterOptions())
+    assert group.batches == [["all_reduce"] * 3, ["all_gather_into_tensor"] * 2, ["reduce_scatter_tensor"]]
+
+
+def test_fast_path_inside_open_block_joins_it(group):
+    # torch >= 2.13 with device=: _start_coalescing, then the captured ops as one
+    # allreduce_coalesced call, then _end_coalescing.
+    group._start_coalescing(CUDA)
+    assert group.allreduce_coalesced([x(), x()], c10d.AllreduceCoalescedOptions()) is None
+    group._end_coalescing(CUDA)
+    assert group.batches == [["all_reduce", "all_reduce"]]
+
+
+def test_bad_input_inside_coalesced_call_issues_nothing(group):
+    bad = torch.ones(4, 4).t()
+    with pytest.raises(CupycollValueError, match="not contiguous"):
+        group.allreduce_coalesced([x(), bad], c10d.AllreduceCoalescedOptions())
+    assert group.batches == [] and group._queue == [] and group._coalescing is None
+    group.allreduce([x()], c10d.AllreduceOptions())
+    assert group.batches == [["all_reduce"]]
+
+
+def test_block_left_open_by_an_exception_is_discarded(group):
+    group._start_coalescing(CUDA)
+    group.allreduce([x()], c10d.AllreduceOptions())
+    # the body raised: torch never calls _end_coalescing; the next block starts clean
+    with pytest.warns(RuntimeWarning, match="left open"):
+        group._start_coalescing(CUDA)
+    group.broadcast([x()], c10d.BroadcastOptions())
+    group._end_coalescing(CUDA)
+    assert group.batches == [["broadcast"]]
+
+
+def test_end_without_start_is_an_error(group):
+    with pytest.raises(CupycollValueError, match="without _start_coalescing"):
+        group._end_coalescing(CUDA)
+
+
+def test_abort_drops_the_queue_and_refuses_work(group):
+    group.send([x()], 1, 0)
+    group.abort()
+    assert group._queue == []
+    with pytest.raises(Exception, match="aborted"):
+        group.allreduce([x()], c10d.AllreduceOptions())
