@@ -35,9 +35,9 @@ def new_unique_id() -> bytes:
 
 
 def _unique_id_for_cupy(unique_id: bytes):
-    # CuPy 13 takes a tuple of 128 signed chars, CuPy 14 the bytes themselves.
-    nccl = _cuda.nccl_module()
-    if isinstance(nccl.get_unique_id(), (bytes, bytearray)):
+    # CuPy 13 takes a tuple of 128 signed chars, CuPy 14 the bytes themselves. (Not probed
+    # with get_unique_id(): each call starts an NCCL bootstrap listener.)
+    if int(_cuda.cupy_module().__version__.split(".")[0]) >= 14:
         return unique_id
     return tuple(b - 256 if b > 127 else b for b in unique_id)
 

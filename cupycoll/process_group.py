@@ -296,7 +296,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         if self._comm is None:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            unique_id = self._exchange_unique_id("comm", self._rank == 0)
+            unique_id = self._exchange_unique_id("comm", self._rank == 0, self._size)
             self._comm = Communicator.create(unique_id, self._rank, self._size, device.index,
                                              self.settings.nccl_library)
             self._adopt_device(device)
@@ -311,14 +311,21 @@ class ProcessGroupCupycoll(ProcessGroup):
         comm = self._p2p_comms.get(peer)
         if comm is None:
             low, high = sorted((self._rank, peer))
-            unique_id = self._exchange_unique_id(f"p2p/{low}-{high}", self._rank == low)
+            unique_id = self._exchange_unique_id(f"p2p/{low}-{high}", self._rank == low, 2)
             comm = Communicator.create(unique_id, int(self._rank == high), 2, self._device.index,
                                        self.settings.nccl_library)
             self._p2p_comms[peer] = comm
         return comm
 
-    def _exchange_unique_id(self, key: str, creator: bool) -> bytes:
-        key = f"cupycoll/{key}/uid"
+    def _exchange_unique_id(self, key: str, creator: bool, members: int) -> bytes:
+        """Share a fresh ncclUniqueId through the store among ``members`` ranks.
+
+        The store may outlive this group (destroy_process_group then init again on torchrun's
+        store, same group name), so each creation gets its own key: every member counts itself
+        in, and ``(count - 1) // members`` numbers the incarnation the same on all of them,
+        since the previous incarnation's members had all joined before this one starts."""
+        joined = self._store.add(f"cupycoll/{key}/joined", 1)
+        key = f"cupycoll/{key}/{(joined - 1) // members}/uid"
         if creator:
             self._store.set(key, new_unique_id())
             return self._store.get(key)

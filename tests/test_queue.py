@@ -125,3 +125,30 @@ def test_abort_drops_the_queue_and_refuses_work(group):
     assert group._queue == []
     with pytest.raises(Exception, match="aborted"):
         group.allreduce([x()], c10d.AllreduceOptions())
+
+
+def test_unique_id_exchange_is_fresh_per_incarnation():
+    """Two ranks (threads) on one store; the store outlives a destroy and re-init."""
+    import threading
+    import time
+
+    pytest.importorskip("cupy.cuda.nccl")
+    store = torch.distributed.HashStore()
+    seen = {}
+
+    def rank(r, incarnation, delay):
+        time.sleep(delay)
+        g = QueueGroup(store, r, 2, datetime.timedelta(seconds=10))
+        seen[(incarnation, r)] = g._exchange_unique_id("comm", r == 0, 2)
+
+    for incarnation in range(2):
+        # the non-creator asks first: it must wait for this incarnation's id, not take the last
+        threads = [threading.Thread(target=rank, args=(1, incarnation, 0.0)),
+                   threading.Thread(target=rank, args=(0, incarnation, 0.3))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    assert seen[(0, 0)] == seen[(0, 1)] and len(seen[(0, 0)]) == 128
+    assert seen[(1, 0)] == seen[(1, 1)]
+    assert seen[(1, 0)] != seen[(0, 0)]
