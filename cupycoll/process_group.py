@@ -31,6 +31,7 @@ import datetime
 import functools
 import itertools
 import warnings
+import weakref
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -136,13 +137,15 @@ class _CudaBackendHandle:
     supports_time_estimate = False
 
     def __init__(self, group: "ProcessGroupCupycoll"):
-        self._group = group
+        # A weak reference: a cycle would keep destroyed groups (and their gloo threads)
+        # alive until interpreter exit, where tearing gloo down aborts the process.
+        self._group = weakref.ref(group)
 
     def eager_connect_single_device(self, device) -> None:
-        self._group._bind_device(torch.device(device))
+        self._group()._bind_device(torch.device(device))
 
     def perform_nocolor_split(self, device) -> None:
-        self._group._nocolor_split(torch.device(device))
+        self._group()._nocolor_split(torch.device(device))
 
     def name(self) -> str:
         return BACKEND_NAME

@@ -100,3 +100,20 @@ def test_nccl_error_carries_status_and_function():
 
     again = pickle.loads(pickle.dumps(err))
     assert (again.status, again.function, again.last_error) == (6, "ncclAllReduce", "peer 3 hung up")
+
+
+def test_destroyed_group_is_freed_without_the_cycle_collector():
+    """A reference cycle would keep a destroyed group, and its gloo threads, alive until
+    interpreter exit, where tearing gloo down aborted the process (seen with destroy + re-init)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+        group = weakref.ref(dist.group.WORLD)
+        assert type(group()).__name__ == "ProcessGroupCupycoll"
+        dist.destroy_process_group()
+        assert group() is None
+    finally:
+        gc.enable()
