@@ -1,0 +1,100 @@
+"""CPU tier: the examples run end to end under torchrun, with no GPU.
+
+On CPU the cupycoll group routes every collective to its inner gloo group, so
+``train_ddp.py --device cpu --compare gloo`` checks that DDP driving the Python group (through
+torch's C++ reducer) trains exactly as DDP on plain gloo. The GPU runs are in the GPU tier.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "train_ddp.py"
+DEMO = ROOT / "examples" / "demo.py"
+TIMEOUT = 180.0
+
+HAS_CUDA = torch.cuda.is_available()
+DIFF = re.compile(r"max \|param difference\| (\S+) vs (\S+): (\S+) \(tolerance (\S+)\): (OK|FAILED)")
+LOSS = re.compile(r"^\[(\S+)\] step +(\d+) +loss (\d+\.\d+)$", re.MULTILINE)
+
+
+def run_python(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """Run ``python *args`` from the repository root; on a timeout, kill it with all its
+    children (torchrun's workers) and fail showing what it printed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(args)} did not finish within {timeout:g} s\n"
+                    f"stdout:\n{out}\nstderr:\n{err[-8000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def torchrun(*args: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    # --standalone rendezvous on port 0: torchrun picks a free port itself.
+    return run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                      str(TRAIN), *args)
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-8000:]}"
+
+
+@pytest.mark.parametrize("backend", ["cupycoll", "cpu:gloo,cuda:cupycoll"])
+def test_train_ddp_on_cpu_matches_gloo(backend):
+    proc = torchrun("--device", "cpu", "--backend", backend, "--compare", "gloo", "--steps", "20")
+    assert proc.returncode == 0, explain(proc)
+
+    losses = {}
+    for run, step, loss in LOSS.findall(proc.stdout):
+        losses.setdefault(run, []).append((int(step), float(loss)))
+    assert set(losses) == {backend, "gloo"}, explain(proc)
+    assert [s for s, _ in losses[backend]] == [10, 20], explain(proc)
+    assert losses[backend] == losses["gloo"], explain(proc)
+
+    match = DIFF.search(proc.stdout)
+    assert match, f"no parameter difference printed\n{explain(proc)}"
+    first, second, diff, tolerance, verdict = match.groups()
+    assert (first, second, verdict) == (backend, "gloo", "OK"), explain(proc)
+    assert float(tolerance) == 1e-5
+    assert float(diff) <= float(tolerance), explain(proc)
+
+
+def test_train_ddp_compare_fails_beyond_tolerance():
+    # Identical runs differ by 0, so a negative tolerance must fail: the exit status is the check.
+    proc = torchrun("--device", "cpu", "--compare", "gloo", "--steps", "3", "--tolerance", "-1")
+    assert proc.returncode != 0, explain(proc)
+    assert "FAILED" in proc.stdout, explain(proc)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
+def test_train_ddp_without_cuda_exits_2_with_a_message():
+    proc = run_python(str(TRAIN), "--device", "cuda", timeout=60)
+    assert proc.returncode == 2, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    assert "--device cuda" in proc.stderr and "CUDA" in proc.stderr, explain(proc)
+    assert "--device cpu" in proc.stderr, explain(proc)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without a GPU")
+def test_demo_without_gpu_says_what_it_needs():
+    proc = run_python(str(DEMO), timeout=60)
+    assert proc.returncode == 1, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    message = proc.stdout + proc.stderr
+    assert "NVIDIA GPU" in message, explain(proc)
+    assert "[cuda12]" in message and "CuPy" in message and "NCCL" in message, explain(proc)
