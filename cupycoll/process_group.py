@@ -368,9 +368,9 @@ class ProcessGroupCupycoll(ProcessGroup):
         queue, self._queue = self._queue, []
         try:
             self._enqueue(queue)
-        except BaseException:
+        except BaseException as exc:
             for issue in queue:
-                issue.work._flush = None
+                issue.work._failed(exc)
             raise
 
     def _enqueue(self, issues: List[_Issue]) -> None:

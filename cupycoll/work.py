@@ -44,6 +44,7 @@ class CudaWork(dist.Work):
         self._event: Optional[torch.cuda.Event] = None
         self._future: Optional[torch.futures.Future] = None
         self._keepalive = None
+        self._error: Optional[BaseException] = None
 
     # -- called by the group ---------------------------------------------------------
     def _issued(self, stream, event, keepalive=None) -> None:
@@ -53,9 +54,17 @@ class CudaWork(dist.Work):
         self._event = event
         self._keepalive = keepalive
 
+    def _failed(self, error: BaseException) -> None:
+        """Issuing the queue this Work was in raised: it will never run."""
+        self._flush = None
+        self._error = error
+        self._outputs = []
+
     def _ensure_issued(self) -> None:
         if self._flush is not None:
             self._flush()
+        if self._error is not None:
+            raise CupycollError(f"{self.op_name} was never issued: {self._error}") from self._error
 
     def _completion_event(self) -> torch.cuda.Event:
         # Synchronous collectives record no event on the hot path; make one on demand.
@@ -99,7 +108,7 @@ class CudaWork(dist.Work):
         return self.is_completed()
 
     def exception(self):
-        return None
+        return self._error
 
     def source_rank(self) -> int:
         raise CupycollError(f"{self.op_name}: source_rank() is only defined for recv from any source")

@@ -152,3 +152,18 @@ def test_unique_id_exchange_is_fresh_per_incarnation():
     assert seen[(0, 0)] == seen[(0, 1)] and len(seen[(0, 0)]) == 128
     assert seen[(1, 0)] == seen[(1, 1)]
     assert seen[(1, 0)] != seen[(0, 0)]
+
+
+def test_works_of_a_batch_that_failed_to_issue_raise(group):
+    send = group.send([x()], 1, 0)
+    recv = group.recv([x()], 2, 0)
+
+    def broken(issues):
+        raise RuntimeError("ncclGroupEnd failed")
+
+    group._enqueue = broken
+    with pytest.raises(RuntimeError, match="ncclGroupEnd failed"):
+        recv.wait()
+    with pytest.raises(Exception, match="send was never issued: ncclGroupEnd failed"):
+        send.wait()
+    assert isinstance(send.exception(), RuntimeError) and group._queue == []
