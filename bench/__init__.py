@@ -1,0 +1,1 @@
+"""cupycoll-bench: collective benchmarks in nccl-tests terms."""

@@ -1,0 +1,1 @@
+"""CUDA C++ sources of the ring-reduce RawKernels, shipped as package data (cupycoll.kernels)."""
