@@ -9,8 +9,9 @@ does not import CuPy: that happens at the first CUDA collective.
 from __future__ import annotations
 
 from ._registration import register
-from .config import ENVIRONMENT, Options
+from .config import ENVIRONMENT, Options, algorithm
 from .errors import (
+    CollectiveTimeoutError,
     CommunicatorAbortedError,
     CupycollError,
     CupycollTypeError,
@@ -19,8 +20,8 @@ from .errors import (
     NcclError,
     NoCudaDeviceError,
 )
-from .process_group import BACKEND_NAME, ProcessGroupCupycoll
-from .work import CollectiveTimeoutError, CudaWork
+from .process_group import BACKEND_NAME, ProcessGroupCupycoll, abort_all
+from .work import CudaWork
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,8 @@ __all__ = [
     "NoCudaDeviceError",
     "Options",
     "ProcessGroupCupycoll",
+    "abort_all",
+    "algorithm",
     "register",
 ]
 

@@ -1,12 +1,27 @@
 """One NCCL communicator on one CUDA device, spoken to in Python verbs.
 
-A :class:`Communicator` owns a ``cupy.cuda.nccl.NcclCommunicator``, the device it lives
-on and an internal stream for asynchronous work. Its verbs take raw device pointers,
-element counts, NCCL datatype/op codes and a stream handle (plain ints), so this layer
-knows nothing of torch; the process-group adapter translates tensors into those.
+A :class:`Communicator` owns one ``ncclComm_t``, the device it lives on and an internal
+stream for asynchronous work. Its verbs take raw device pointers, element counts, NCCL
+datatype/op codes and a stream handle (plain ints), so this layer knows nothing of torch;
+the process-group adapter translates tensors into those.
+
+Two modes, invisible to the caller:
+
+* **blocking** (default): the communicator is CuPy's ``NcclCommunicator`` and the verbs
+  call its methods;
+* **nonblocking**: the communicator is created through the ctypes bindings with
+  ``ncclCommInitRankConfig`` and ``blocking = 0``; every call may return ``ncclInProgress``
+  and is then polled with ``ncclCommGetAsyncError`` until it settles, bounded by the
+  communicator's timeout and ended at once by :meth:`Communicator.abort` from any thread.
+  That includes creation itself: :meth:`Communicator.begin` returns before the peers have
+  connected and :meth:`Communicator.wait_ready` polls.
+
+Inside :func:`nccl_group` a nonblocking call is not polled on its own: NCCL settles the
+whole group at ``ncclGroupEnd``, after which each communicator of the group is polled.
 
 Deliberately left out: validation of user input (done once, above, with names the user
-knows), scheduling policy (which stream, when to group) and any teardown in ``__del__``:
+knows), scheduling policy (which stream, when to group), the watchdog (it lives above and
+only calls :meth:`async_error` and :meth:`abort`) and any teardown in ``__del__``:
 ``shutdown()`` and ``abort()`` are explicit.
 """
 
@@ -15,15 +30,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
+import time
 from typing import Optional
 
 from . import _cuda, nccl_bindings
-from .errors import CommunicatorAbortedError, CupycollValueError, NcclError
+from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
+
+DEFAULT_TIMEOUT_S = 600.0
 
 
 def _translate(exc: Exception, function: str) -> NcclError:
     status = getattr(exc, "status", 3)
     return NcclError(status, function, str(exc))
+
+
+def _library(path: Optional[str] = None) -> nccl_bindings.NcclLibrary:
+    # CuPy's NCCL first, so that the ctypes bindings find and share the library it mapped.
+    _cuda.nccl_module()
+    return nccl_bindings.load(path)
 
 
 def new_unique_id() -> bytes:
@@ -42,58 +67,128 @@ def _unique_id_for_cupy(unique_id: bytes):
     return tuple(b - 256 if b > 127 else b for b in unique_id)
 
 
+# -- NCCL groups -----------------------------------------------------------------------
+
+_group_state = threading.local()  # NCCL groups are per thread, so is this bookkeeping
+
+
+def _open_group():
+    state = _group_state.__dict__
+    if "depth" not in state:
+        state["depth"], state["members"] = 0, []
+    return state
+
+
 @contextlib.contextmanager
-def nccl_group():
-    """ncclGroupStart/End around the body; End runs even when the body raises."""
-    nccl = _cuda.nccl_module()
-    try:
-        nccl.groupStart()
-    except nccl.NcclError as exc:
-        raise _translate(exc, "ncclGroupStart") from exc
+def nccl_group(nccl_library: Optional[str] = None):
+    """ncclGroupStart/End around the body; End runs even when the body raises.
+
+    Nonblocking communicators used in the body are polled once the outermost group ends."""
+    lib = _library(nccl_library)
+    state = _open_group()
+    lib.ncclGroupStart()
+    state["depth"] += 1
     try:
         yield
     finally:
-        try:
-            nccl.groupEnd()
-        except nccl.NcclError as exc:
-            raise _translate(exc, "ncclGroupEnd") from exc
+        state["depth"] -= 1
+        outermost = state["depth"] == 0
+        members = state["members"] if outermost else []
+        if outermost:
+            state["members"] = []
+        lib.ncclGroupEnd()
+        for comm in members:
+            comm._poll("ncclGroupEnd")
+
+
+# -- the communicator ----------------------------------------------------------------------
 
 
 class Communicator:
     """An NCCL communicator bound to one device, with the verbs the backend needs."""
 
-    def __init__(self, comm, device: int, rank: int, size: int, nccl_library: Optional[str] = None):
+    def __init__(self, device: int, rank: int, size: int, nccl_library: Optional[str] = None, *,
+                 cupy_comm=None, handle: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT_S):
         cupy = _cuda.cupy_module()
-        self._comm = comm
+        self._cupy_comm = cupy_comm  # blocking mode
+        self._handle = handle  # nonblocking mode: the raw ncclComm_t
+        self.nonblocking = cupy_comm is None
         self._nccl_library = nccl_library
+        self._lib = _library(nccl_library)
         self.device = device
         self.rank = rank
         self.size = size
-        self.state = "ok"  # "ok" | "shut down" | "aborted"
+        self.timeout = float(timeout)
+        # "initializing" | "ok" | "shut down" | "aborted"
+        self.state = "initializing" if self.nonblocking else "ok"
+        # Serialises the end of the communicator's life against the watchdog's queries, so
+        # that ncclCommGetAsyncError never reads a freed communicator.
+        self._lock = threading.Lock()
         with cupy.cuda.Device(device):
             # Non-blocking w.r.t. the legacy default stream, like ProcessGroupNCCL's.
             self._stream = cupy.cuda.Stream(non_blocking=True)
         self.stream = self._stream.ptr
         self._nccl_error = _cuda.nccl_module().NcclError
 
+    @property
+    def comm_ptr(self) -> int:
+        """The raw ``ncclComm_t`` (0 once destroyed or aborted)."""
+        if self._cupy_comm is not None:
+            return self._cupy_comm.comm
+        return self._handle or 0
+
+    def __repr__(self) -> str:
+        mode = "nonblocking" if self.nonblocking else "blocking"
+        return f"Communicator(rank={self.rank}, size={self.size}, cuda:{self.device}, {mode}, {self.state})"
+
     # -- creation --------------------------------------------------------------------
     @classmethod
-    def create(cls, unique_id: bytes, rank: int, size: int, device: int, nccl_library=None):
-        """Join the communicator named by ``unique_id`` as ``rank`` of ``size`` on ``device``."""
-        if os.environ.get("NCCL_COMM_BLOCKING", "") == "0":
-            raise CupycollValueError(
-                "NCCL_COMM_BLOCKING=0 makes NCCL calls return ncclInProgress, which CuPy's "
-                "blocking communicator cannot handle; unset it"
-            )
+    def begin(cls, unique_id: bytes, rank: int, size: int, device: int, nccl_library=None,
+              nonblocking: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> "Communicator":
+        """Start joining the communicator named by ``unique_id`` as ``rank`` of ``size``.
+
+        Blocking mode returns when every peer has joined. Nonblocking mode returns at once,
+        in state ``"initializing"``: call :meth:`wait_ready` (which :meth:`abort` can end)."""
         _cuda.require_device(device)
-        nccl = _cuda.nccl_module()
         cupy = _cuda.cupy_module()
+        if not nonblocking:
+            if os.environ.get("NCCL_COMM_BLOCKING", "") == "0":
+                raise CupycollValueError(
+                    "NCCL_COMM_BLOCKING=0 makes NCCL calls return ncclInProgress, which CuPy's "
+                    "blocking communicator cannot handle; unset it or use nonblocking=True"
+                )
+            nccl = _cuda.nccl_module()
+            with cupy.cuda.Device(device):
+                try:
+                    comm = nccl.NcclCommunicator(size, _unique_id_for_cupy(unique_id), rank)
+                except nccl.NcclError as exc:
+                    raise _translate(exc, "ncclCommInitRank") from exc
+            return cls(device, rank, size, nccl_library, cupy_comm=comm, timeout=timeout)
+
+        lib = _library(nccl_library)
+        if not lib.has("ncclCommInitRankConfig"):
+            raise CupycollValueError("nonblocking communicators need NCCL >= 2.14 (ncclCommInitRankConfig)")
+        handle = nccl_bindings.ncclComm_t()
+        config = nccl_bindings.make_config(blocking=False)
         with cupy.cuda.Device(device):
-            try:
-                comm = nccl.NcclCommunicator(size, _unique_id_for_cupy(unique_id), rank)
-            except nccl.NcclError as exc:
-                raise _translate(exc, "ncclCommInitRank") from exc
-        return cls(comm, device, rank, size, nccl_library)
+            lib.ncclCommInitRankConfig(ctypes.byref(handle), size, lib.unique_id_from_bytes(unique_id),
+                                       rank, ctypes.byref(config))
+        return cls(device, rank, size, nccl_library, handle=handle.value, timeout=timeout)
+
+    @classmethod
+    def create(cls, unique_id: bytes, rank: int, size: int, device: int, nccl_library=None,
+               nonblocking: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> "Communicator":
+        """:meth:`begin` then :meth:`wait_ready`."""
+        comm = cls.begin(unique_id, rank, size, device, nccl_library, nonblocking, timeout)
+        comm.wait_ready()
+        return comm
+
+    def wait_ready(self, timeout: Optional[float] = None) -> None:
+        """Poll a nonblocking communicator until its creation settles (no-op when blocking).
+        On timeout the communicator is aborted and CollectiveTimeoutError raised."""
+        if self.state == "initializing":
+            self._poll("ncclCommInitRankConfig", timeout)
+            self.state = "ok"
 
     @staticmethod
     def can_split() -> bool:
@@ -103,64 +198,71 @@ class Communicator:
         """ncclCommSplit: collective over this communicator. ``color < 0`` takes no part."""
         self._check_usable()
         cupy = _cuda.cupy_module()
+        color = color if color >= 0 else nccl_bindings.NCCL_SPLIT_NOCOLOR
         with cupy.cuda.Device(self.device):
-            try:
-                child = self._comm.commSplit(color if color >= 0 else -1, key)
-            except self._nccl_error as exc:
-                raise _translate(exc, "ncclCommSplit") from exc
-        if child is None:
+            if not self.nonblocking:
+                try:
+                    child = self._cupy_comm.commSplit(color, key)
+                except self._nccl_error as exc:
+                    raise _translate(exc, "ncclCommSplit") from exc
+                if child is None:
+                    return None
+                return Communicator(self.device, child.rank_id(), child.size(), self._nccl_library,
+                                    cupy_comm=child, timeout=self.timeout)
+            handle = nccl_bindings.ncclComm_t()
+            config = nccl_bindings.make_config(blocking=False)
+            self._lib.ncclCommSplit(self._handle, color, key, ctypes.byref(handle), ctypes.byref(config))
+            self._poll("ncclCommSplit")
+        if not handle.value:
             return None
-        return Communicator(child, self.device, child.rank_id(), child.size(), self._nccl_library)
+        child = Communicator(self.device, 0, 0, self._nccl_library, handle=handle.value, timeout=self.timeout)
+        child.wait_ready()
+        count, rank = ctypes.c_int(), ctypes.c_int()
+        self._lib.ncclCommCount(handle, ctypes.byref(count))
+        self._lib.ncclCommUserRank(handle, ctypes.byref(rank))
+        child.size, child.rank = count.value, rank.value
+        return child
 
     # -- collectives (pointers, counts and codes are plain ints) --------------------
+    def _call(self, c_name: str, cupy_name: str, *args) -> None:
+        """Run one NCCL call: CuPy's method (blocking), or the C function with this
+        communicator inserted before the stream, settled or left to the open group."""
+        if self._cupy_comm is not None:
+            try:
+                getattr(self._cupy_comm, cupy_name)(*args)
+            except self._nccl_error as exc:
+                raise _translate(exc, c_name) from exc
+            return
+        self._check_usable()
+        status = getattr(self._lib, c_name)(*args[:-1], self._handle, args[-1])
+        self._settle(c_name, status)
+
     def all_reduce(self, sendbuf, recvbuf, count, dtype, op, stream):
-        try:
-            self._comm.allReduce(sendbuf, recvbuf, count, dtype, op, stream)
-        except self._nccl_error as exc:
-            raise _translate(exc, "ncclAllReduce") from exc
+        self._call("ncclAllReduce", "allReduce", sendbuf, recvbuf, count, dtype, op, stream)
 
     def broadcast(self, sendbuf, recvbuf, count, dtype, root, stream):
-        try:
-            self._comm.broadcast(sendbuf, recvbuf, count, dtype, root, stream)
-        except self._nccl_error as exc:
-            raise _translate(exc, "ncclBroadcast") from exc
+        self._call("ncclBroadcast", "broadcast", sendbuf, recvbuf, count, dtype, root, stream)
 
     def reduce(self, sendbuf, recvbuf, count, dtype, op, root, stream):
-        try:
-            self._comm.reduce(sendbuf, recvbuf, count, dtype, op, root, stream)
-        except self._nccl_error as exc:
-            raise _translate(exc, "ncclReduce") from exc
+        self._call("ncclReduce", "reduce", sendbuf, recvbuf, count, dtype, op, root, stream)
 
     def all_gather(self, sendbuf, recvbuf, count, dtype, stream):
-        try:
-            self._comm.allGather(sendbuf, recvbuf, count, dtype, stream)
-        except self._nccl_error as exc:
-            raise _translate(exc, "ncclAllGather") from exc
+        self._call("ncclAllGather", "allGather", sendbuf, recvbuf, count, dtype, stream)
 
     def reduce_scatter(self, sendbuf, recvbuf, recvcount, dtype, op, stream):
-        try:
-            self._comm.reduceScatter(sendbuf, recvbuf, recvcount, dtype, op, stream)
-        except self._nccl_error as exc:
-            raise _translate(exc, "ncclReduceScatter") from exc
+        self._call("ncclReduceScatter", "reduceScatter", sendbuf, recvbuf, recvcount, dtype, op, stream)
 
     def send(self, buf, count, dtype, peer, stream):
-        try:
-            self._comm.send(buf, count, dtype, peer, stream)
-        except self._nccl_error as exc:
-            raise _translate(exc, "ncclSend") from exc
+        self._call("ncclSend", "send", buf, count, dtype, peer, stream)
 
     def recv(self, buf, count, dtype, peer, stream):
-        try:
-            self._comm.recv(buf, count, dtype, peer, stream)
-        except self._nccl_error as exc:
-            raise _translate(exc, "ncclRecv") from exc
+        self._call("ncclRecv", "recv", buf, count, dtype, peer, stream)
 
     # -- PREMUL_SUM ----------------------------------------------------------------
     def create_premul_sum(self, scalar, dtype: int, on_device: bool) -> int:
         """ncclRedOpCreatePreMulSum. ``scalar``: the factor's bytes in ``dtype`` (host), or a
         device pointer to one element of ``dtype`` when ``on_device``."""
-        lib = nccl_bindings.load(self._nccl_library)
-        if not lib.has("ncclRedOpCreatePreMulSum"):
+        if not self._lib.has("ncclRedOpCreatePreMulSum"):
             raise CupycollValueError("PREMUL_SUM needs NCCL >= 2.11 (ncclRedOpCreatePreMulSum)")
         op = ctypes.c_int()
         if on_device:
@@ -170,39 +272,124 @@ class Communicator:
             host = ctypes.create_string_buffer(bytes(scalar), len(scalar))
             scalar_ptr = ctypes.cast(host, ctypes.c_void_p)
             residence = nccl_bindings.ncclScalarHostImmediate
-        lib.ncclRedOpCreatePreMulSum(
-            ctypes.byref(op), scalar_ptr, dtype, residence, ctypes.c_void_p(self._comm.comm)
-        )
+        status = self._lib.ncclRedOpCreatePreMulSum(ctypes.byref(op), scalar_ptr, dtype, residence,
+                                                    ctypes.c_void_p(self.comm_ptr))
+        if self.nonblocking:
+            self._settle("ncclRedOpCreatePreMulSum", status)
         return op.value
 
     def destroy_op(self, op: int) -> None:
         # NCCL allows this as soon as the last call using ``op`` has returned.
-        nccl_bindings.load(self._nccl_library).ncclRedOpDestroy(op, ctypes.c_void_p(self._comm.comm))
+        self._lib.ncclRedOpDestroy(op, ctypes.c_void_p(self.comm_ptr))
+
+    # -- nonblocking progress ---------------------------------------------------------
+    def _settle(self, function: str, status: int) -> None:
+        state = _open_group()
+        if state["depth"]:
+            # Inside a group NCCL settles everything at ncclGroupEnd; poll then.
+            if self not in state["members"]:
+                state["members"].append(self)
+        elif status == nccl_bindings.ncclInProgress:
+            self._poll(function)
+
+    def _poll(self, function: str, timeout: Optional[float] = None) -> None:
+        """Wait until NCCL reports this communicator idle, an error, the timeout or an abort."""
+        if not self.nonblocking:
+            return
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        status = ctypes.c_int()
+        spins = 0
+        while True:
+            with self._lock:
+                if self.state in ("aborted", "shut down"):
+                    raise CommunicatorAbortedError(
+                        f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
+                self._lib.ncclCommGetAsyncError(self._handle, ctypes.byref(status))
+            if status.value == nccl_bindings.ncclSuccess:
+                return
+            if status.value != nccl_bindings.ncclInProgress:
+                error = NcclError(status.value, function, self._lib.error_string(status.value),
+                                  self._lib.last_error())
+                self.abort()
+                raise error
+            if time.monotonic() > deadline:
+                self.abort()
+                raise CollectiveTimeoutError(
+                    f"{function} on cuda:{self.device} did not complete within "
+                    f"{self.timeout if timeout is None else timeout:g} s; the communicator was aborted")
+            spins += 1
+            # Spin briefly (most calls settle in microseconds), then stop burning the GIL.
+            time.sleep(0 if spins < 64 else 0.0005)
+
+    def async_error(self) -> Optional[NcclError]:
+        """ncclCommGetAsyncError as an exception (None while healthy or still working).
+        Safe from any thread; the watchdog calls it."""
+        status = ctypes.c_int()
+        with self._lock:
+            if self.state != "ok":
+                return None
+            ptr = self.comm_ptr
+            if not ptr:
+                return None
+            try:
+                self._lib.ncclCommGetAsyncError(ctypes.c_void_p(ptr), ctypes.byref(status))
+            except NcclError as exc:
+                return exc
+        if status.value in (nccl_bindings.ncclSuccess, nccl_bindings.ncclInProgress):
+            return None
+        return NcclError(status.value, "ncclCommGetAsyncError", self._lib.error_string(status.value),
+                         self._lib.last_error())
 
     # -- lifetime -------------------------------------------------------------------
     def _check_usable(self):
-        if self.state != "ok":
+        if self.state not in ("ok", "initializing"):
             raise CommunicatorAbortedError(f"the NCCL communicator on cuda:{self.device} was {self.state}")
 
-    def shutdown(self) -> None:
-        """Destroy the communicator after its queued work; blocking (peers must be alive)."""
-        if self.state != "ok":
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """ncclCommFinalize then ncclCommDestroy: the communicator's queued work completes
+        first (peers must be alive). A nonblocking finalize that fails or outlives
+        ``timeout`` aborts the communicator instead, and the error is raised."""
+        if self.state not in ("ok", "initializing"):
             return
-        self.state = "shut down"
         cupy = _cuda.cupy_module()
         with cupy.cuda.Device(self.device):
-            self._stream.synchronize()
-            try:
-                self._comm.destroy()
-            except self._nccl_error as exc:
-                raise _translate(exc, "ncclCommDestroy") from exc
+            if self.nonblocking:
+                if self.state == "initializing":
+                    self.abort()
+                    return
+                self._lib.ncclCommFinalize(self._handle)
+                self._poll("ncclCommFinalize", timeout)  # aborts on error or timeout
+            else:
+                self._stream.synchronize()
+                if self._lib.has("ncclCommFinalize"):
+                    self._lib.ncclCommFinalize(ctypes.c_void_p(self.comm_ptr))
+            with self._lock:
+                if self.state != "ok":
+                    return
+                self.state = "shut down"
+                if self.nonblocking:
+                    handle, self._handle = self._handle, None
+                    self._lib.ncclCommDestroy(handle)
+                else:
+                    try:
+                        self._cupy_comm.destroy()
+                    except self._nccl_error as exc:
+                        raise _translate(exc, "ncclCommDestroy") from exc
 
-    def abort(self) -> None:
-        """ncclCommAbort: frees the communicator without waiting for peers or queued work."""
-        if self.state == "aborted":
-            return
-        was_destroyed = self.state == "shut down"
-        self.state = "aborted"
-        if not was_destroyed:
+    def abort(self) -> Optional[int]:
+        """ncclCommAbort: frees the communicator without waiting for peers or queued work,
+        ending any kernel of it stuck on the GPU. Callable from any thread; idempotent.
+        Returns NCCL's status for the abort (None when there was nothing to abort)."""
+        with self._lock:
+            if self.state in ("aborted", "shut down"):
+                return None
+            self.state = "aborted"
             with _cuda.cupy_module().cuda.Device(self.device):
-                self._comm.abort()
+                if self.nonblocking:
+                    handle, self._handle = self._handle, None
+                    return self._lib.ncclCommAbort(handle) if handle else None
+                try:
+                    self._cupy_comm.abort()
+                except self._nccl_error as exc:
+                    raise _translate(exc, "ncclCommAbort") from exc
+                return nccl_bindings.ncclSuccess

@@ -41,6 +41,7 @@ Deliberately left out: NCCL's own ``NCCL_*`` variables. They reach NCCL unchange
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -213,3 +214,28 @@ def resolve(
             lambda n, v: _positive_number(n, v, int), DEFAULT_RING_SCRATCH_BYTES,
         ),
     )
+
+
+# -- per-call algorithm override ---------------------------------------------------------
+
+# Process-wide on purpose, not per thread: DDP issues its all-reduces from autograd's
+# threads, which a thread-local override around the training step would never reach.
+_algorithm_override: list = []
+
+
+@contextlib.contextmanager
+def algorithm(name: str):
+    """Run the CUDA all-reduces and reduce-scatters issued in the body with ``name``
+    (``"nccl"``, ``"ring"`` or ``"auto"``), whatever the groups' ``Options.algorithm``.
+    Nests; applies to every thread of the process while the body runs."""
+    choice = _choice("algorithm", name, ALGORITHMS)
+    _algorithm_override.append(choice)
+    try:
+        yield
+    finally:
+        _algorithm_override.pop()
+
+
+def algorithm_override() -> Optional[str]:
+    """The innermost :func:`algorithm` in force, or None."""
+    return _algorithm_override[-1] if _algorithm_override else None

@@ -64,6 +64,11 @@ class CommunicatorAbortedError(CupycollError, RuntimeError):
     """The communicator (or the whole group) was aborted or shut down; it cannot be used."""
 
 
+class CollectiveTimeoutError(CupycollError, TimeoutError):
+    """Peers or the GPU did not finish within the timeout: a collective (the watchdog or
+    ``Work.wait(timeout)``), communicator creation, or a nonblocking NCCL call."""
+
+
 # ncclResult_t values, from nccl.h. Kept here (not in the bindings module) so that error
 # formatting never needs the library to be loadable.
 NCCL_STATUS_NAMES = {

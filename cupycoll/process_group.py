@@ -20,16 +20,26 @@ Python group the ops of ``batch_isend_irecv`` one by one, and issued one by one 
 send/recv deadlock in patterns like a ring exchange. ``_start_coalescing`` /
 ``_end_coalescing`` queue every CUDA call in between into one NCCL group the same way.
 
+Faults: every issued Work is tracked by the process's watchdog (:mod:`cupycoll.watchdog`).
+A collective that outlives the timeout, or an NCCL async error, aborts the group's
+communicators and fails its Works; every later call raises CommunicatorAbortedError.
+``abort()`` works from any thread, also while a communicator is being created (the store
+waits poll, and nonblocking communicators can be aborted mid-init); ``shutdown()``
+finalizes and destroys when healthy and aborts when not.
+
 Deliberately left out: input validation beyond what is needed to fail before enqueueing,
-and the watchdog (later layers).
+and recovery (a faulted group stays dead; build a new one, see docs/design.md).
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import datetime
-import functools
+import inspect
 import itertools
+import sys
+import threading
+import time
 import warnings
 import weakref
 import zlib
@@ -42,10 +52,19 @@ from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _types, config
 from .communicator import Communicator, new_unique_id, nccl_group
-from .errors import CommunicatorAbortedError, CupycollError, CupycollTypeError, CupycollValueError
+from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, CupycollTypeError,
+                     CupycollValueError)
+from .watchdog import WATCHDOG, Watch
 from .work import CudaWork
 
 BACKEND_NAME = "cupycoll"
+
+# Every live group, for abort_all(); weak, so that destroyed groups can go.
+_LIVE_GROUPS: "weakref.WeakSet[ProcessGroupCupycoll]" = weakref.WeakSet()
+# The coalescing block open in this thread (at most one: a manager coalesces one group).
+_open_block_owner = threading.local()
+# Store waits poll in slices of this length, so that abort() can end them.
+_STORE_POLL_S = 0.05
 
 _GLOO = ProcessGroup.BackendType.GLOO
 _CPU = torch.device("cpu")
@@ -182,10 +201,22 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
         self._queue: List[_Issue] = []  # calls not yet issued (P2P batches, coalescing)
         self._coalescing: Optional[List[CudaWork]] = None
-        self._inflight = collections.deque()  # (event, tensors) kept alive until done
+        self._coalescing_manager = None  # weakref to the manager generator of the open block
         self._state = "ok"
+        self._fault: Optional[BaseException] = None
+        self._seq = 0
+        self._pending_comms: List[Communicator] = []  # being created: abort() must reach them
         self._fp8: Optional[bool] = None
         self._handle = _CudaBackendHandle(self)
+        # The watch refers back weakly: a cycle would keep destroyed groups alive (see above).
+        this = weakref.ref(self)
+        self._watch = Watch(group_id or "default", self.settings.timeout.total_seconds(),
+                            self.settings.watchdog_interval,
+                            lambda: this()._communicators() if this() is not None else [],
+                            lambda fault: this() is not None and this()._on_fault(fault),
+                            self.settings.on_timeout)
+        self._watched = False
+        _LIVE_GROUPS.add(self)
 
         parent = self._split_parent()
         if parent is not None:
@@ -280,7 +311,9 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     def _check_usable(self) -> None:
         if self._state != "ok":
-            raise CommunicatorAbortedError(f"process group {self._group_name!r} was {self._state}")
+            reason = f": {self._fault}" if self._fault is not None else ""
+            raise CommunicatorAbortedError(
+                f"process group {self._group_name!r} was {self._state}{reason}") from self._fault
 
     def _check_device(self, tensor: torch.Tensor, what: str) -> torch.device:
         device = tensor.device
@@ -300,10 +333,23 @@ class ProcessGroupCupycoll(ProcessGroup):
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             unique_id = self._exchange_unique_id("comm", self._rank == 0, self._size)
-            self._comm = Communicator.create(unique_id, self._rank, self._size, device.index,
-                                             self.settings.nccl_library)
+            self._comm = self._create_comm(unique_id, self._rank, self._size, device.index)
             self._adopt_device(device)
         return self._comm
+
+    def _create_comm(self, unique_id: bytes, rank: int, size: int, device: int) -> Communicator:
+        """Create a communicator where abort() can reach it while it connects."""
+        comm = Communicator.begin(unique_id, rank, size, device, self.settings.nccl_library,
+                                  self.settings.nonblocking, self.settings.timeout.total_seconds())
+        self._pending_comms.append(comm)
+        try:
+            if self._state != "ok":  # aborted while NCCL was starting
+                comm.abort()
+            self._check_usable()
+            comm.wait_ready()
+        finally:
+            self._pending_comms.remove(comm)
+        return comm
 
     def _p2p_comm(self, peer: int) -> Communicator:
         """The communicator for a point-to-point call with ``peer``: the group's own when it
@@ -315,8 +361,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         if comm is None:
             low, high = sorted((self._rank, peer))
             unique_id = self._exchange_unique_id(f"p2p/{low}-{high}", self._rank == low, 2)
-            comm = Communicator.create(unique_id, int(self._rank == high), 2, self._device.index,
-                                       self.settings.nccl_library)
+            comm = self._create_comm(unique_id, int(self._rank == high), 2, self._device.index)
             self._p2p_comms[peer] = comm
         return comm
 
@@ -327,13 +372,38 @@ class ProcessGroupCupycoll(ProcessGroup):
         store, same group name), so each creation gets its own key: every member counts itself
         in, and ``(count - 1) // members`` numbers the incarnation the same on all of them,
         since the previous incarnation's members had all joined before this one starts."""
-        joined = self._store.add(f"cupycoll/{key}/joined", 1)
-        key = f"cupycoll/{key}/{(joined - 1) // members}/uid"
+        joined_key = f"cupycoll/{key}/joined"
+        joined = self._store.add(joined_key, 1)
+        incarnation = (joined - 1) // members
+        uid_key = f"cupycoll/{key}/{incarnation}/uid"
+        deadline = time.monotonic() + self.settings.timeout.total_seconds()
         if creator:
-            self._store.set(key, new_unique_id())
-            return self._store.get(key)
-        self._store.wait([key], self.settings.timeout)
-        return self._store.get(key)
+            self._store.set(uid_key, new_unique_id())
+        else:
+            self._wait_for_store(lambda: self._store.check([uid_key]), deadline,
+                                 f"the ncclUniqueId of {key!r} from its creator rank")
+        # Every member must have arrived before NCCL init, which (blocking) cannot be
+        # interrupted: a rank that never joins fails here after the timeout instead.
+        everyone = (incarnation + 1) * members
+        self._wait_for_store(lambda: self._store.add(joined_key, 0) >= everyone, deadline,
+                             f"all {members} ranks to join communicator {key!r}",
+                             lambda: f"{self._store.add(joined_key, 0) - incarnation * members} arrived")
+        return self._store.get(uid_key)
+
+    def _wait_for_store(self, ready: Callable[[], bool], deadline: float, what: str,
+                        progress: Callable[[], str] = lambda: "") -> None:
+        """Poll ``ready`` until it holds, the deadline passes or the group is aborted."""
+        pause = 0.001
+        while not ready():
+            self._check_usable()
+            if time.monotonic() > deadline:
+                detail = progress()
+                raise CollectiveTimeoutError(
+                    f"process group {self._group_name!r} rank {self._rank}: timed out after "
+                    f"{self.settings.timeout.total_seconds():g} s waiting for {what}"
+                    + (f" ({detail})" if detail else ""))
+            time.sleep(pause)
+            pause = min(pause * 2, _STORE_POLL_S)
 
     def _fp8_available(self) -> bool:
         if self._fp8 is None:
@@ -348,7 +418,11 @@ class ProcessGroupCupycoll(ProcessGroup):
         """Issue (or queue) one CUDA call and return its Work. Everything is validated."""
         if self._device is None:
             self._device = device  # the first CUDA call picks the group's device
-        work = CudaWork(op_name, device, outputs, blocking_wait=blocking_wait)
+        if _open_block_owner.__dict__.get("group") is not None:
+            self._check_coalescing_scope(op_name)
+        self._seq += 1
+        work = CudaWork(op_name, device, outputs, blocking_wait=blocking_wait, seq=self._seq,
+                        peers=None if peer is None else [self._global_ranks[peer]])
         issue = _Issue(work, launch, finish, keepalive, async_op, peer)
         if self._coalescing is not None or peer is not None:
             work._flush = self._flush
@@ -363,6 +437,8 @@ class ProcessGroupCupycoll(ProcessGroup):
     def _flush(self) -> None:
         """Issue every queued call as one NCCL group (not while a coalescing block is open:
         its calls wait for ``_end_coalescing``, as torch's own collectives do inside one)."""
+        if self._coalescing is not None:
+            self._drop_stale_block()
         if not self._queue or self._coalescing is not None:
             return
         queue, self._queue = self._queue, []
@@ -398,13 +474,17 @@ class ProcessGroupCupycoll(ProcessGroup):
             for issue in issues:
                 if issue.finish is not None:
                     issue.finish()
-            event = None
-            if async_op:
-                event = torch.cuda.Event()
-                event.record(stream)
-                self._keep_until_done(event, [i.keepalive for i in issues])
+            # Every call gets a completion event: the watchdog queries it (never syncs).
+            event = torch.cuda.Event()
+            event.record(stream)
+        if not self._watched:
+            WATCHDOG.watch(self._watch)
+            self._watched = True
+        track = self._watch.track
         for issue in issues:
+            # Async calls keep their tensors until the event fires (no record_stream).
             issue.work._issued(stream, event, issue.keepalive if async_op else None)
+            track(issue.work)
 
     def _launch(self, issue: _Issue, comms, stream_ptr: int) -> None:
         if issue.peer is None:
@@ -419,17 +499,16 @@ class ProcessGroupCupycoll(ProcessGroup):
             self._comm_stream = torch.cuda.ExternalStream(comm.stream, device=self._device)
         return self._comm_stream
 
-    def _keep_until_done(self, event, tensors) -> None:
-        inflight = self._inflight
-        while inflight and inflight[0][0].query():
-            inflight.popleft()
-        inflight.append((event, tensors))
-
     # -- routing ----------------------------------------------------------------------
     def _is_cuda(self, tensors, op_name: str) -> bool:
         """True when the call goes to NCCL, False for gloo."""
         if self._classify(tensors, op_name):
             return True
+        if self._coalescing is not None and not self._drop_stale_block():
+            raise CupycollValueError(
+                f"{op_name} on CPU tensors inside a coalescing block of CUDA calls on group "
+                f"{self._group_name!r}: a block coalesces one device's calls; use a separate "
+                "_coalescing_manager(device=torch.device('cpu')) for CPU tensors")
         self._flush()  # a queued CUDA send/recv must not wait behind unrelated CPU work
         return False
 
@@ -812,27 +891,76 @@ class ProcessGroupCupycoll(ProcessGroup):
             warnings.warn("cupycoll: a coalescing block left open (its body raised) was discarded",
                           RuntimeWarning, stacklevel=3)
             self._abandon_coalescing()
+        owner = _open_block_owner.__dict__.get("group")
+        if owner is not None and owner is not self:
+            owner._check_coalescing_scope("_start_coalescing", other=self)
         self._flush()
         self._coalescing = []
+        self._coalescing_manager = _calling_manager()
+        _open_block_owner.group = self
 
     def _close_block(self) -> dist.Work:
-        works, self._coalescing = self._coalescing, None
+        works = self._coalescing
+        self._release_block()
         if works is None:
             raise CupycollValueError("_end_coalescing without _start_coalescing")
         if not works:
             return _empty_work()
         self._flush()
         first = works[0]
-        work = CudaWork("coalesced", first.device, [t for w in works for t in w.result()])
+        work = CudaWork("coalesced", first.device, [t for w in works for t in w.result()],
+                        seq=works[-1].seq)
         work._issued(first._stream, first._event, [w._keepalive for w in works])
+        self._watch.track(work)
         return work
+
+    def _release_block(self) -> None:
+        self._coalescing = None
+        self._coalescing_manager = None
+        if _open_block_owner.__dict__.get("group") is self:
+            _open_block_owner.group = None
 
     def _abandon_coalescing(self) -> None:
         """An exception inside a coalescing block: drop what it queued, stay usable."""
         queued = self._coalescing or []
-        self._coalescing = None
+        self._release_block()
         dropped = {id(w) for w in queued}
         self._queue = [i for i in self._queue if id(i.work) not in dropped]
+        error = CupycollError("its coalescing block was abandoned (the manager's body raised)")
+        for work in queued:
+            work._fail(error)
+
+    def _block_is_stale(self) -> bool:
+        """Did the ``_coalescing_manager`` that opened our block end without closing it?"""
+        if self._coalescing is None or self._coalescing_manager is None:
+            return False
+        generator = self._coalescing_manager()
+        return generator is None or inspect.getgeneratorstate(generator) == inspect.GEN_CLOSED
+
+    def _drop_stale_block(self) -> bool:
+        if not self._block_is_stale():
+            return False
+        warnings.warn("cupycoll: the coalescing manager's body raised; the calls it had queued "
+                      "were discarded, never issued", RuntimeWarning, stacklevel=4)
+        self._abandon_coalescing()
+        return True
+
+    def _check_coalescing_scope(self, op_name: str, other: "ProcessGroupCupycoll" = None) -> None:
+        """Called when the thread has an open block: it must be this group's own."""
+        owner = _open_block_owner.__dict__.get("group")
+        if owner is None:
+            return
+        if owner._drop_stale_block() or owner._coalescing is None:
+            if _open_block_owner.__dict__.get("group") is owner:
+                _open_block_owner.group = None
+            return
+        if owner is self:
+            return
+        target = other if other is not None else self
+        raise CupycollValueError(
+            f"{op_name} on group {target._group_name!r} inside a coalescing block of group "
+            f"{owner._group_name!r}: a coalescing manager batches the calls of one group; "
+            "close it first or use one manager per group")
 
     # -- lifetime ---------------------------------------------------------------------
     def _communicators(self) -> List[Communicator]:
@@ -842,26 +970,75 @@ class ProcessGroupCupycoll(ProcessGroup):
         return comms
 
     def shutdown(self) -> None:
-        """Destroy the NCCL communicators after their queued work; the group is unusable after."""
+        """Finalize and destroy the NCCL communicators once their work is done (healthy),
+        or abort them when the group has faulted or its work does not finish within the
+        timeout. The group is unusable afterwards."""
         if self._state != "ok":
             return
-        self._flush()
+        try:
+            self._flush()
+        except CupycollError:
+            pass  # the Works of that batch carry the error; shut down regardless
+        if not self._drain(self.settings.timeout.total_seconds()):
+            self.abort()
+            return
         self._state = "shut down"
-        self._inflight.clear()
+        self._stop_watching()
+        timeout = self.settings.timeout.total_seconds()
         for comm in self._communicators():
-            comm.shutdown()
+            try:
+                comm.shutdown(timeout)
+            except CupycollError as exc:
+                warnings.warn(f"cupycoll: shutting down {comm} failed ({exc}); it was aborted",
+                              RuntimeWarning, stacklevel=2)
+                comm.abort()
         self._cpu_shutdown()
 
+    def _drain(self, timeout: float) -> bool:
+        """Wait (polling, no sync) until every tracked Work is done; False on a fault or timeout."""
+        deadline = time.monotonic() + timeout
+        inflight = self._watch.inflight
+        while inflight:
+            if self._watch.fault is not None:
+                return False
+            if inflight[0]._query_done():
+                inflight.popleft()
+                continue
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return self._watch.fault is None
+
     def abort(self) -> None:
-        """Abort the NCCL communicators at once, without waiting for peers or the GPU."""
+        """Abort the NCCL communicators at once, without waiting for peers or the GPU: a
+        collective stuck on the GPU is ended, and so is a communicator still connecting.
+        Callable from any thread; never waits on peers."""
+        self._abort(CommunicatorAbortedError(f"process group {self._group_name!r} was aborted"))
+
+    def _abort(self, reason: BaseException) -> None:
         if self._state == "aborted":
             return
         self._state = "aborted"
         self._queue = []
-        for comm in self._communicators():
-            comm.abort()
-        self._inflight.clear()
+        self._stop_watching()
+        for comm in list(self._pending_comms) + self._communicators():
+            try:
+                comm.abort()
+            except CupycollError as exc:
+                warnings.warn(f"cupycoll: aborting {comm} failed: {exc}", RuntimeWarning, stacklevel=3)
+        # Only now, with the kernels ended, may the Works' tensors be released.
+        self._watch.fail_all(reason)
         self._cpu_shutdown()
+
+    def _on_fault(self, fault: BaseException) -> None:
+        """The watchdog found a timeout or an async NCCL error (runs on its thread)."""
+        self._fault = fault
+        self._abort(fault)
+
+    def _stop_watching(self) -> None:
+        if self._watched:
+            WATCHDOG.unwatch(self._watch)
+            self._watched = False
 
     def _cpu_shutdown(self) -> None:
         shutdown = getattr(self._cpu, "shutdown", None)
@@ -877,6 +1054,30 @@ class ProcessGroupCupycoll(ProcessGroup):
     alltoall_base = all_to_all_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+
+def abort_all() -> int:
+    """Abort every live cupycoll group of this process (from any thread); how many were."""
+    groups = [g for g in list(_LIVE_GROUPS) if g._state != "aborted"]
+    for group in groups:
+        group.abort()
+    return len(groups)
+
+
+def _calling_manager():
+    """A weak reference to the ``torch.distributed._coalescing_manager`` generator that is
+    calling ``_start_coalescing`` (None when called some other way). When the manager's
+    body raises, torch never calls ``_end_coalescing``; the closed generator tells us."""
+    frame = sys._getframe(3)
+    for _ in range(4):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        generator = getattr(owner, "gen", None)
+        if inspect.isgenerator(generator) and generator.gi_code.co_name == "_coalescing_manager":
+            return weakref.ref(generator)
+        frame = frame.f_back
+    return None
 
 
 def _is_cpu(device) -> bool:

@@ -10,7 +10,13 @@ A Work may be *pending*: its NCCL call is queued (batched point-to-point, or ins
 coalescing block) and not yet issued. Touching it (wait, is_completed, get_future) asks the
 group to issue the queue first, so a waited Work never hangs on an unissued call.
 
-Deliberately left out: the watchdog and async-error checks (a later layer).
+Every issued Work carries a completion event and is tracked by its group's watchdog
+(:mod:`cupycoll.watchdog`), which fails it with the fault (timeout, NCCL async error,
+abort) if one happens first: ``wait()`` then raises the fault, ``exception()`` returns it,
+``is_completed()`` is True and a future not yet handed out carries it. A future obtained
+*before* the fault completes in stream order, as ProcessGroupNCCL's does.
+
+Deliberately left out: the fault detection itself (the watchdog) and any retry.
 """
 
 from __future__ import annotations
@@ -22,20 +28,20 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import CupycollError
-
-
-class CollectiveTimeoutError(CupycollError, TimeoutError):
-    """``Work.wait(timeout)`` expired before the collective finished on the GPU."""
+from .errors import CollectiveTimeoutError, CupycollError
 
 
 class CudaWork(dist.Work):
     """The handle of one collective (or one coalesced batch) on a CUDA device."""
 
     def __init__(self, op_name: str, device: torch.device, outputs: List[torch.Tensor],
-                 flush: Optional[Callable[[], None]] = None, blocking_wait: bool = False):
+                 flush: Optional[Callable[[], None]] = None, blocking_wait: bool = False,
+                 seq: int = 0, peers: Optional[List[int]] = None):
         super().__init__()
         self.op_name = op_name
+        self.seq = seq
+        self.peers = peers  # global ranks taking part (None: the whole group)
+        self._issued_at = 0.0
         self.device = device
         self._outputs = outputs
         self._flush = flush  # set while queued; issues the queue
@@ -57,22 +63,51 @@ class CudaWork(dist.Work):
     def _failed(self, error: BaseException) -> None:
         """Issuing the queue this Work was in raised: it will never run."""
         self._flush = None
+        self._fail(CupycollError(f"{self.op_name} was never issued: {error}"), cause=error)
+
+    def _fail(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
+        """The watchdog (or a failed issue) ends this Work with ``error``; tensors are released."""
+        if self._error is not None:
+            return
+        if cause is not None:
+            error.__cause__ = cause
         self._error = error
-        self._outputs = []
+        self._keepalive = None
+        if self._future is None:
+            future = torch.futures.Future()
+            future.set_exception(error)
+            self._future = future
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
 
     def _ensure_issued(self) -> None:
         if self._flush is not None:
             self._flush()
-        if self._error is not None:
-            raise CupycollError(f"{self.op_name} was never issued: {self._error}") from self._error
+        self._raise_if_failed()
 
     def _completion_event(self) -> torch.cuda.Event:
-        # Synchronous collectives record no event on the hot path; make one on demand.
-        if self._event is None:
+        if self._event is None:  # only a Work built by hand lacks one
             self._event = torch.cuda.Event()
             self._event.record(self._stream)
         return self._event
 
+    def _query_done(self) -> bool:
+        """For the watchdog: has the GPU finished this Work? (Never synchronises.)"""
+        if self._error is not None:
+            return True
+        event = self._event
+        return event is not None and event.query()
+
+    def describe(self) -> str:
+        """op, sequence number, shapes and dtypes, peers: what a timeout message names."""
+        shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                           for t in self._outputs[:4])
+        if len(self._outputs) > 4:
+            shapes += f", ... ({len(self._outputs)} tensors)"
+        peers = "all ranks of the group" if self.peers is None else f"ranks {self.peers}"
+        return f"{self.op_name} #{self.seq} [{shapes}] on {self.device} with {peers}"
     # -- torch's Work interface -----------------------------------------------------
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         self._ensure_issued()
@@ -81,13 +116,16 @@ class CudaWork(dist.Work):
             event = self._completion_event()
             deadline = time.monotonic() + seconds
             while not event.query():
+                self._raise_if_failed()
                 if time.monotonic() > deadline:
                     raise CollectiveTimeoutError(
-                        f"{self.op_name} on {self.device} did not finish within {seconds:g} s"
+                        f"{self.describe()} did not finish within {seconds:g} s"
                     )
                 time.sleep(0.0005)
         elif self._blocking_wait:
+            # Returns when the GPU is done, or when an abort ends the stuck kernel.
             self._completion_event().synchronize()
+        self._raise_if_failed()
         if self._event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._event)
         elif self._stream is not None and self._stream != torch.cuda.current_stream(self.device):
@@ -98,6 +136,8 @@ class CudaWork(dist.Work):
         self.wait()
 
     def is_completed(self) -> bool:
+        if self._error is not None:
+            return True
         self._ensure_issued()
         done = self._completion_event().query()
         if done:
@@ -105,7 +145,7 @@ class CudaWork(dist.Work):
         return done
 
     def is_success(self) -> bool:
-        return self.is_completed()
+        return self.is_completed() and self._error is None
 
     def exception(self):
         return self._error
@@ -114,6 +154,7 @@ class CudaWork(dist.Work):
         raise CupycollError(f"{self.op_name}: source_rank() is only defined for recv from any source")
 
     def result(self) -> List[torch.Tensor]:
+        self._raise_if_failed()
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:

@@ -9,9 +9,10 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from cupycoll.errors import CupycollValueError
+from cupycoll.errors import CupycollError, CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
 
 CUDA = torch.device("cuda", 0)
@@ -166,4 +167,56 @@ def test_works_of_a_batch_that_failed_to_issue_raise(group):
         recv.wait()
     with pytest.raises(Exception, match="send was never issued: ncclGroupEnd failed"):
         send.wait()
-    assert isinstance(send.exception(), RuntimeError) and group._queue == []
+    error = send.exception()
+    assert isinstance(error, CupycollError) and isinstance(error.__cause__, RuntimeError)
+    assert send.is_completed() and not send.is_success() and group._queue == []
+    with pytest.raises(CupycollError, match="never issued"):
+        send.get_future().wait()
+
+
+def test_exception_in_the_managers_body_leaves_the_group_usable(group):
+    # torch never calls _end_coalescing when the body raises; the next call must not join
+    # (and wait forever in) the block that exception left open.
+    with pytest.raises(KeyError):
+        with dist._coalescing_manager(group=group, device=CUDA):
+            group.allreduce([x()], c10d.AllreduceOptions())
+            raise KeyError("user error inside the manager")
+    assert group.batches == []
+    with pytest.warns(RuntimeWarning, match="body raised"):
+        work = group.allreduce([x()], c10d.AllreduceOptions())
+    assert group.batches == [["all_reduce"]]  # issued alone, at once
+    assert group._coalescing is None
+    work.wait()
+    # and the next manager works normally
+    with dist._coalescing_manager(group=group, device=CUDA):
+        group.allreduce([x()], c10d.AllreduceOptions())
+        group.broadcast([x()], c10d.BroadcastOptions())
+    assert group.batches[-1] == ["all_reduce", "broadcast"]
+
+
+def test_a_call_on_another_group_inside_a_manager_is_an_error(group):
+    other = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
+    other.batches = []
+    other.setGroupName("other")
+    group.setGroupName("first")
+    with dist._coalescing_manager(group=group, device=CUDA):
+        group.allreduce([x()], c10d.AllreduceOptions())
+        with pytest.raises(CupycollValueError, match="all_reduce on group 'other' inside a coalescing "
+                                                     "block of group 'first'"):
+            other.allreduce([x()], c10d.AllreduceOptions())
+    assert group.batches == [["all_reduce"]] and other.batches == []
+    other.allreduce([x()], c10d.AllreduceOptions())  # outside the manager: fine
+    assert other.batches == [["all_reduce"]]
+
+
+def test_cpu_tensors_inside_a_cuda_block_are_an_error(group):
+    class Routing(QueueGroup):
+        def _is_cuda(self, tensors, op_name):
+            return ProcessGroupCupycoll._is_cuda(self, tensors, op_name)
+
+    routing = Routing(None, 0, 3, datetime.timedelta(seconds=5))
+    routing.batches = []
+    routing._start_coalescing(CUDA)
+    with pytest.raises(CupycollValueError, match="CPU tensors inside a coalescing block of CUDA calls"):
+        routing.allreduce([x()], c10d.AllreduceOptions())
+    routing._end_coalescing(CUDA)

@@ -1,0 +1,442 @@
+"""Faults as pure logic on CPU, driven by real threads: the watchdog and Work state machine,
+group abort (from another thread, during init), timeouts of communicator creation, and the
+nonblocking polling loop. Stand-ins replace CUDA events and NCCL communicators; the GPU tier
+(tests/gpu/test_gpu_faults.py) proves the same behaviour with real ones."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+import cupycoll
+from cupycoll import communicator as communicator_module
+from cupycoll import nccl_bindings as nb
+from cupycoll import process_group as pg_module
+from cupycoll.communicator import Communicator
+from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
+from cupycoll.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
+from cupycoll.work import CudaWork
+
+CUDA = torch.device("cuda", 0)
+
+
+class FakeEvent:
+    """A CUDA event stand-in: ``query()`` turns True when the test says the GPU is done."""
+
+    def __init__(self):
+        self.fired = threading.Event()
+
+    def query(self):
+        return self.fired.is_set()
+
+
+class FakeComm:
+    def __init__(self):
+        self.aborted = threading.Event()
+        self.error = None
+
+    def async_error(self):
+        return self.error
+
+    def abort(self):
+        self.aborted.set()
+
+
+def issued_work(seq=1, shape=(4,), op="all_reduce"):
+    tensor = torch.ones(*shape)
+    work = CudaWork(op, CUDA, [tensor], seq=seq)
+    event = FakeEvent()
+    work._issued(None, event, keepalive=tensor)
+    return work, event
+
+
+def eventually(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+# -- the watch: one group's state machine ---------------------------------------------
+
+
+def test_completed_works_leave_the_watch_and_release_their_tensors():
+    watch = Watch("g", timeout=5, interval=0.01, communicators=list, on_fault=pytest.fail)
+    works = [issued_work(seq=i) for i in range(3)]
+    for work, _ in works:
+        watch.track(work)
+    works[0][1].fired.set()
+    works[1][1].fired.set()
+    assert watch.poll() is None
+    assert [w.seq for w in watch.inflight] == [2]
+    tensor = weakref.ref(works[0][0]._outputs[0])
+    del works[0]
+    assert tensor() is None  # only the user's Work held it, and that is gone
+    works[-1][1].fired.set()
+    watch.poll()
+    assert not watch.inflight
+
+
+def test_a_work_older_than_the_timeout_is_a_fault_naming_the_collective():
+    faults = []
+    watch = Watch("trainers", timeout=0.05, interval=0.01, communicators=list, on_fault=faults.append)
+    done, _ = issued_work(seq=1)
+    stuck, _ = issued_work(seq=7, shape=(2, 3), op="reduce_scatter_tensor")
+    done._event.fired.set()
+    watch.track(done)
+    watch.track(stuck)
+    assert watch.poll() is None  # not old yet
+    time.sleep(0.06)
+    fault = watch.poll()
+    assert isinstance(fault, CollectiveTimeoutError) and faults == [fault]
+    message = str(fault)
+    assert "'trainers'" in message and "reduce_scatter_tensor #7" in message and "(2, 3) float32" in message
+    # the stuck Work is failed: every way of looking at it shows the fault
+    with pytest.raises(CollectiveTimeoutError, match="reduce_scatter_tensor #7"):
+        stuck.wait()
+    assert stuck.exception() is fault and stuck.is_completed() and not stuck.is_success()
+    with pytest.raises(CollectiveTimeoutError):
+        stuck.get_future().wait()
+    with pytest.raises(CollectiveTimeoutError):
+        stuck.result()
+    assert stuck._keepalive is None and not watch.inflight
+    assert watch.poll() is None  # a fault is reported once
+
+
+def test_an_async_nccl_error_is_a_fault():
+    comm = FakeComm()
+    faults = []
+    watch = Watch("g", timeout=60, interval=0.01, communicators=lambda: [comm], on_fault=faults.append)
+    work, _ = issued_work()
+    watch.track(work)
+    assert watch.poll() is None
+    comm.error = NcclError(6, "ncclCommGetAsyncError", "", "peer closed the connection")
+    fault = watch.poll()
+    assert isinstance(fault, NcclError) and fault.status_name == "ncclRemoteError"
+    assert "peer closed the connection" in str(fault) and faults == [fault]
+    with pytest.raises(NcclError):
+        work.wait()
+
+
+def test_the_watchdog_thread_finds_a_stuck_work_and_then_exits():
+    watchdog = Watchdog()
+    faulted = threading.Event()
+    watch = Watch("g", timeout=0.1, interval=0.01, communicators=list, on_fault=lambda f: faulted.set())
+    work, _ = issued_work()
+    watchdog.watch(watch)
+    watch.track(work)
+    start = time.monotonic()
+    assert faulted.wait(5)
+    assert 0.1 <= time.monotonic() - start < 2
+    assert eventually(lambda: not watchdog.running)  # nothing left to watch
+    assert isinstance(work.exception(), CollectiveTimeoutError)
+
+
+def test_watchdog_threads_do_not_accumulate():
+    watchdog = Watchdog()
+    before = threading.active_count()
+    for _ in range(50):
+        watch = Watch("g", timeout=60, interval=0.001, communicators=list, on_fault=pytest.fail)
+        watchdog.watch(watch)
+        watchdog.unwatch(watch)
+        del watch
+    assert eventually(lambda: not watchdog.running)
+    assert threading.active_count() <= before
+
+
+def test_terminate_policy_ends_the_process(tmp_path):
+    script = textwrap.dedent(f"""
+        import threading, time, torch
+        from cupycoll.watchdog import Watch, Watchdog
+        from cupycoll.work import CudaWork
+        class Never:
+            def query(self): return False
+        work = CudaWork("all_reduce", torch.device("cuda", 0), [torch.ones(2)], seq=3)
+        work._issued(None, Never())
+        watch = Watch("g", timeout=0.05, interval=0.01, communicators=list,
+                      on_fault=lambda f: None, policy="terminate")
+        Watchdog().watch(watch)
+        watch.track(work)
+        time.sleep(10)
+        print("still alive")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == TERMINATE_EXIT_CODE, result.stderr
+    assert "terminating the process" in result.stderr and "all_reduce #3" in result.stderr
+    assert "still alive" not in result.stdout
+
+
+# -- the group: fault, abort, init timeouts -------------------------------------------
+
+
+class FaultGroup(pg_module.ProcessGroupCupycoll):
+    """No gloo, CPU tensors take the CUDA path up to the communicator."""
+
+    def _build_cpu_group(self, store, rank, size, timeout):
+        return None
+
+    def _is_cuda(self, tensors, op_name):
+        self._classify(tensors, op_name)
+        return True
+
+    def _check_device(self, tensor, what):
+        return CUDA
+
+
+def make_group(rank=0, size=2, timeout=5.0, store=None):
+    return FaultGroup(store if store is not None else dist.HashStore(), rank, size,
+                      datetime.timedelta(seconds=timeout))
+
+
+def test_a_fault_aborts_the_communicators_and_every_later_call_raises():
+    group = make_group()
+    comm = FakeComm()
+    group._comm = comm
+    work, _ = issued_work(seq=4)
+    group._watch.track(work)
+    fault = CollectiveTimeoutError("all_reduce #4 did not complete")
+    group._watch.handle(fault)
+    assert comm.aborted.is_set() and group._state == "aborted"
+    assert work.exception() is fault
+    with pytest.raises(CommunicatorAbortedError, match="was aborted: all_reduce #4 did not complete"):
+        group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
+    with pytest.raises(CommunicatorAbortedError):
+        group.barrier(c10d.BarrierOptions())
+
+
+def test_abort_from_another_thread_fails_the_works_in_flight():
+    group = make_group()
+    comm = FakeComm()
+    group._comm = comm
+    work, _ = issued_work()
+    group._watch.track(work)
+    thread = threading.Thread(target=group.abort)
+    thread.start()
+    thread.join(5)
+    assert comm.aborted.is_set()
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        work.wait()
+
+
+def test_abort_all_reaches_every_live_group():
+    groups = [make_group(), make_group()]
+    comms = [FakeComm(), FakeComm()]
+    for group, comm in zip(groups, comms):
+        group._comm = comm
+    assert cupycoll.abort_all() >= 2
+    assert all(c.aborted.is_set() for c in comms)
+    assert all(g._state == "aborted" for g in groups)
+
+
+def test_a_rank_that_never_sends_the_unique_id_times_out():
+    group = make_group(rank=1, timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="ncclUniqueId of 'comm'"):
+        group._exchange_unique_id("comm", creator=False, members=2)
+    assert time.monotonic() - start < 3
+
+
+def test_a_rank_that_never_joins_makes_creation_time_out(monkeypatch):
+    monkeypatch.setattr(pg_module, "new_unique_id", lambda: b"\1" * 128)
+    group = make_group(rank=0, size=3, timeout=0.3)
+    with pytest.raises(CollectiveTimeoutError, match=r"all 3 ranks to join .* \(1 arrived\)"):
+        group._exchange_unique_id("comm", creator=True, members=3)
+
+
+def test_ranks_that_all_join_get_the_same_unique_id(monkeypatch):
+    monkeypatch.setattr(pg_module, "new_unique_id", lambda: b"\7" * 128)
+    store = dist.HashStore()
+    groups = [make_group(rank=r, size=3, store=store) for r in range(3)]
+    results = {}
+    threads = [threading.Thread(target=lambda g=g: results.setdefault(
+        g._rank, g._exchange_unique_id("comm", g._rank == 0, 3))) for g in groups]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert results == {0: b"\7" * 128, 1: b"\7" * 128, 2: b"\7" * 128}
+
+
+def test_abort_ends_a_wait_for_peers_during_init():
+    group = make_group(rank=1, timeout=60)
+    errors = []
+
+    def create():
+        try:
+            group._exchange_unique_id("comm", creator=False, members=2)
+        except CupycollError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=create)
+    thread.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    group.abort()
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - start < 2
+    assert isinstance(errors[0], CommunicatorAbortedError)
+
+
+def test_abort_reaches_a_communicator_still_connecting(monkeypatch):
+    class Connecting(FakeComm):
+        def wait_ready(self):
+            if not self.aborted.wait(30):
+                raise AssertionError("never aborted")
+            raise CommunicatorAbortedError("aborted while connecting")
+
+    pending = Connecting()
+    monkeypatch.setattr(Communicator, "begin", classmethod(lambda cls, *a, **k: pending))
+    group = make_group()
+    errors = []
+
+    def create():
+        try:
+            group._create_comm(b"\0" * 128, 0, 2, 0)
+        except CupycollError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=create)
+    thread.start()
+    assert eventually(lambda: group._pending_comms == [pending])
+    group.abort()
+    thread.join(5)
+    assert pending.aborted.is_set() and isinstance(errors[0], CommunicatorAbortedError)
+    assert group._pending_comms == []
+
+
+# -- nonblocking polling (the communicator's loop, with a scripted NCCL) -----------------
+
+
+class ScriptedLibrary:
+    """ncclCommGetAsyncError answers from a script; abort is recorded."""
+
+    def __init__(self, states):
+        self.states = list(states)
+        self.aborts = 0
+
+    def ncclCommGetAsyncError(self, comm, status_ref):
+        status = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        ctypes.cast(status_ref, ctypes.POINTER(ctypes.c_int)).contents.value = status
+        return 0
+
+    def ncclCommAbort(self, comm):
+        self.aborts += 1
+        return 0
+
+    def error_string(self, status):
+        return "remote process exited"
+
+    def last_error(self):
+        return "socket closed"
+
+
+def polling_comm(states, timeout=5.0):
+    comm = Communicator.__new__(Communicator)
+    comm._cupy_comm = None
+    comm._handle = 1234
+    comm.nonblocking = True
+    comm._lib = ScriptedLibrary(states)
+    comm.device, comm.rank, comm.size = 0, 0, 2
+    comm.timeout = timeout
+    comm.state = "ok"
+    comm._lock = threading.Lock()
+    return comm
+
+
+@pytest.fixture
+def no_device(monkeypatch):
+    class Device:
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Cuda:
+        pass
+
+    class FakeCupy:
+        cuda = Cuda()
+
+    FakeCupy.cuda.Device = Device
+    monkeypatch.setattr(communicator_module._cuda, "cupy_module", lambda: FakeCupy)
+
+
+def test_in_progress_is_polled_until_success():
+    comm = polling_comm([nb.ncclInProgress] * 5 + [nb.ncclSuccess])
+    comm._poll("ncclAllReduce")
+    assert comm._lib.states == [nb.ncclSuccess] and comm.state == "ok"
+
+
+def test_an_error_while_polling_raises_with_the_function_and_aborts(no_device):
+    comm = polling_comm([nb.ncclInProgress, 6])
+    with pytest.raises(NcclError, match="ncclAllReduce failed: ncclRemoteError") as info:
+        comm._poll("ncclAllReduce")
+    assert info.value.last_error == "socket closed" and comm._lib.aborts == 1 and comm.state == "aborted"
+
+
+def test_polling_past_the_timeout_aborts(no_device):
+    comm = polling_comm([nb.ncclInProgress], timeout=0.1)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="ncclCommInitRankConfig .* within 0.1 s"):
+        comm._poll("ncclCommInitRankConfig")
+    assert time.monotonic() - start < 2 and comm._lib.aborts == 1 and comm.state == "aborted"
+
+
+def test_abort_from_another_thread_ends_polling(no_device):
+    comm = polling_comm([nb.ncclInProgress], timeout=60)
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(
+        CommunicatorAbortedError, comm._poll, "ncclCommInitRankConfig")))
+    thread.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    assert comm.abort() == 0
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - start < 2 and errors
+    assert comm.abort() is None  # idempotent: nothing left to abort
+
+
+def test_calls_inside_a_group_are_polled_when_the_outermost_group_ends(monkeypatch):
+    events = []
+
+    class GroupLibrary:
+        def ncclGroupStart(self):
+            events.append("start")
+            return 0
+
+        def ncclGroupEnd(self):
+            events.append("end")
+            return nb.ncclInProgress
+
+    monkeypatch.setattr(communicator_module, "_library", lambda path=None: GroupLibrary())
+    first, second = polling_comm([nb.ncclSuccess]), polling_comm([nb.ncclSuccess])
+    for comm in (first, second):
+        comm._poll = lambda function, timeout=None, comm=comm: events.append(("poll", comm, function))
+    with communicator_module.nccl_group():
+        first._settle("ncclSend", nb.ncclSuccess)
+        with communicator_module.nccl_group():
+            second._settle("ncclRecv", nb.ncclSuccess)
+            first._settle("ncclRecv", nb.ncclSuccess)
+        assert events == ["start", "start", "end"]  # the inner end settles nothing
+    assert events == ["start", "start", "end", "end",
+                      ("poll", first, "ncclGroupEnd"), ("poll", second, "ncclGroupEnd")]
+    # outside a group, a call that returned ncclInProgress is polled at once
+    first._settle("ncclAllReduce", nb.ncclInProgress)
+    assert events[-1] == ("poll", first, "ncclAllReduce")
