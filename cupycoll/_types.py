@@ -72,6 +72,8 @@ class Reduction:
 
 def op_type(reduce_op) -> RedOpType:
     """The RedOpType of ``ReduceOp``, ``RedOpType`` or an options' ``reduceOp``."""
+    if type(reduce_op) is ReduceOp:
+        return reduce_op.op
     if isinstance(reduce_op, RedOpType):
         return reduce_op
     op = getattr(reduce_op, "op", None)
@@ -80,9 +82,26 @@ def op_type(reduce_op) -> RedOpType:
     raise CupycollTypeError(f"reduce op {reduce_op!r} is not a torch.distributed.ReduceOp")
 
 
+# (dtype, RedOpType value, fp8 available) -> Reduction, for every op but PREMUL_SUM (whose
+# factor is per call). Hashing pybind enums and comparing them costs a microsecond each;
+# the hot path pays one int and one dict lookup instead.
+_CACHE: dict = {}
+
+
 def reduction(dtype: torch.dtype, reduce_op, fp8_available: bool) -> Reduction:
     """Map (dtype, op) to NCCL, or raise naming both when NCCL cannot do it."""
     kind = op_type(reduce_op)
+    key = (dtype, kind.value, fp8_available)
+    cached = _CACHE.get(key)
+    if cached is not None:
+        return cached
+    red = _reduction(dtype, kind, reduce_op, fp8_available)
+    if red.premul_factor is None:
+        _CACHE[key] = red
+    return red
+
+
+def _reduction(dtype: torch.dtype, kind: RedOpType, reduce_op, fp8_available: bool) -> Reduction:
     if kind in _BITWISE:
         raise CupycollValueError(
             f"ReduceOp.{kind.name} is not supported by NCCL (dtype {dtype}); "

@@ -451,11 +451,16 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     def _enqueue(self, issues: List[_Issue]) -> None:
         device = self._device
-        if any(i.peer is None for i in issues):
-            self._comm_for(device)
-        # Pair communicators are created in one global order (by peer), so creating them
-        # can never wait in a cycle.
-        comms = {peer: self._p2p_comm(peer) for peer in sorted({i.peer for i in issues} - {None})}
+        if len(issues) == 1 and issues[0].peer is None:  # the hot path: one collective
+            comms = None
+            if self._comm is None:
+                self._comm_for(device)
+        else:
+            if any(i.peer is None for i in issues):
+                self._comm_for(device)
+            # Pair communicators are created in one global order (by peer), so creating
+            # them can never wait in a cycle.
+            comms = {peer: self._p2p_comm(peer) for peer in sorted({i.peer for i in issues} - {None})}
         current = torch.cuda.current_stream(device)
         async_op = any(i.async_op for i in issues)
         if async_op:
@@ -463,26 +468,35 @@ class ProcessGroupCupycoll(ProcessGroup):
             stream.wait_stream(current)
         else:
             stream = current
-        stream_ptr = stream.cuda_stream
-        with torch.cuda.stream(stream):
-            if len(issues) == 1:
-                self._launch(issues[0], comms, stream_ptr)
-            else:
-                with nccl_group():
-                    for issue in issues:
-                        self._launch(issue, comms, stream_ptr)
-            for issue in issues:
-                if issue.finish is not None:
-                    issue.finish()
-            # Every call gets a completion event: the watchdog queries it (never syncs).
-            event = torch.cuda.Event()
-            event.record(stream)
+        if async_op or current.device_index != torch.cuda.current_device():
+            # Make ``stream`` (and its device) current for what launch/finish allocate.
+            with torch.cuda.stream(stream):
+                self._launch_all(issues, comms, stream.cuda_stream)
+        else:
+            self._launch_all(issues, comms, stream.cuda_stream)
+        self._track(issues, stream, async_op)
+
+    def _launch_all(self, issues: List[_Issue], comms, stream_ptr: int) -> None:
+        if len(issues) == 1:
+            self._launch(issues[0], comms, stream_ptr)
+        else:
+            with nccl_group(self.settings.nccl_library):
+                for issue in issues:
+                    self._launch(issue, comms, stream_ptr)
+        for issue in issues:
+            if issue.finish is not None:
+                issue.finish()
+
+    def _track(self, issues: List[_Issue], stream, async_op: bool) -> None:
+        """Give the issued calls a completion event and hand them to the watchdog (which only
+        queries the event, never syncs). Async calls keep their tensors until it fires."""
+        event = torch.cuda.Event()
+        event.record(stream)
         if not self._watched:
             WATCHDOG.watch(self._watch)
             self._watched = True
         track = self._watch.track
         for issue in issues:
-            # Async calls keep their tensors until the event fires (no record_stream).
             issue.work._issued(stream, event, issue.keepalive if async_op else None)
             track(issue.work)
 
@@ -514,8 +528,25 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     def _classify(self, tensors, op_name: str) -> bool:
         """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""
-        self._check_usable()
+        if self._state != "ok":
+            self._check_usable()
         flat = _flat(tensors)
+        # Fast path (the hot one): all tensors, all on CUDA, one device; or all on CPU.
+        try:
+            cuda = sum(t.is_cuda for t in flat)
+        except AttributeError:
+            cuda = -1  # not all tensors: the checks below name the culprit
+        if cuda == len(flat) and cuda:
+            if cuda == 1:
+                return True
+            first = flat[0].device
+            if all(t.device == first for t in flat):
+                return True
+        elif cuda == 0 and all(t.is_cpu for t in flat):
+            return False
+        return self._classify_slowly(flat, op_name)
+
+    def _classify_slowly(self, flat: List, op_name: str) -> bool:
         for index, tensor in enumerate(flat):
             _check_tensor(tensor, f"{op_name}: tensor {index}")
         kinds = {t.device.type for t in flat}

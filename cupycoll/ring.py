@@ -225,19 +225,14 @@ class Ring:
         factor = numpy.dtype(element.acc).type(premul if premul is not None else 0)
         factor_ptr = numpy.uint64(premul_ptr or 0)
         divisor = numpy.int64(comm.size)
-        pack = 16 // acc_itemsize
 
         with cupy.cuda.Device(comm.device):
             streams = {CALLER: _external_stream(cupy, stream, comm.device), SIDE: self._side}
             caller, side = streams[CALLER], streams[SIDE]
 
             def launch(kind: str, local: int, incoming: int, out: int, n: int) -> None:
-                threads_needed = -(-n // pack)
-                blocks = min(MAX_BLOCKS, max(1, -(-threads_needed // THREADS_PER_BLOCK)))
-                kernels[kind]((blocks,), (THREADS_PER_BLOCK,),
-                              (numpy.uint64(local), numpy.uint64(incoming), numpy.uint64(out),
-                               numpy.uint64(n), factor_ptr, factor, divisor),
-                              stream=caller)
+                launch_kernel(kernels[kind], dtype, local, incoming, out, n, caller,
+                              factor, factor_ptr, divisor)
 
             def exchange(send_ptr, send_bytes, recv_ptr, recv_bytes) -> None:
                 with nccl_group():
@@ -297,6 +292,22 @@ class Ring:
         if event is None:
             event = self._events[name] = _cuda.cupy_module().cuda.Event(disable_timing=True)
         return event
+
+
+def launch_kernel(kernel, dtype: str, local: int, incoming: int, out: int, n: int, stream,
+                  factor=None, factor_ptr=None, divisor=None) -> None:
+    """Launch one ring kernel (any kind: they share one parameter list) over ``n`` elements
+    on the cupy ``stream``. ``factor``/``factor_ptr``/``divisor`` default to "unused"."""
+    element = ELEMENTS[dtype]
+    acc = numpy.dtype(element.acc).type
+    threads_needed = -(-n // (16 // element.acc_itemsize))  # one 16-byte pack per thread
+    blocks = min(MAX_BLOCKS, max(1, -(-threads_needed // THREADS_PER_BLOCK)))
+    kernel((blocks,), (THREADS_PER_BLOCK,),
+           (numpy.uint64(local), numpy.uint64(incoming), numpy.uint64(out), numpy.uint64(n),
+            numpy.uint64(0) if factor_ptr is None else factor_ptr,
+            acc(0) if factor is None else factor,
+            numpy.int64(1) if divisor is None else divisor),
+           stream=stream)
 
 
 class _StreamHandle:

@@ -1,0 +1,262 @@
+"""One rank of a fault scenario (tests/gpu/test_gpu_faults.py): a peer that skips a
+collective, dies, never joins, an abort from another thread, init/abort cycles, recovery.
+
+Usage: fault_worker.py SCENARIO MODE OUT_DIR, MODE being "blocking" or "nonblocking".
+Each rank writes OUT_DIR/rank<N>.json with what it measured; the test reads and asserts.
+Every rank exits 0 after handling the fault (except the one that is killed on purpose).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore
+
+import cupycoll
+
+TIMEOUT_S = 5.0  # the groups' timeout: faults must surface within TIMEOUT_S + 5 s
+
+
+def main() -> None:
+    scenario, mode, out_dir = sys.argv[1:4]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    ctx = Context(rank, world, device, store, mode == "nonblocking")
+    result = SCENARIOS[scenario](ctx)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(result or {}, fh)
+    # The store's host must outlive the others' last use of it.
+    store.add("exited", 1)
+    if rank == 0:
+        deadline = time.monotonic() + 30
+        while store.add("exited", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    os._exit(0)  # a faulted group's NCCL state is gone; skip interpreter teardown races
+
+
+class Context:
+    def __init__(self, rank, world, device, store, nonblocking):
+        self.rank, self.world, self.device, self.store = rank, world, device, store
+        self.nonblocking = nonblocking
+        self.cycle = 0
+
+    def init(self, eager=True, timeout=TIMEOUT_S):
+        """A fresh default group on a fresh store prefix (what recovery does)."""
+        self.cycle += 1
+        dist.init_process_group(
+            "cpu:gloo,cuda:cupycoll", store=PrefixStore(f"cycle{self.cycle}/", self.store),
+            rank=self.rank, world_size=self.world, timeout=datetime.timedelta(seconds=60),
+            device_id=self.device if eager else None,
+            pg_options=cupycoll.Options(timeout=timeout, nonblocking=self.nonblocking, watchdog_interval=0.05))
+        return dist.group.WORLD
+
+    def wait_for(self, key, seconds=60):
+        deadline = time.monotonic() + seconds
+        while not self.store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def all_reach(self, key, seconds=60):
+        """A store-only barrier (the group under test may be dead)."""
+        self.store.add(key, 1)
+        deadline = time.monotonic() + seconds
+        while self.store.add(key, 0) < self.world and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def expect_fault(action):
+    """Run ``action`` until it raises a cupycoll error; (seconds taken, error text)."""
+    start = time.monotonic()
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - through DDP's C++ reducer it may be re-wrapped
+        return time.monotonic() - start, f"{type(exc).__name__}: {exc}"
+    return time.monotonic() - start, None
+
+
+def skip(ctx, eager=True):
+    """The last rank skips an all_reduce the others issue."""
+    ctx.init(eager=eager)
+    x = torch.ones(1 << 16, device=ctx.device)
+    if eager:
+        dist.all_reduce(x)  # a healthy collective first: the fault is in a working group
+        torch.cuda.synchronize()
+    result = {}
+    if ctx.rank == ctx.world - 1:
+        ctx.wait_for("survivors-done")
+    else:
+        def collective():
+            work = dist.all_reduce(x, async_op=True)
+            work.wait()
+            torch.cuda.synchronize()  # ends when the watchdog's abort ends the kernel
+            work.wait()  # the fault, now on the Work
+        result["seconds"], result["error"] = expect_fault(collective)
+        # every later call raises at once
+        result["later_seconds"], result["later_error"] = expect_fault(lambda: dist.all_reduce(x))
+        if ctx.store.add("survivors", 1) == ctx.world - 1:
+            ctx.store.set("survivors-done", "1")
+    dist.destroy_process_group()
+    return result
+
+
+def skip_lazy(ctx):
+    """The last rank never joins: the others' first collective creates the communicator."""
+    return skip(ctx, eager=False)
+
+
+def killed(ctx):
+    """The last rank is SIGKILLed in the middle of a training loop."""
+    ctx.init()
+    model = torch.nn.Linear(256, 256).to(ctx.device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index])
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    result = {}
+
+    def train():
+        for step in range(10_000):
+            if ctx.rank == ctx.world - 1 and step == 20:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss = ddp(torch.randn(32, 256, device=ctx.device)).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            torch.cuda.synchronize()
+            result["steps"] = step + 1
+            result["last_step_at"] = time.monotonic()
+    result["seconds"], result["error"] = expect_fault(train)
+    result["since_last_step"] = time.monotonic() - result.pop("last_step_at")
+    dist.destroy_process_group()
+    return result
+
+
+def abort_thread(ctx):
+    """Rank 0 is stuck in an all_reduce rank 1 never issues; another thread aborts."""
+    ctx.init(timeout=120)  # long: the watchdog must not be what frees it
+    x = torch.ones(1 << 16, device=ctx.device)
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    result = {}
+    if ctx.rank == 0:
+        aborted_at = []
+
+        def abort_soon():
+            time.sleep(1.0)
+            aborted_at.append(time.monotonic())
+            dist.group.WORLD.abort()
+            aborted_at.append(time.monotonic())
+
+        thread = threading.Thread(target=abort_soon)
+        dist.all_reduce(x)
+        thread.start()
+        torch.cuda.synchronize()  # stuck until the abort
+        released_at = time.monotonic()
+        thread.join()
+        result["release_after_abort_s"] = released_at - aborted_at[0]
+        result["abort_call_s"] = aborted_at[1] - aborted_at[0]
+        result["later_seconds"], result["later_error"] = expect_fault(lambda: dist.all_reduce(x))
+        ctx.store.set("aborted", "1")
+    else:
+        ctx.wait_for("aborted")
+    dist.destroy_process_group()
+    return result
+
+
+def never_joins(ctx):
+    """The last rank joins the store rendezvous but never creates the NCCL communicator."""
+    result = {}
+    if ctx.rank == ctx.world - 1:
+        ctx.init(eager=False)  # in the group (gloo connects), but no NCCL communicator
+        ctx.wait_for("init-failed")
+        dist.destroy_process_group()
+        return result
+    start = time.monotonic()
+    try:
+        ctx.init(eager=True)
+        result["error"] = None
+    except Exception as exc:  # torch may wrap the backend's error
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["seconds"] = time.monotonic() - start
+    if ctx.store.add("failed", 1) == ctx.world - 1:
+        ctx.store.set("init-failed", "1")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+def _resources():
+    free, _total = torch.cuda.mem_get_info()
+    return {"gpu_free": free, "threads": len(os.listdir("/proc/self/task")),
+            "fds": len(os.listdir("/proc/self/fd"))}
+
+
+def cycles(ctx, count=50):
+    """init, all_reduce, abort, destroy: ``count`` times; resources sampled along the way."""
+    samples = []
+    for cycle in range(count):
+        group = ctx.init()
+        x = torch.full((1 << 16,), float(cycle), device=ctx.device)
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        assert x[0].item() == cycle * ctx.world
+        group.abort()
+        dist.destroy_process_group()
+        ctx.all_reach(f"cycle-done/{cycle}")
+        if cycle in (4, count - 1):
+            time.sleep(0.5)  # let NCCL's proxy threads finish exiting
+            samples.append(_resources())
+    return {"after_5": samples[0], "after_all": samples[1]}
+
+
+def recover(ctx):
+    """Three times: train, a peer skips a collective (fault), every rank aborts and builds
+    a new group on a new store prefix, and training goes on from the same model."""
+    model = torch.nn.Linear(64, 64).to(ctx.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    result = {"faults": [], "steps_after_recovery": []}
+    for round_ in range(3):
+        ctx.init()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index])
+        for _ in range(5):
+            ddp(torch.randn(8, 64, device=ctx.device)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.cuda.synchronize()
+        result["steps_after_recovery"].append(5)
+        x = torch.ones(4, device=ctx.device)
+        if ctx.rank == ctx.world - 1:
+            dist.group.WORLD.abort()  # this rank "fails" and skips the collective
+            error = "skipped"
+        else:
+            def collective():
+                dist.all_reduce(x)
+                torch.cuda.synchronize()
+                dist.all_reduce(x)
+            _seconds, error = expect_fault(collective)
+        result["faults"].append(error)
+        del ddp
+        dist.destroy_process_group()
+        ctx.all_reach(f"round-{round_}")
+    # parameters stayed identical across ranks through the recoveries
+    ctx.init()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(ctx.world)]
+    dist.all_gather(gathered, flat)
+    result["params_equal"] = all(torch.equal(gathered[0], g) for g in gathered)
+    dist.destroy_process_group()
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (skip, skip_lazy, killed, abort_thread, never_joins, cycles, recover)}
+
+if __name__ == "__main__":
+    main()
