@@ -57,6 +57,12 @@ _NCCL_OPS = {
 _BOOL_OPS = {RedOpType.SUM: nb.ncclMax, RedOpType.PRODUCT: nb.ncclMin,
              RedOpType.MAX: nb.ncclMax, RedOpType.MIN: nb.ncclMin}
 _BITWISE = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
+BITWISE_VALUES = frozenset(kind.value for kind in _BITWISE)
+
+
+def ring_names(dtype: torch.dtype, kind: RedOpType):
+    """(dtype, op) as cupycoll.ring names them: ``("bfloat16", "sum")``."""
+    return str(dtype).replace("torch.", ""), kind.name.lower()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +110,8 @@ def reduction(dtype: torch.dtype, reduce_op, fp8_available: bool) -> Reduction:
 def _reduction(dtype: torch.dtype, kind: RedOpType, reduce_op, fp8_available: bool) -> Reduction:
     if kind in _BITWISE:
         raise CupycollValueError(
-            f"ReduceOp.{kind.name} is not supported by NCCL (dtype {dtype}); "
-            "cupycoll's ring algorithm will provide bitwise reductions"
+            f"ReduceOp.{kind.name} is not supported by NCCL (dtype {dtype}); cupycoll's ring "
+            "algorithm does bitwise reductions: algorithm 'auto' (the default) or 'ring'"
         )
     if dtype in _FP8_DTYPES:
         if not fp8_available:

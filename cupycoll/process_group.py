@@ -137,15 +137,17 @@ def _split_color(ranks: Sequence[int]) -> int:
 class _Issue:
     """One NCCL call (or a few, e.g. an all-to-all) waiting to be enqueued."""
 
-    __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer")
+    __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer", "own_group")
 
-    def __init__(self, work, launch, finish, keepalive, async_op, peer=None):
+    def __init__(self, work, launch, finish, keepalive, async_op, peer=None, own_group=False):
         self.work = work
         self.launch = launch  # launch(comm_for_peer, stream_ptr): the NCCL calls
         self.finish = finish  # finish(): copies that must follow the NCCL group, or None
         self.keepalive = keepalive
         self.async_op = async_op
         self.peer = peer  # point-to-point peer (group rank), None for collectives
+        # The ring algorithm: NCCL groups of its own plus kernels, so never inside another group.
+        self.own_group = own_group
 
 
 class _CudaBackendHandle:
@@ -206,6 +208,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._fault: Optional[BaseException] = None
         self._seq = 0
         self._pending_comms: List[Communicator] = []  # being created: abort() must reach them
+        self._rings: Dict[int, object] = {}  # id(communicator) -> cupycoll.ring.Ring
         self._fp8: Optional[bool] = None
         self._handle = _CudaBackendHandle(self)
         # The watch refers back weakly: a cycle would keep destroyed groups alive (see above).
@@ -414,7 +417,7 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     # -- enqueueing -------------------------------------------------------------------
     def _submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-                peer=None, blocking_wait=False) -> CudaWork:
+                peer=None, blocking_wait=False, own_group=False) -> CudaWork:
         """Issue (or queue) one CUDA call and return its Work. Everything is validated."""
         if self._device is None:
             self._device = device  # the first CUDA call picks the group's device
@@ -423,7 +426,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._seq += 1
         work = CudaWork(op_name, device, outputs, blocking_wait=blocking_wait, seq=self._seq,
                         peers=None if peer is None else [self._global_ranks[peer]])
-        issue = _Issue(work, launch, finish, keepalive, async_op, peer)
+        issue = _Issue(work, launch, finish, keepalive, async_op, peer, own_group)
         if self._coalescing is not None or peer is not None:
             work._flush = self._flush
             self._queue.append(issue)
@@ -482,6 +485,11 @@ class ProcessGroupCupycoll(ProcessGroup):
         else:
             with nccl_group(self.settings.nccl_library):
                 for issue in issues:
+                    if not issue.own_group:
+                        self._launch(issue, comms, stream_ptr)
+            # Ring calls follow the group on the same stream, in the same order on every rank.
+            for issue in issues:
+                if issue.own_group:
                     self._launch(issue, comms, stream_ptr)
         for issue in issues:
             if issue.finish is not None:
@@ -578,6 +586,47 @@ class ProcessGroupCupycoll(ProcessGroup):
             _types.check_premul_tensor(red.premul_factor, tensor.dtype, tensor.device)
         return red
 
+    def _ring_call(self, tensor: torch.Tensor, reduce_op) -> Optional[Callable]:
+        """None when NCCL serves this reduction; else call(ring_method, send, recv, count,
+        stream) running it on cupycoll's ring with the dtype, op and PREMUL factor bound.
+        ``auto`` picks the ring only for what NCCL lacks (bitwise ops); ``ring`` always,
+        raising for a pair the ring cannot do."""
+        choice = config.algorithm_override() or self.settings.algorithm
+        if choice == "nccl":
+            return None
+        kind = _types.op_type(reduce_op)
+        if choice == "auto" and kind.value not in _types.BITWISE_VALUES:
+            return None
+        from . import ring  # CuPy-free at import, but only the ring path needs it
+
+        dtype, op = _types.ring_names(tensor.dtype, kind)
+        ring.check(dtype, op)
+        premul = premul_ptr = None
+        if op == "premul_sum":
+            factor = getattr(reduce_op, "factor", None)
+            if isinstance(factor, torch.Tensor):
+                _types.check_premul_tensor(factor, tensor.dtype, tensor.device)
+                premul_ptr = factor.data_ptr()
+            elif factor is None:
+                raise CupycollValueError(
+                    "ReduceOp.PREMUL_SUM without a factor: build it with "
+                    "torch.distributed._make_nccl_premul_sum(factor)")
+            else:
+                premul = float(factor)
+
+        def call(method, sendbuf, recvbuf, count, stream):
+            method(sendbuf, recvbuf, count, dtype, op, stream, premul=premul, premul_ptr=premul_ptr)
+        return call
+
+    def _ring(self, comm: Communicator):
+        """The ring (scratch memory, side stream) of ``comm``, made on first use."""
+        ring = self._rings.get(id(comm))
+        if ring is None:
+            from .ring import Ring
+
+            ring = self._rings[id(comm)] = Ring(comm, self.settings.ring_scratch_bytes)
+        return ring
+
     def _reduce_launch(self, red: _types.Reduction, dtype: torch.dtype, call: Callable) -> Callable:
         """A launch(comm, stream) that runs ``call(comm, nccl_op, stream)`` with the NCCL op,
         creating and destroying the PREMUL_SUM op around it when needed."""
@@ -603,6 +652,13 @@ class ProcessGroupCupycoll(ProcessGroup):
             return self._cpu.allreduce(tensors, opts)
         tensor = _single(tensors, "all_reduce")
         device = self._check_device(tensor, "all_reduce tensor")
+        ring_call = self._ring_call(tensor, opts.reduceOp)
+        if ring_call is not None:
+            ptr, count = tensor.data_ptr(), tensor.numel()
+            return self._submit(
+                "all_reduce", device, [tensor],
+                lambda comm, s: ring_call(self._ring(comm).all_reduce, ptr, ptr, count, s),
+                keepalive=tensor, async_op=_async_requested(opts), own_group=True)
         red = self._reduction(tensor, opts.reduceOp, "all_reduce")
         ptr, count = tensor.data_ptr(), tensor.numel() * red.count_scale
         launch = self._reduce_launch(red, tensor.dtype,
@@ -720,6 +776,17 @@ class ProcessGroupCupycoll(ProcessGroup):
             self._check_device(tensor, f"reduce_scatter input[{index}]")
             _check_numel(tensor, output.numel(), f"reduce_scatter input[{index}]")
         _check_same_dtype(inputs, output, "reduce_scatter input")
+        ring_call = self._ring_call(output, opts.reduceOp)
+        if ring_call is not None:
+            staged = [None]
+
+            def launch(comm, s):
+                staged[0] = torch.cat([t.reshape(-1) for t in inputs])
+                ring_call(self._ring(comm).reduce_scatter, staged[0].data_ptr(), output.data_ptr(),
+                          output.numel(), s)
+            return self._submit("reduce_scatter", device, [output], launch,
+                                keepalive=(output, inputs, staged), async_op=_async_requested(opts),
+                                own_group=True)
         red = self._reduction(output, opts.reduceOp, "reduce_scatter")
         count = output.numel() * red.count_scale
         out_ptr = output.data_ptr()
@@ -739,6 +806,13 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._check_device(input, "reduce_scatter_tensor input")
         _check_numel(input, output.numel() * self._size, "reduce_scatter_tensor input")
         _check_same_dtype([input], output, "reduce_scatter_tensor input")
+        ring_call = self._ring_call(output, opts.reduceOp)
+        if ring_call is not None:
+            in_ptr, out_ptr, count = input.data_ptr(), output.data_ptr(), output.numel()
+            return self._submit(
+                "reduce_scatter_tensor", device, [output],
+                lambda comm, s: ring_call(self._ring(comm).reduce_scatter, in_ptr, out_ptr, count, s),
+                keepalive=(input, output), async_op=_async_requested(opts), own_group=True)
         red = self._reduction(output, opts.reduceOp, "reduce_scatter_tensor")
         count = output.numel() * red.count_scale
         in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
@@ -1015,6 +1089,7 @@ class ProcessGroupCupycoll(ProcessGroup):
             return
         self._state = "shut down"
         self._stop_watching()
+        self._close_rings()
         timeout = self.settings.timeout.total_seconds()
         for comm in self._communicators():
             try:
@@ -1057,9 +1132,18 @@ class ProcessGroupCupycoll(ProcessGroup):
                 comm.abort()
             except CupycollError as exc:
                 warnings.warn(f"cupycoll: aborting {comm} failed: {exc}", RuntimeWarning, stacklevel=3)
-        # Only now, with the kernels ended, may the Works' tensors be released.
+        # Only now, with the kernels ended, may the Works' tensors and scratch be released.
         self._watch.fail_all(reason)
+        self._close_rings()
         self._cpu_shutdown()
+
+    def _close_rings(self) -> None:
+        rings, self._rings = list(self._rings.values()), {}
+        for ring in rings:
+            try:
+                ring.close()
+            except Exception as exc:  # noqa: BLE001 - teardown goes on
+                warnings.warn(f"cupycoll: closing a ring failed: {exc}", RuntimeWarning, stacklevel=3)
 
     def _on_fault(self, fault: BaseException) -> None:
         """The watchdog found a timeout or an async NCCL error (runs on its thread)."""

@@ -4,6 +4,7 @@ NCCL group (the GPU tier issues the same batches for real)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import warnings
 
@@ -220,3 +221,24 @@ def test_cpu_tensors_inside_a_cuda_block_are_an_error(group):
     with pytest.raises(CupycollValueError, match="CPU tensors inside a coalescing block of CUDA calls"):
         routing.allreduce([x()], c10d.AllreduceOptions())
     routing._end_coalescing(CUDA)
+
+
+def test_ring_calls_run_after_the_nccl_group_of_their_batch(group, monkeypatch):
+    # The ring issues NCCL groups of its own and kernels: never inside another group.
+    from cupycoll import process_group as pg_module
+
+    order = []
+
+    @contextlib.contextmanager
+    def recording_group(library=None):
+        order.append("start")
+        yield
+        order.append("end")
+
+    monkeypatch.setattr(pg_module, "nccl_group", recording_group)
+    group._comm = object()
+    issues = [pg_module._Issue(None, lambda comm, s, name=name: order.append(name), None, None, False,
+                               own_group=name.startswith("ring"))
+              for name in ("send", "ring-1", "all_reduce", "ring-2")]
+    group._launch_all(issues, None, 0)
+    assert order == ["start", "send", "all_reduce", "end", "ring-1", "ring-2"]

@@ -4,6 +4,7 @@ recording communicator stands in for NCCL (the GPU tier runs the same calls for 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import sys
 
@@ -52,7 +53,7 @@ class LogicGroup(ProcessGroupCupycoll):
         return True
 
     def _submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-                peer=None, blocking_wait=False):
+                peer=None, blocking_wait=False, own_group=False):
         comm = RecordingComm()
         if peer is None:
             launch(comm, 1234)
@@ -216,9 +217,75 @@ def test_unsupported_dtype(group):
 
 
 @pytest.mark.parametrize("op", [R.BAND, R.BOR, R.BXOR])
-def test_bitwise_ops_rejected(group, op):
-    expect(group, CupycollValueError, f"ReduceOp.{op.name} is not supported by NCCL \\(dtype torch.int32\\)",
-           lambda: group.allreduce([t(2, dtype=torch.int32)], ar_opts(op)))
+def test_bitwise_ops_rejected_by_nccl(group, op):
+    with cupycoll.algorithm("nccl"):
+        expect(group, CupycollValueError, f"ReduceOp.{op.name} is not supported by NCCL \\(dtype torch.int32\\)",
+               lambda: group.allreduce([t(2, dtype=torch.int32)], ar_opts(op)))
+
+
+class RecordingRing:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getattr__(self, method):
+        return lambda *args, **kwargs: self.calls.append((method, *args[3:5], kwargs))
+
+
+@pytest.fixture
+def ring_group(group):
+    group.ring_calls = []
+    group._ring = lambda comm: RecordingRing(group.ring_calls)
+    return group
+
+
+@pytest.mark.parametrize("op", [R.BAND, R.BOR, R.BXOR])
+def test_auto_sends_bitwise_ops_to_the_ring(ring_group, op):
+    ring_group.allreduce([t(2, dtype=torch.int32)], ar_opts(op))
+    assert ring_group.ring_calls == [("all_reduce", "int32", op.name.lower(),
+                                      {"premul": None, "premul_ptr": None})]
+    assert ring_group.submitted[-1] == ("all_reduce", [])  # no NCCL reduction call
+
+
+def test_auto_keeps_nccl_for_what_nccl_can_do(ring_group):
+    ring_group.allreduce([t(2, dtype=torch.float16)], ar_opts(R.SUM))
+    assert ring_group.ring_calls == [] and ring_group.submitted[-1][1][0][0] == "all_reduce"
+
+
+def test_ring_by_option_and_by_context(ring_group):
+    with cupycoll.algorithm("ring"):
+        ring_group.allreduce([t(2, dtype=torch.bfloat16)], ar_opts(R.SUM))
+        out, inp = t(1, dtype=torch.float16), t(2, dtype=torch.float16)
+        rs = c10d.ReduceScatterOptions()
+        rs.reduceOp = R(R.AVG)
+        ring_group.reduce_scatter_single(out, inp, rs)
+        ring_group.allreduce([t(2)], ar_opts(dist._make_nccl_premul_sum(0.5)))
+    assert [c[:3] for c in ring_group.ring_calls] == [
+        ("all_reduce", "bfloat16", "sum"), ("reduce_scatter", "float16", "avg"),
+        ("all_reduce", "float32", "premul_sum")]
+    assert ring_group.ring_calls[-1][3] == {"premul": 0.5, "premul_ptr": None}
+    ring_group.settings = dataclasses.replace(ring_group.settings, algorithm="ring")
+    ring_group.allreduce([t(2, dtype=torch.int8)], ar_opts(R.MAX))
+    assert ring_group.ring_calls[-1][:3] == ("all_reduce", "int8", "max")
+    with cupycoll.algorithm("nccl"):  # the per-call override beats the group's option
+        ring_group.allreduce([t(2, dtype=torch.int8)], ar_opts(R.MAX))
+    assert len(ring_group.ring_calls) == 4
+
+
+def test_pairs_the_ring_cannot_do_name_dtype_and_op(ring_group):
+    expect(ring_group, CupycollValueError, "cannot reduce dtype float32 with op bxor",
+           lambda: ring_group.allreduce([t(2)], ar_opts(R.BXOR)))
+    with cupycoll.algorithm("ring"):
+        with pytest.raises(CupycollValueError, match="cannot reduce dtype complex64 with op sum"):
+            ring_group.allreduce([t(2, dtype=torch.complex64)], ar_opts(R.SUM))
+        with pytest.raises(CupycollValueError, match="cannot reduce dtype bool with op avg"):
+            ring_group.allreduce([t(2, dtype=torch.bool)], ar_opts(R.AVG))
+    assert ring_group.ring_calls == []
+
+
+def test_unknown_algorithm_is_rejected():
+    with pytest.raises(CupycollValueError, match="algorithm='fastest': expected one of auto, nccl, ring"):
+        with cupycoll.algorithm("fastest"):
+            pass
 
 
 def test_undefined_op_dtype_pairs(group):
