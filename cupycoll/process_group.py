@@ -1001,7 +1001,7 @@ class ProcessGroupCupycoll(ProcessGroup):
             owner._check_coalescing_scope("_start_coalescing", other=self)
         self._flush()
         self._coalescing = []
-        self._coalescing_manager = _calling_manager()
+        self._coalescing_manager = _calling_manager(self._manager_gone)
         _open_block_owner.group = self
 
     def _close_block(self) -> dist.Work:
@@ -1041,6 +1041,21 @@ class ProcessGroupCupycoll(ProcessGroup):
             return False
         generator = self._coalescing_manager()
         return generator is None or inspect.getgeneratorstate(generator) == inspect.GEN_CLOSED
+
+    def _manager_gone(self, manager_ref) -> None:
+        """The generator of a ``_coalescing_manager`` that opened a block was freed (the
+        ``with`` statement is over). If our block is still open, its body raised: drop the
+        block, and also torch's own record of the manager, which torch leaves behind (so the
+        group's next all_reduce would otherwise be captured into a dead manager forever)."""
+        if self._coalescing_manager is not manager_ref or self._coalescing is None:
+            return
+        warnings.warn("cupycoll: the coalescing manager's body raised; the calls it had queued "
+                      "were discarded, never issued", RuntimeWarning, stacklevel=2)
+        self._abandon_coalescing()
+        world = getattr(dist.distributed_c10d, "_world", None)
+        pending = getattr(world, "pg_coalesce_state", None)
+        if isinstance(pending, dict):
+            pending.pop(self, None)
 
     def _drop_stale_block(self) -> bool:
         if not self._block_is_stale():
@@ -1179,10 +1194,11 @@ def abort_all() -> int:
     return len(groups)
 
 
-def _calling_manager():
+def _calling_manager(on_freed: Optional[Callable] = None):
     """A weak reference to the ``torch.distributed._coalescing_manager`` generator that is
     calling ``_start_coalescing`` (None when called some other way). When the manager's
-    body raises, torch never calls ``_end_coalescing``; the closed generator tells us."""
+    body raises, torch never calls ``_end_coalescing``; the closed (or freed, then
+    ``on_freed(ref)`` runs) generator tells us."""
     frame = sys._getframe(3)
     for _ in range(4):
         if frame is None:
@@ -1190,7 +1206,10 @@ def _calling_manager():
         owner = frame.f_locals.get("self")
         generator = getattr(owner, "gen", None)
         if inspect.isgenerator(generator) and generator.gi_code.co_name == "_coalescing_manager":
-            return weakref.ref(generator)
+            if on_freed is None:
+                return weakref.ref(generator)
+            method = weakref.WeakMethod(on_freed)  # the ref must not keep the group alive
+            return weakref.ref(generator, lambda ref: method() and method()(ref))
         frame = frame.f_back
     return None
 

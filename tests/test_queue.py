@@ -178,13 +178,15 @@ def test_works_of_a_batch_that_failed_to_issue_raise(group):
 def test_exception_in_the_managers_body_leaves_the_group_usable(group):
     # torch never calls _end_coalescing when the body raises; the next call must not join
     # (and wait forever in) the block that exception left open.
-    with pytest.raises(KeyError):
-        with dist._coalescing_manager(group=group, device=CUDA):
-            group.allreduce([x()], c10d.AllreduceOptions())
-            raise KeyError("user error inside the manager")
-    assert group.batches == []
     with pytest.warns(RuntimeWarning, match="body raised"):
+        with pytest.raises(KeyError):
+            with dist._coalescing_manager(group=group, device=CUDA):
+                queued = group.broadcast([x()], c10d.BroadcastOptions())
+                raise KeyError("user error inside the manager")
+        assert group.batches == []
         work = group.allreduce([x()], c10d.AllreduceOptions())
+    with pytest.raises(CupycollError, match="abandoned"):
+        queued.wait()
     assert group.batches == [["all_reduce"]]  # issued alone, at once
     assert group._coalescing is None
     work.wait()
@@ -242,3 +244,20 @@ def test_ring_calls_run_after_the_nccl_group_of_their_batch(group, monkeypatch):
               for name in ("send", "ring-1", "all_reduce", "ring-2")]
     group._launch_all(issues, None, 0)
     assert order == ["start", "send", "all_reduce", "end", "ring-1", "ring-2"]
+
+
+def test_after_a_raising_manager_torchs_fast_path_works_again(group):
+    # torch 2.13 leaves the group in its own pg_coalesce_state when the body raises, so its
+    # next dist.all_reduce would be captured into that dead manager and never reach us.
+    group.setGroupName("g")
+    state = dist.distributed_c10d._world.pg_coalesce_state
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            with dist._coalescing_manager(group=group, device=CUDA):
+                group.broadcast([x()], c10d.BroadcastOptions())
+                raise KeyError("user error")
+        except KeyError:
+            pass
+    assert group not in state and group._coalescing is None
+    assert group.batches == []

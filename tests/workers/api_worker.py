@@ -365,6 +365,46 @@ def main():
         s.check(name, out, value(left, 13, torch.float32))
     s.run("batch_isend_irecv/ring", case)
 
+    def case(name):
+        # pairwise swap: 0<->1, 2<->3, ...; an odd last rank sits out
+        peer = RANK ^ 1
+        out = torch.zeros(7, device=device)
+        if peer < WORLD:
+            ops = [dist.P2POp(dist.irecv, out, peer), dist.P2POp(dist.isend, s.t(RANK, 7, torch.float32), peer)]
+            for r in dist.batch_isend_irecv(ops):
+                r.wait()
+            s.check(name, out, value(peer, 7, torch.float32))
+    s.run("batch_isend_irecv/pairwise_swap", case)
+
+    def case(name):
+        # all-to-one: everyone sends to rank 0, which receives from all in one batch
+        if RANK == 0:
+            outs = [torch.zeros(5, device=device) for _ in range(1, WORLD)]
+            ops = [dist.P2POp(dist.irecv, o, p) for p, o in zip(range(1, WORLD), outs)]
+            if ops:
+                for r in dist.batch_isend_irecv(ops):
+                    r.wait()
+            s.check(name, outs, [value(p, 5, torch.float32, salt=3) for p in range(1, WORLD)])
+        else:
+            for r in dist.batch_isend_irecv([dist.P2POp(dist.isend, s.t(RANK, 5, torch.float32, salt=3), 0)]):
+                r.wait()
+    s.run("batch_isend_irecv/all_to_one", case)
+
+    def case(name):
+        # one-to-all: the last rank sends a distinct tensor to every other rank in one batch
+        root = WORLD - 1
+        if RANK == root:
+            ops = [dist.P2POp(dist.isend, s.t(p, 6, torch.float32, salt=4), p) for p in range(WORLD - 1)]
+            if ops:
+                for r in dist.batch_isend_irecv(ops):
+                    r.wait()
+        else:
+            out = torch.zeros(6, device=device)
+            for r in dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, root)]):
+                r.wait()
+            s.check(name, out, value(RANK, 6, torch.float32, salt=4))
+    s.run("batch_isend_irecv/one_to_all", case)
+
     # ---- coalescing manager forms ------------------------------------------------------
     for form in ("plain", "async", "device", "device_async"):
         cm_device = device if form.startswith("device") else None
@@ -405,6 +445,37 @@ def main():
                 exp.append(full[RANK * (2 + i):(RANK + 1) * (2 + i)])
             s.check(name, outs, exp)
         s.run_recording_errors(f"coalesced/reduce_scatter_tensor/{form}", case)
+
+    if device.type == "cuda":
+        def case(name):
+            # one device block mixing collectives and P2P: one NCCL group, one Work
+            right, left = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+            a, b = s.t(RANK, 4, torch.float32), torch.zeros(4, device=device)
+            got = torch.zeros(3, device=device)
+            with dist._coalescing_manager(device=device, async_ops=True) as cm:
+                dist.broadcast(a, src=0)
+                dist.all_reduce(s.t(RANK, 2, torch.float32))  # captured by torch's fast path
+                if WORLD > 1:
+                    dist.send(s.t(RANK, 3, torch.float32, salt=9), dst=right)
+                    dist.recv(got, src=left)
+            cm.wait()
+            b.copy_(a)
+            expected_got = value(left, 3, torch.float32, salt=9) if WORLD > 1 else torch.zeros(3)
+            s.check(name, [b, got], [value(0, 4, torch.float32), expected_got])
+        s.run("coalesced/mixed_collectives_and_p2p", case)
+
+        def case(name):
+            # an exception inside the manager: nothing hangs, the next collective works
+            try:
+                with dist._coalescing_manager(device=device):
+                    dist.broadcast(s.t(RANK, 4, torch.float32), src=0)
+                    raise KeyError("user error inside the manager")
+            except KeyError:
+                pass
+            t = s.t(RANK, 8, torch.float32)
+            dist.all_reduce(t)
+            s.check(name, t, reduce_ref([value(r, 8, torch.float32) for r in range(WORLD)], R.SUM))
+        s.run("coalesced/exception_then_collective", case)
 
     # ---- barrier --------------------------------------------------------------------
     def case(name):
