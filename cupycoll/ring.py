@@ -171,11 +171,6 @@ class Ring:
             self._side.synchronize()
         self._scratch = None
 
-    @property
-    def slice_elems_by_dtype(self):
-        """dtype -> the longest slice (elements) one transfer carries. For tests/benchmarks."""
-        return {dtype: self._slice_elems(dtype) for dtype in ELEMENTS}
-
     # -- validation --------------------------------------------------------------------
     def _validate(self, sendbuf, recvbuf, count, dtype, op, stream, premul, premul_ptr, what):
         if self._closed:
