@@ -1,6 +1,8 @@
-def main(argv=None):
-    raise SystemExit("not yet")
+"""Entry point: ``python -m bench`` in a checkout, ``cupycoll-bench`` once installed."""
 
+import sys
+
+from .cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

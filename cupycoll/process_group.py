@@ -153,7 +153,6 @@ class _Issue:
 class _CudaBackendHandle:
     """What ``pg._get_backend(cuda)`` gives torch: eager connect and no-color split."""
 
-    supports_splitting = True
     supports_coalescing = False
     supports_time_estimate = False
 
@@ -161,6 +160,14 @@ class _CudaBackendHandle:
         # A weak reference: a cycle would keep destroyed groups (and their gloo threads)
         # alive until interpreter exit, where tearing gloo down aborts the process.
         self._group = weakref.ref(group)
+
+    @property
+    def supports_splitting(self) -> bool:
+        # torch asks this while creating *any* subgroup of a bound default group, whatever
+        # the new group's backend: splitting must only be offered for cupycoll groups, or a
+        # new_group(backend="nccl") would get this handle as ProcessGroupNCCL's split_from,
+        # and its non-members would split our communicator while its members never do.
+        return _creating_cupycoll_cuda_group()
 
     def eager_connect_single_device(self, device) -> None:
         self._group()._bind_device(torch.device(device))
@@ -1184,6 +1191,22 @@ class ProcessGroupCupycoll(ProcessGroup):
     alltoall_base = all_to_all_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+
+def _creating_cupycoll_cuda_group() -> bool:
+    """Is torch's ``_new_process_group_helper`` (up the stack) building a group whose CUDA
+    backend is cupycoll? True when called from anywhere else."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_new_process_group_helper":
+            backend = frame.f_locals.get("backend")
+            try:
+                mapping = dist.distributed_c10d.BackendConfig(backend).get_device_backend_map()
+            except Exception:  # noqa: BLE001 - an unparsable backend is not ours
+                return False
+            return str(mapping.get("cuda", "")).lower() == BACKEND_NAME
+        frame = frame.f_back
+    return True
 
 
 def abort_all() -> int:

@@ -117,3 +117,20 @@ def test_destroyed_group_is_freed_without_the_cycle_collector():
         assert group() is None
     finally:
         gc.enable()
+
+
+def test_splitting_is_offered_only_to_new_cupycoll_groups():
+    # torch reads supports_splitting while creating any subgroup of a bound default group;
+    # a new nccl group must not get our handle as its split source.
+    from cupycoll.process_group import _CudaBackendHandle
+
+    handle = _CudaBackendHandle.__new__(_CudaBackendHandle)
+
+    def _new_process_group_helper(backend):  # the name torch's helper has
+        return handle.supports_splitting
+
+    assert _new_process_group_helper("cupycoll") is True
+    assert _new_process_group_helper("cpu:gloo,cuda:cupycoll") is True
+    assert _new_process_group_helper("nccl") is False
+    assert _new_process_group_helper("gloo") is False
+    assert handle.supports_splitting is True  # asked outside group creation

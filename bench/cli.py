@@ -1,0 +1,309 @@
+"""The command line: parse and validate the arguments, then hand over.
+
+``cupycoll-bench [COLLECTIVE ...] [nccl-tests flags] [--backends ...] [--scenario ...]``
+runs a benchmark; ``cupycoll-bench plot results.json -o out.png`` draws a saved run.
+Every mistake in the arguments (an unknown name, a bad size, no GPU, too few GPUs) ends
+with one line on stderr and exit status 2, before any rank starts. This module imports
+neither torch nor CuPy until the arguments are known to be good (the GPU check needs torch).
+
+Where the flags differ from nccl-tests: in-place vs out-of-place is ``--inplace`` /
+``--outofplace`` (default: both, where the torch.distributed call has both forms; nccl-tests'
+``-I``, per-iteration timing, is not offered); ``-w`` defaults to 5 (Python backends create
+their communicators on the first call); ``-d``/``-o`` take comma lists; ``-f`` may be
+fractional.
+
+Left out: what a rank does (runner, scenarios), process management (launch), output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from . import catalog, launch, sizes
+
+PROG = "cupycoll-bench"
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage before its message; one line is what we promise.
+    def error(self, message):  # noqa: D401
+        raise UsageError(f"{message} (see {PROG} --help)")
+
+
+@dataclasses.dataclass
+class Config:
+    """Validated settings, the same in the launcher and in every rank."""
+
+    collectives: List[str]
+    candidates: List[str]
+    minbytes: int
+    maxbytes: int
+    stepfactor: float
+    stepbytes: int
+    sizes: List[int]
+    dtypes: List[str]
+    ops: List[str]
+    iters: int
+    warmup: int
+    check: bool
+    root: int
+    placements: List[str]          # "out-of-place", "in-place"
+    scenarios: List[str]
+    coalesce_bytes: int
+    coalesce_ops: int
+    scenario_iters: int
+    overhead_calls: int
+    json: Optional[str]
+    csv: Optional[str]
+    plot: Optional[str]
+    device: str
+    ranks: Optional[int]
+    ngpus: Optional[int]
+    share_gpu: bool
+    timeout: float
+    progress: Optional[bool]
+    command: str
+    baseline: str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Compare collective algorithms (cupycoll's NCCL path, cupycoll's ring) with "
+                    "torch's nccl backend, side by side, in nccl-tests terms.",
+        epilog="Examples: %(prog)s all_reduce -b 8 -e 128M -f 2 --plot ar.png ; "
+               "%(prog)s all --ranks 2 -b 1K -e 1M -f 4 ; "
+               "%(prog)s --scenario coalescing,overhead --json s.json ; "
+               "%(prog)s plot results.json -o results.png",
+    )
+    p.add_argument("collective", nargs="*",
+                   help=f"collectives to sweep: {', '.join(catalog.COLLECTIVES)}, or all "
+                        "(default: all_reduce unless --scenario is given)")
+    p.add_argument("-C", "--collective", dest="collective_opt", action="append", default=[],
+                   metavar="NAME", help="same as the positional argument (comma list, repeatable)")
+    p.add_argument("--backends", default=None,
+                   help="comma list of candidates: cupycoll:nccl, cupycoll:ring, torch:nccl "
+                        "(default: all three; torch:nccl is the baseline)")
+    g = p.add_argument_group("nccl-tests flags")
+    g.add_argument("-b", "--minbytes", default="32M", help="smallest size (default 32M; 8, 1K, 64M, 1G)")
+    g.add_argument("-e", "--maxbytes", default="32M", help="largest size (default 32M)")
+    g.add_argument("-f", "--stepfactor", default="1", help="multiply the size by this (default 1: use -i)")
+    g.add_argument("-i", "--stepbytes", default="1M", help="add this many bytes when -f is 1 (default 1M)")
+    g.add_argument("-d", "--datatype", default="float",
+                   help="int8 uint8 int32 uint32 int64 uint64 half float double bfloat16, torch names "
+                        "(float16, bf16, ...), a comma list, or all (default float)")
+    g.add_argument("-o", "--op", default="sum",
+                   help="sum prod min max avg, all, or band bor bxor (ring only); comma list (default sum)")
+    g.add_argument("-n", "--iters", default="20", help="timed iterations per point (default 20)")
+    g.add_argument("-w", "--warmup_iters", default="5", help="warm-up iterations per point (default 5)")
+    g.add_argument("-c", "--check", default="1", help="1: check every result (#wrong), 0: do not (default 1)")
+    g.add_argument("-r", "--root", default="0", help="root rank of broadcast and reduce (default 0)")
+    place = g.add_mutually_exclusive_group()
+    place.add_argument("--inplace", action="store_true", help="only in-place calls")
+    place.add_argument("--outofplace", action="store_true", help="only out-of-place calls")
+    s = p.add_argument_group("scenarios")
+    s.add_argument("--scenario", action="append", default=[],
+                   help="coalescing, overhead, kernel, or all (comma list, repeatable)")
+    s.add_argument("--coalesce-bytes", default="512M",
+                   help="coalescing: bytes of the flattened all_reduce; split into --coalesce-ops "
+                        "tensors (default 512M; make it smaller for small GPUs or shared GPUs)")
+    s.add_argument("--coalesce-ops", default="64", help="coalescing: number of all_reduce calls (default 64)")
+    s.add_argument("--scenario-iters", default="30",
+                   help="coalescing/overhead: timed iterations, medians reported (default 30)")
+    s.add_argument("--overhead-calls", default="200",
+                   help="overhead and coalescing: calls timed for the per-call host cost (default 200)")
+    r = p.add_argument_group("ranks")
+    r.add_argument("--ranks", default=None,
+                   help="number of ranks; more than the GPUs shares them, each rank with its own NCCL_HOSTID")
+    r.add_argument("-g", "--ngpus", default=None, help="use this many GPUs, one rank each (default: all visible)")
+    r.add_argument("--share-gpu", action="store_true",
+                   help="under torchrun: let several local ranks share a GPU (sets NCCL_HOSTID per rank)")
+    r.add_argument("--timeout", default="0", help="stop every rank after this many seconds (default 0: never)")
+    r.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: development mode on gloo without a GPU (the numbers mean nothing)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, metavar="FILE", help="write metadata and every row as JSON")
+    o.add_argument("--csv", default=None, metavar="FILE", help="write every row as CSV (metadata as # lines)")
+    o.add_argument("--plot", default=None, metavar="FILE", help="plot busbw and host time vs size (PNG)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--progress", action="store_true", help="a progress bar even when stderr is not a terminal")
+    return p
+
+
+def _int(text: str, flag: str, minimum: int = 0) -> int:
+    try:
+        value = int(str(text), 0)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected a whole number") from None
+    if value < minimum:
+        raise UsageError(f"{flag} {text!r}: must be at least {minimum}")
+    return value
+
+
+def _float(text: str, flag: str, minimum: float = 0.0) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected a number") from None
+    if not value >= minimum:
+        raise UsageError(f"{flag} {text!r}: must be at least {minimum:g}")
+    return value
+
+
+def _size(text: str, flag: str) -> int:
+    try:
+        return sizes.parse_size(text, flag)
+    except sizes.SizeError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _output_path(path: Optional[str], flag: str) -> Optional[str]:
+    if path is None:
+        return None
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {parent} does not exist")
+    return str(Path(path).expanduser())
+
+
+def command_line(argv: List[str]) -> str:
+    import shlex
+
+    prog = "python -m bench" if __package__ == "bench" else PROG
+    return " ".join([prog, *map(shlex.quote, argv)])
+
+
+def parse(argv: List[str]) -> Config:
+    """Parse and validate; raises :class:`UsageError` with a one-line message."""
+    # Intermixed: "all_reduce -b 8 reduce" names two collectives, as a user would expect.
+    args = build_parser().parse_intermixed_args(argv)
+    try:
+        names = list(args.collective) + list(args.collective_opt)
+        scenarios: List[str] = []
+        for item in args.scenario:
+            scenarios += [s for s in catalog.resolve_scenarios(item) if s not in scenarios]
+        collectives = catalog.resolve_collectives(",".join(names)) if names else (
+            [] if scenarios else ["all_reduce"])
+        device = args.device
+        if args.backends is None:
+            candidates = list(catalog.DEFAULT_CANDIDATES[device])
+        else:
+            candidates = catalog.resolve_candidates(args.backends)
+        for name in candidates:
+            if name not in catalog.ALLOWED_CANDIDATES[device]:
+                raise UsageError(f"backend {name} does not run with --device {device} (choose from "
+                                 f"{', '.join(catalog.ALLOWED_CANDIDATES[device])})")
+        dtypes = catalog.resolve_dtypes(args.datatype)
+        ops = catalog.resolve_ops(args.op)
+    except catalog.NameError_ as exc:
+        raise UsageError(str(exc)) from None
+
+    minbytes = _size(args.minbytes, "-b/--minbytes")
+    maxbytes = _size(args.maxbytes, "-e/--maxbytes")
+    stepbytes = _size(args.stepbytes, "-i/--stepbytes")
+    stepfactor = _float(args.stepfactor, "-f/--stepfactor", 1.0)
+    try:
+        sweep = sizes.sweep(minbytes, maxbytes, stepfactor, stepbytes)
+    except sizes.SizeError as exc:
+        raise UsageError(str(exc)) from None
+
+    if args.inplace:
+        placements = ["in-place"]
+    elif args.outofplace:
+        placements = ["out-of-place"]
+    else:
+        placements = ["out-of-place", "in-place"]
+
+    coalesce_bytes = _size(args.coalesce_bytes, "--coalesce-bytes")
+    coalesce_ops = _int(args.coalesce_ops, "--coalesce-ops", 1)
+    if coalesce_bytes < coalesce_ops * 4:
+        raise UsageError(f"--coalesce-bytes {args.coalesce_bytes}: needs at least 4 bytes (one float) "
+                         f"for each of the {coalesce_ops} calls")
+    ranks = None if args.ranks is None else _int(args.ranks, "--ranks", 1)
+    ngpus = None if args.ngpus is None else _int(args.ngpus, "-g/--ngpus", 1)
+    if args.no_progress and args.progress:
+        raise UsageError("--progress and --no-progress contradict each other")
+
+    return Config(
+        collectives=collectives, candidates=candidates,
+        minbytes=minbytes, maxbytes=maxbytes, stepfactor=stepfactor, stepbytes=stepbytes, sizes=sweep,
+        dtypes=dtypes, ops=ops,
+        iters=_int(args.iters, "-n/--iters", 1), warmup=_int(args.warmup_iters, "-w/--warmup_iters", 0),
+        check=_int(args.check, "-c/--check", 0) > 0, root=_int(args.root, "-r/--root", 0),
+        placements=placements, scenarios=scenarios,
+        coalesce_bytes=coalesce_bytes, coalesce_ops=coalesce_ops,
+        scenario_iters=_int(args.scenario_iters, "--scenario-iters", 1),
+        overhead_calls=_int(args.overhead_calls, "--overhead-calls", 1),
+        json=_output_path(args.json, "--json"), csv=_output_path(args.csv, "--csv"),
+        plot=_output_path(args.plot, "--plot"),
+        device=device, ranks=ranks, ngpus=ngpus, share_gpu=args.share_gpu,
+        timeout=_float(args.timeout, "--timeout", 0.0),
+        progress=False if args.no_progress else (True if args.progress else None),
+        command=command_line(argv), baseline=catalog.BASELINE[device],
+    )
+
+
+def parse_plot(argv: List[str]):
+    p = _Parser(prog=f"{PROG} plot", description="Plot a saved --json result: busbw and host time vs size.")
+    p.add_argument("results", help="a JSON file written by --json")
+    p.add_argument("-o", "--output", default=None, help="PNG to write (default: the JSON's name with .png)")
+    args = p.parse_args(argv)
+    source = Path(args.results)
+    if not source.is_file():
+        raise UsageError(f"{args.results}: no such file")
+    output = args.output or str(source.with_suffix(".png"))
+    return str(source), _output_path(output, "-o/--output")
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "plot":
+            source, output = parse_plot(argv[1:])
+            from . import output as out, plot
+
+            try:
+                document = out.read_json(source)
+            except out.ResultsError as exc:
+                raise UsageError(str(exc)) from None
+            try:
+                plot.plot_results(document, output)
+            except plot.NothingToPlot as exc:
+                raise UsageError(f"{source}: {exc}") from None
+            print(f"wrote {output}")
+            return 0
+        config = parse(argv)
+        if launch.is_worker() or launch.under_torchrun():
+            if launch.under_torchrun() and config.ranks is not None:
+                raise UsageError("--ranks does not apply under torchrun (it already started "
+                                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks)")
+            if launch.is_worker():
+                plan = None
+            else:
+                plan = launch.plan_torchrun(config.device, config.share_gpu)
+            from . import runner
+
+            return runner.rank_main(config, plan)
+        plan = launch.plan_spawn(config.device, config.ranks, config.ngpus)
+        if config.root >= plan.world:
+            raise UsageError(f"-r/--root {config.root}: there are only {plan.world} ranks")
+        if plan.shared:
+            print(f"# note: {plan.note()}", flush=True)
+        package = __package__ or "bench"
+        return launch.spawn(plan, argv, package, config.timeout)
+    except (UsageError, launch.LaunchError) as exc:  # bad input, no GPU, too few GPUs
+        return _fail(str(exc))

@@ -1,0 +1,253 @@
+"""What rank 0 shows and saves: the side-by-side tables, scenario reports, JSON and CSV.
+
+Rows are flat dicts, one per measurement (a collective, size, type, op, root, placement
+and candidate, or one scenario case of one candidate, or one scenario target). The table
+puts the candidates of one point side by side; the files keep one row per candidate, so
+they load straight into a spreadsheet or pandas. JSON holds ``{"meta": {...}, "rows":
+[...]}``; CSV holds the same rows, with the metadata as leading ``# key: value`` lines
+(``pandas.read_csv(path, comment="#")`` skips them).
+
+Pure Python (no torch). Left out: measuring (runner, scenarios) and plotting (plot).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+from .sizes import format_bytes
+
+SCHEMA = "cupycoll-bench/1"
+SPEEDUP_HELP = "speedup = {base} time / candidate time (> 1: faster than {base})"
+
+# Column order of the CSV (and of each JSON row); keys not listed here follow, sorted.
+FIELDS = [
+    "kind", "collective", "scenario", "case", "target", "size", "count", "type", "redop", "root",
+    "placement", "candidate", "status", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "host_us",
+    "speedup", "gpu_us", "cpu_us", "gpu_ratio", "cpu_ratio", "value", "limit", "iterations",
+    "world_size", "note",
+]
+
+
+class ResultsError(ValueError):
+    """A results file that cannot be read; the message is for the user."""
+
+
+# -- table ----------------------------------------------------------------------------
+_PRE = [("size", 12, "(B)"), ("count", 12, "(elements)"), ("type", 8, ""), ("redop", 6, ""),
+        ("root", 5, ""), ("place", 5, "")]
+_CELL = [("time", 9, "(us)"), ("algbw", 7, "(GB/s)"), ("busbw", 7, "(GB/s)"), ("#wrong", 6, ""),
+         ("host", 9, "(us/call)"), ("speedup", 7, "(x)")]
+_SEP = " |"
+
+
+def _columns(columns, texts) -> str:
+    return "".join(f" {text:>{width}}" for (_, width, _), text in zip(columns, texts))
+
+
+def table_header(collective: str, candidates: Sequence[str], baseline: str, world: int,
+                 transport: str, timer: str) -> List[str]:
+    """Comment lines above a collective's table: what the numbers are, then the columns."""
+    lines = [
+        "#",
+        f"# {collective}: {world} ranks ({transport}); time = {timer}; "
+        f"host = median host time of one call (launch only, no synchronization)",
+        "# " + SPEEDUP_HELP.format(base=baseline),
+    ]
+    pre_width = len(_columns(_PRE, [""] * len(_PRE)))
+    cell_width = len(_columns(_CELL, [""] * len(_CELL)))
+    lines.append(("#" + " " * (pre_width - 1)
+                  + "".join(_SEP + name.center(cell_width) for name in candidates)).rstrip())
+    for index in (0, 2):  # names, then units
+        text = "#" + _columns(_PRE, [c[index] for c in _PRE])[1:]
+        text += "".join(_SEP + _columns(_CELL, [c[index] for c in _CELL]) for _ in candidates)
+        lines.append(text.rstrip())
+    return lines
+
+
+def fmt_num(value, width: int, digits: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"{'-':>{width}}"
+    text = f"{value:.{digits}f}"
+    if len(text) > width:  # keep the columns aligned for huge values
+        text = f"{value:.{max(0, width - 6)}e}"
+    return f"{text:>{width}}"
+
+
+def table_line(point: Dict, cells: Dict[str, Optional[Dict]], candidates: Sequence[str], baseline: str) -> str:
+    """One table line: the point's description, then one cell per candidate."""
+    place = {"out-of-place": "out", "in-place": "in"}.get(point["placement"], point["placement"])
+    text = _columns(_PRE, [str(point[k]) for k in ("size", "count", "type", "redop", "root")] + [place])
+    for name in candidates:
+        row = cells.get(name)
+        text += _SEP
+        if row is None or row["status"] != "ok":
+            text += _columns(_CELL, ["n/a" if row is None else row["status"]] + ["-"] * (len(_CELL) - 1))
+            continue
+        wrong = "N/A" if row.get("wrong") is None else str(row["wrong"])
+        speed = "base" if name == baseline else fmt_num(row.get("speedup"), 7, 2).strip()
+        text += _columns(_CELL, [fmt_num(row["time_us"], 9, 2), fmt_num(row["algbw_gbps"], 7, 2),
+                                 fmt_num(row["busbw_gbps"], 7, 2), wrong, fmt_num(row["host_us"], 9, 2),
+                                 speed])
+    return text.rstrip()
+
+
+def table_footer(rows: Sequence[Dict], candidates: Sequence[str]) -> List[str]:
+    """nccl-tests' closing lines: wrong values, average bus bandwidth; plus n/a reasons."""
+    lines = []
+    wrong = sum(r.get("wrong") or 0 for r in rows if r.get("status") == "ok")
+    checked = any(r.get("wrong") is not None for r in rows)
+    lines.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
+                 + ("" if checked else " (not checked: -c 0)"))
+    for name in candidates:
+        bws = [r["busbw_gbps"] for r in rows if r["candidate"] == name and r.get("status") == "ok"]
+        if bws:
+            lines.append(f"# Avg bus bandwidth    : {sum(bws) / len(bws):.4g} GB/s  {name} ({len(bws)} points)")
+    reasons: Dict[tuple, int] = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            key = (r["candidate"], r["status"], r.get("note") or "")
+            reasons[key] = reasons.get(key, 0) + 1
+    for (name, status, note), n in reasons.items():
+        lines.append(f"# {name} {status} ({n} points): {note}")
+    lines.append("#")
+    return lines
+
+
+def scenario_lines(title: str, rows: Sequence[Dict], baseline: str) -> List[str]:
+    """A scenario's cases, one line per case and candidate, with the ratio to the baseline."""
+    lines = ["#", f"# scenario {title}: medians per iteration; ratio = candidate / {baseline} "
+                  "(< 1: less time than the baseline)",
+             f"# {'case':<34} {'candidate':<14} {'GPU us':>11} {'CPU us':>11} {'GPU ratio':>9} {'CPU ratio':>9}"]
+    for r in rows:
+        if r.get("kind") != "scenario":
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"  {r['case']:<34} {r['candidate']:<14} {r['status']}: {r.get('note', '')}")
+            continue
+        lines.append(f"  {r['case']:<34} {r['candidate']:<14} {fmt_num(r.get('gpu_us'), 11, 2)} "
+                     f"{fmt_num(r.get('cpu_us'), 11, 2)} {fmt_num(r.get('gpu_ratio'), 9, 3)} "
+                     f"{fmt_num(r.get('cpu_ratio'), 9, 3)}")
+    for r in rows:
+        if r.get("kind") == "target":
+            value = "-" if r.get("value") is None else f"{r['value']:.3f}"
+            lines.append(f"# target: {r['target']:<58} {value:>7} (limit {r['limit']:g})  {r['status']}")
+    return lines
+
+
+def describe_meta(meta: Dict) -> List[str]:
+    keys = ["command", "date", "git_commit", "world_size", "transport", "gpu", "driver_version",
+            "torch", "torch_cuda", "torch_nccl", "cupy", "cupy_nccl", "cupycoll", "algorithm_selection",
+            "timer"]
+    lines = ["# cupycoll-bench"]
+    for key in keys:
+        if key in meta:
+            lines.append(f"#  {key:<20} {meta[key]}")
+    for rank in meta.get("ranks", []):
+        lines.append(f"#  rank {rank.get('rank')}: pid {rank.get('pid')} on {rank.get('host')} "
+                     f"device {rank.get('device')} [{rank.get('device_name')}]"
+                     + (f" NCCL_HOSTID={rank['nccl_hostid']}" if rank.get("nccl_hostid") else ""))
+    return lines
+
+
+# -- files ----------------------------------------------------------------------------
+def _clean(value):
+    # JSON has no NaN/inf; an absent measurement is null.
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    return value
+
+
+def ordered(row: Dict) -> Dict:
+    keys = [k for k in FIELDS if k in row] + sorted(k for k in row if k not in FIELDS)
+    return {k: _clean(row[k]) for k in keys}
+
+
+def _atomic_write(path: str, write: Callable) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="") as fh:
+        write(fh)
+    os.replace(tmp, path)
+
+
+def write_json(path: str, meta: Dict, rows: Iterable[Dict]) -> None:
+    document = {"schema": SCHEMA, "meta": {k: _clean(v) for k, v in meta.items()},
+                "rows": [ordered(r) for r in rows]}
+    _atomic_write(path, lambda fh: (json.dump(document, fh, indent=1), fh.write("\n")))
+
+
+def read_json(path: str) -> Dict:
+    try:
+        with open(path) as fh:
+            document = json.load(fh)
+    except OSError as exc:
+        raise ResultsError(f"{path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ResultsError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(document, dict) or not isinstance(document.get("rows"), list):
+        raise ResultsError(f"{path}: not a cupycoll-bench --json file (no \"rows\" list)")
+    document.setdefault("meta", {})
+    return document
+
+
+def csv_columns(rows: Sequence[Dict]) -> List[str]:
+    present = set().union(*(r.keys() for r in rows)) if rows else set()
+    return [k for k in FIELDS if k in present] + sorted(present - set(FIELDS))
+
+
+def write_csv(path: str, meta: Dict, rows: Sequence[Dict]) -> None:
+    rows = [ordered(r) for r in rows]
+    columns = csv_columns(rows)
+
+    def write(fh):
+        for key, value in meta.items():
+            if isinstance(value, (dict, list)):
+                value = json.dumps(value)
+            fh.write(f"# {key}: {str(value).replace(chr(10), ' ')}\n")
+        writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in columns})
+
+    _atomic_write(path, write)
+
+
+def _parse_cell(text: str):
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_csv(path: str):
+    """(meta, rows) from :func:`write_csv`'s file; numbers come back as int / float."""
+    meta: Dict[str, str] = {}
+    with open(path, newline="") as fh:
+        lines = fh.read().splitlines()
+    body = []
+    for line in lines:
+        if line.startswith("# ") and not body:
+            key, _, value = line[2:].partition(": ")
+            meta[key] = value
+        else:
+            body.append(line)
+    rows = [{k: _parse_cell(v) for k, v in row.items()} for row in csv.DictReader(body)]
+    return meta, rows
+
+
+def describe_file(path: str) -> str:
+    try:
+        return f"{path} ({os.path.getsize(path)} bytes)"
+    except OSError:
+        return path
+
+
+__all__ = ["write_json", "read_json", "write_csv", "read_csv", "table_header", "table_line",
+           "table_footer", "scenario_lines", "describe_meta", "format_bytes"]

@@ -1,0 +1,145 @@
+"""GPU tier: cupycoll-bench end to end on CUDA, two ranks (sharing one GPU when there is one).
+
+Short runs, each a subprocess with a hard timeout that kills the launcher and all its ranks:
+every collective for every candidate with checks on (#wrong must be 0, cupycoll:ring "n/a"
+exactly where the ring has no implementation); the ring-capable collectives across types
+and ops; the coalescing and overhead scenarios at a small scale (targets are reported PASS
+or MISS, and this test only requires that they were measured); a plot from the saved JSON;
+and a run under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import catalog, output  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+CANDIDATES = ("cupycoll:nccl", "cupycoll:ring", "torch:nccl")
+TIMEOUT = 540.0
+
+
+def _run(argv, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(argv)} did not finish within {timeout:g} s\nstdout:\n{out[-6000:]}\n"
+                    f"stderr:\n{err[-8000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def bench(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    # --timeout makes the launcher stop its ranks a little before the test gives up.
+    return _run(["-m", "bench", *args, "--timeout", str(int(timeout - 40))], timeout)
+
+
+def explain(proc) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-8000:]}\nstderr:\n{proc.stderr[-8000:]}"
+
+
+def test_smoke_sweep_every_collective_every_candidate(tmp_path):
+    js = tmp_path / "smoke.json"
+    proc = bench("all", "--ranks", "2", "-b", "4K", "-e", "256K", "-f", "8", "-c", "1", "-n", "3", "-w", "1",
+                 "--json", str(js), "--csv", str(tmp_path / "smoke.csv"))
+    assert proc.returncode == 0, explain(proc)
+    document = output.read_json(str(js))
+    meta, rows = document["meta"], document["rows"]
+    assert meta["world_size"] == 2 and meta["gpu"] not in ("", "cpu")
+    assert meta["torch_nccl"] != "n/a" and meta["cupy_nccl"] != "n/a"
+    for collective in catalog.COLLECTIVES:
+        for cand in CANDIDATES:
+            mine = [r for r in rows if r.get("collective") == collective and r["candidate"] == cand]
+            assert mine, (collective, cand)
+            if cand == "cupycoll:ring" and collective not in catalog.RING_COLLECTIVES:
+                assert all(r["status"] == "n/a" for r in mine), mine
+                continue
+            assert all(r["status"] == "ok" for r in mine), [r for r in mine if r["status"] != "ok"]
+            assert all(r["wrong"] == 0 for r in mine), [r for r in mine if r["wrong"]]
+            assert all(r["time_us"] > 0 and r["host_us"] > 0 and r["busbw_gbps"] > 0 for r in mine)
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+
+
+def test_ring_capable_collectives_across_types_and_ops(tmp_path):
+    js = tmp_path / "types.json"
+    proc = bench("all_reduce,reduce_scatter", "--ranks", "2", "-b", "64K", "-e", "64K", "-n", "2", "-w", "1",
+                 "-d", "float,half,bfloat16,double,int32,int8,uint8", "-o", "sum,prod,max,min,band,bxor",
+                 "--json", str(js))
+    assert proc.returncode == 0, explain(proc)
+    rows = output.read_json(str(js))["rows"]
+    # avg separately, on floats only (NCCL averages floats by pre-multiplying by 1/n)
+    js_avg = tmp_path / "avg.json"
+    proc = bench("all_reduce,reduce_scatter", "--ranks", "2", "-b", "64K", "-e", "64K", "-n", "2", "-w", "1",
+                 "-d", "float,half,bfloat16", "-o", "avg", "--json", str(js_avg))
+    assert proc.returncode == 0, explain(proc)
+    rows += output.read_json(str(js_avg))["rows"]
+    assert not [r for r in rows if r["status"] == "error"]
+    assert all(r["wrong"] == 0 for r in rows if r["status"] == "ok")
+    for r in rows:
+        bitwise = r["redop"] in catalog.BITWISE_OPS
+        floating = catalog.DTYPES[r["type"]][2] == "float"
+        if bitwise and (floating or r["candidate"] != "cupycoll:ring"):
+            assert r["status"] == "n/a", r
+        if r["candidate"] in ("torch:nccl", "cupycoll:nccl") and not bitwise:
+            assert r["status"] == "ok", r
+        if r["candidate"] == "cupycoll:ring" and floating and r["redop"] in ("sum", "avg"):
+            assert r["status"] == "ok", r
+    # the ring's bitwise reductions run and check out on integers
+    assert [r for r in rows if r["candidate"] == "cupycoll:ring" and r["redop"] == "band" and r["status"] == "ok"]
+
+
+def test_coalescing_and_overhead_scenarios_small(tmp_path):
+    js, png = tmp_path / "scenarios.json", tmp_path / "scenarios.png"
+    proc = bench("--scenario", "coalescing,overhead", "--ranks", "2", "--coalesce-bytes", "8M",
+                 "--coalesce-ops", "16", "--scenario-iters", "20", "--overhead-calls", "50",
+                 "--json", str(js), "--plot", str(png))
+    assert proc.returncode == 0, explain(proc)
+    rows = output.read_json(str(js))["rows"]
+    coalescing = [r for r in rows if r.get("scenario") == "coalescing" and r["kind"] == "scenario"]
+    cases = {"flat", "coalesced sync", "coalesced async", "uncoalesced", "1-element sync", "1-element async"}
+    for cand in ("cupycoll:nccl", "torch:nccl"):
+        mine = {r["case"]: r for r in coalescing if r["candidate"] == cand}
+        assert set(mine) == cases, cand
+        assert all(r["status"] == "ok" and r["gpu_us"] > 0 and r["cpu_us"] > 0 for r in mine.values()), mine
+    targets = [r for r in rows if r["kind"] == "target"]
+    assert len(targets) == 6 and all(t["status"] in ("PASS", "MISS") for t in targets), targets
+    assert proc.stdout.count("# target:") == 6
+    overhead = [r for r in rows if r.get("scenario") == "overhead"]
+    assert {r["candidate"] for r in overhead} == set(CANDIDATES)
+    assert all(r["status"] == "ok" for r in overhead), overhead
+    assert png.stat().st_size > 10_000
+
+
+def test_plot_subcommand_from_saved_sweep(tmp_path):
+    js, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    proc = bench("all_reduce", "--ranks", "2", "-b", "8", "-e", "1M", "-f", "16", "-n", "3", "-w", "1",
+                 "--json", str(js))
+    assert proc.returncode == 0, explain(proc)
+    plot = _run(["-m", "bench", "plot", str(js), "-o", str(png)], timeout=120)
+    assert plot.returncode == 0, explain(plot)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_under_torchrun(tmp_path):
+    js = tmp_path / "torchrun.json"
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "bench",
+                 "all_reduce", "--share-gpu", "-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1",
+                 "--backends", "cupycoll:nccl,torch:nccl", "--json", str(js)])
+    assert proc.returncode == 0, explain(proc)
+    rows = output.read_json(str(js))["rows"]
+    assert rows and all(r["status"] == "ok" and r["wrong"] == 0 for r in rows)

@@ -1,0 +1,246 @@
+"""CPU tier: cupycoll-bench's command line — nccl-tests flags, sizes, names, bad input, no GPU.
+
+Bad input is checked the way a user meets it: ``python -m bench ...`` run from the
+repository root must end with exit status 2 and one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's bench/ package, also under a bare `pytest`
+
+from bench import catalog, cli, launch, sizes  # noqa: E402
+
+
+def run_bench(*args: str, env=None, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# -- sizes ------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,expected", [
+    ("8", 8), ("1K", 1024), ("1k", 1024), ("64M", 64 << 20), ("1G", 1 << 30), ("1.5M", 3 << 19),
+    ("128m", 128 << 20), ("64MB", 64 << 20), (" 2 K ", 2048), ("0", 0),
+])
+def test_parse_size_accepts_nccl_tests_suffixes(text, expected):
+    assert sizes.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["12Q", "", "K", "-1", "1T", "1e3", "abc", "1KK"])
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(sizes.SizeError):
+        sizes.parse_size(text)
+
+
+def test_sweep_with_a_factor_doubles_up_to_max_inclusive():
+    assert sizes.sweep(8, 128, 2) == [8, 16, 32, 64, 128]
+    assert sizes.sweep(8, 100, 2) == [8, 16, 32, 64]
+    assert len(sizes.sweep(8, 128 << 20, 2)) == 25  # 2^3 .. 2^27
+
+
+def test_sweep_with_step_bytes_adds():
+    assert sizes.sweep(1 << 20, 4 << 20, 1, 1 << 20) == [1 << 20, 2 << 20, 3 << 20, 4 << 20]
+    assert sizes.sweep(100, 350, 1, 100) == [100, 200, 300]
+
+
+def test_sweep_factor_wins_over_step_like_nccl_tests():
+    assert sizes.sweep(8, 64, 4, 1) == [8, 32]
+
+
+def test_sweep_defaults_are_one_size():
+    assert sizes.sweep(32 << 20, 32 << 20, 1, 1 << 20) == [32 << 20]
+
+
+@pytest.mark.parametrize("args", [(64, 8, 2, None), (0, 8, 2, None), (8, 64, 1, 0), (1, 1 << 30, 1, 1)])
+def test_sweep_rejects_impossible_ranges(args):
+    with pytest.raises(sizes.SizeError):
+        sizes.sweep(*args)
+
+
+# -- names ------------------------------------------------------------------------------
+def test_datatype_names_nccl_tests_and_torch():
+    assert catalog.resolve_dtypes("float") == ["float"]
+    assert catalog.resolve_dtypes("float16,bf16,fp32,float64") == ["half", "bfloat16", "float", "double"]
+    assert catalog.resolve_dtypes("all") == list(catalog.DTYPES)
+    assert len(catalog.DTYPES) == 10
+
+
+def test_op_all_is_nccl_tests_list_and_bitwise_is_extra():
+    assert catalog.resolve_ops("all") == ["sum", "prod", "max", "min", "avg"]
+    assert catalog.resolve_ops("band,bor,bxor") == ["band", "bor", "bxor"]
+
+
+def test_collectives_accept_nccl_tests_spellings():
+    assert catalog.resolve_collectives("allreduce,alltoall,reducescatter") == [
+        "all_reduce", "all_to_all", "reduce_scatter"]
+    assert catalog.resolve_collectives("all") == list(catalog.COLLECTIVES)
+
+
+def test_candidates_and_aliases():
+    assert catalog.resolve_candidates("cupycoll:nccl,torch:nccl") == ["cupycoll:nccl", "torch:nccl"]
+    assert catalog.resolve_candidates("ring,nccl") == ["cupycoll:ring", "torch:nccl"]
+
+
+def test_static_na_rules():
+    assert catalog.static_unsupported("cupycoll:ring", "all_gather", "float", "none", 2)
+    assert not catalog.static_unsupported("cupycoll:ring", "all_reduce", "int32", "band", 2)
+    assert catalog.static_unsupported("torch:nccl", "all_reduce", "int32", "band", 2)
+    assert catalog.static_unsupported("cupycoll:nccl", "all_reduce", "float", "bxor", 2)
+    assert catalog.static_unsupported("cupycoll:ring", "all_reduce", "float", "band", 2)
+    assert catalog.static_unsupported("torch:nccl", "sendrecv", "float", "none", 1)
+    assert not catalog.static_unsupported("torch:nccl", "sendrecv", "float", "none", 2)
+
+
+# -- the parser ----------------------------------------------------------------------------
+def test_parse_nccl_tests_flags():
+    cfg = cli.parse(["all_reduce", "-b", "8", "-e", "128M", "-f", "2", "-d", "half", "-o", "max",
+                     "-n", "7", "-w", "3", "-c", "0", "-r", "1"])
+    assert cfg.collectives == ["all_reduce"]
+    assert cfg.sizes[0] == 8 and cfg.sizes[-1] == 128 << 20 and len(cfg.sizes) == 25
+    assert cfg.dtypes == ["half"] and cfg.ops == ["max"]
+    assert (cfg.iters, cfg.warmup, cfg.check, cfg.root) == (7, 3, False, 1)
+    assert cfg.candidates == ["cupycoll:nccl", "cupycoll:ring", "torch:nccl"]
+    assert cfg.baseline == "torch:nccl"
+    assert cfg.placements == ["out-of-place", "in-place"]
+
+
+def test_parse_long_flags_and_stepbytes():
+    cfg = cli.parse(["--collective", "all_gather", "-C", "broadcast", "--minbytes", "1M", "--maxbytes", "3M",
+                     "--stepbytes", "1M", "--datatype", "bf16", "--op", "all", "--iters", "2",
+                     "--warmup_iters", "0", "--check", "1", "--root", "0", "--inplace"])
+    assert cfg.collectives == ["all_gather", "broadcast"]
+    assert cfg.sizes == [1 << 20, 2 << 20, 3 << 20]
+    assert cfg.dtypes == ["bfloat16"] and cfg.ops == list(catalog.OPS)
+    assert cfg.placements == ["in-place"] and cfg.check
+
+
+def test_parse_defaults_follow_nccl_tests():
+    cfg = cli.parse([])
+    assert cfg.collectives == ["all_reduce"]
+    assert cfg.sizes == [32 << 20] and cfg.dtypes == ["float"] and cfg.ops == ["sum"]
+    assert cfg.iters == 20 and cfg.check
+
+
+def test_parse_scenarios_only_runs_no_sweep():
+    cfg = cli.parse(["--scenario", "coalescing", "--scenario", "overhead", "--coalesce-bytes", "64M"])
+    assert cfg.collectives == [] and cfg.scenarios == ["coalescing", "overhead"]
+    assert cfg.coalesce_bytes == 64 << 20 and cfg.coalesce_ops == 64
+    assert cli.parse(["--scenario", "all"]).scenarios == list(catalog.SCENARIOS)
+
+
+def test_parse_all_and_backends():
+    cfg = cli.parse(["all", "--backends", "torch:nccl,cupycoll:nccl"])
+    assert cfg.collectives == list(catalog.COLLECTIVES)
+    assert cfg.candidates == ["torch:nccl", "cupycoll:nccl"]
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["nope"], "unknown collective 'nope'"),
+    (["--backends", "mpi"], "unknown backend 'mpi'"),
+    (["-d", "float7"], "unknown data type 'float7'"),
+    (["-o", "mulsum"], "unknown reduction op 'mulsum'"),
+    (["-b", "12Q"], "'12Q' is not a size"),
+    (["-b", "1M", "-e", "1K"], "larger than maxbytes"),
+    (["-n", "0"], "-n/--iters"),
+    (["-n", "x"], "whole number"),
+    (["-f", "0.5"], "-f/--stepfactor"),
+    (["--ranks", "0"], "--ranks"),
+    (["--scenario", "fast"], "unknown scenario"),
+    (["--backends", "torch:gloo"], "does not run with --device cuda"),
+    (["--json", "/no/such/dir/out.json"], "does not exist"),
+    (["--inplace", "--outofplace"], "not allowed with"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_parse_errors_are_one_line_usage_errors(argv, fragment):
+    with pytest.raises(cli.UsageError) as info:
+        cli.parse(argv)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+# -- launch planning ---------------------------------------------------------------------
+def test_plan_spawn_shares_gpus_with_distinct_hostids(monkeypatch):
+    monkeypatch.setattr(launch, "cuda_devices", lambda: 1)
+    plan = launch.plan_spawn("cuda", 4, None)
+    assert plan.world == 4 and plan.devices == [0, 0, 0, 0] and plan.shared
+    assert plan.transport == "NCCL_HOSTID ranks sharing 1 GPU(s)"
+    envs = [launch.rank_env(plan, r, 1234, {}) for r in range(4)]
+    assert len({e["NCCL_HOSTID"] for e in envs}) == 4
+    assert envs[2]["NCCL_HOSTID"] == "cupycoll-bench-2"
+    assert all(e["NCCL_SOCKET_IFNAME"] == "lo" and e["MASTER_PORT"] == "1234" for e in envs)
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert "NCCL_HOSTID" in plan.note()
+
+
+def test_plan_spawn_real_gpus(monkeypatch):
+    monkeypatch.setattr(launch, "cuda_devices", lambda: 4)
+    plan = launch.plan_spawn("cuda", None, None)
+    assert (plan.world, plan.devices, plan.shared, plan.transport) == (4, [0, 1, 2, 3], False, "real GPUs")
+    assert "NCCL_HOSTID" not in launch.rank_env(plan, 1, 1, {})
+    plan = launch.plan_spawn("cuda", 3, 2)  # 3 ranks on the first 2 GPUs
+    assert plan.devices == [0, 1, 0] and plan.shared
+
+
+def test_plan_spawn_refuses_more_gpus_than_visible(monkeypatch):
+    monkeypatch.setattr(launch, "cuda_devices", lambda: 1)
+    with pytest.raises(launch.LaunchError, match="pass --ranks 4"):
+        launch.plan_spawn("cuda", None, 4)
+
+
+def test_torchrun_detection():
+    assert launch.under_torchrun({"RANK": "0", "WORLD_SIZE": "2"})
+    assert not launch.under_torchrun({"RANK": "0", "WORLD_SIZE": "2", launch.WORKER_ENV: "1"})
+    assert not launch.under_torchrun({})
+
+
+# -- the real command, as a subprocess ----------------------------------------------------
+@pytest.mark.parametrize("args,fragment", [
+    (["frobnicate"], "unknown collective"),
+    (["all_reduce", "--backends", "cupycoll:magic"], "unknown backend"),
+    (["all_reduce", "-d", "complex64"], "unknown data type"),
+    (["all_reduce", "-o", "median"], "unknown reduction op"),
+    (["all_reduce", "-b", "1G", "-e", "8"], "larger than maxbytes"),
+    (["all_reduce", "-b", "12Q"], "not a size"),
+    (["all_reduce", "-e", "-5"], "not a size"),
+    (["plot", "/no/such/results.json"], "no such file"),
+])
+def test_bad_input_exits_2_with_one_line(args, fragment):
+    proc = run_bench(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert fragment in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("cupycoll-bench: error: ")
+
+
+def test_plot_of_a_non_json_file_exits_2(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    proc = run_bench("plot", str(bad), "-o", str(tmp_path / "x.png"))
+    assert proc.returncode == 2 and "not JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_gpu_exits_2():
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, so this holds on GPU machines too.
+    proc = run_bench("all_reduce", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no CUDA GPU visible" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_mentions_the_nccl_tests_flags():
+    proc = run_bench("--help")
+    assert proc.returncode == 0
+    for flag in ("--minbytes", "--maxbytes", "--stepfactor", "--stepbytes", "--datatype", "--op",
+                 "--iters", "--warmup_iters", "--check", "--root", "--backends", "--scenario", "--plot"):
+        assert flag in proc.stdout

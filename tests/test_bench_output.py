@@ -1,0 +1,203 @@
+"""CPU tier: the benchmark's tables, JSON and CSV files, and plots from a stored JSON.
+
+Also one end-to-end run of the whole pipeline without a GPU: ``--device cpu`` (a
+development mode where the candidates are torch's gloo and cupycoll's CPU route) starts 2
+ranks, sweeps every collective with checks on, and writes JSON, CSV and a plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import catalog, metrics, output  # noqa: E402
+
+CANDIDATES = ["cupycoll:nccl", "cupycoll:ring", "torch:nccl"]
+
+
+def run_bench(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "bench", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
+        out, err = proc.communicate()
+        pytest.fail(f"bench {' '.join(args)} did not finish within {timeout:g} s\n{out}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def synthetic_rows():
+    """Rows shaped like a real 8-rank run: three candidates, two collectives, a scenario."""
+    rows = []
+    world = 8
+    for collective in ("all_reduce", "all_gather"):
+        for k, size in enumerate([8 << i for i in range(0, 25, 2)]):
+            lay = metrics.layout(collective, size, 4, world)
+            if lay.count == 0:
+                continue
+            for j, cand in enumerate(CANDIDATES):
+                base = {"kind": "sweep", "collective": collective, "size": lay.size, "count": lay.count,
+                        "type": "float", "redop": "sum" if collective == "all_reduce" else "none",
+                        "root": -1, "placement": "in-place", "candidate": cand, "world_size": world}
+                if cand == "cupycoll:ring" and collective == "all_gather":
+                    rows.append(dict(base, status="n/a", note="the ring implements all_reduce and "
+                                                              "reduce_scatter only"))
+                    continue
+                t = 10.0 + lay.size / (50e3 * (1 + 0.3 * j))
+                rows.append(dict(base, status="ok", time_us=t, algbw_gbps=metrics.algbw(lay.size, t),
+                                 busbw_gbps=metrics.busbw(collective, lay.size, t, world), wrong=0,
+                                 host_us=5.0 + j + 0.01 * k, speedup=None))
+    rows.append({"kind": "scenario", "scenario": "coalescing", "case": "flat", "candidate": "torch:nccl",
+                 "status": "ok", "gpu_us": 1500.0, "cpu_us": 12.0, "gpu_ratio": 1.0, "cpu_ratio": 1.0,
+                 "iterations": 30, "world_size": world})
+    rows.append({"kind": "scenario", "scenario": "coalescing", "case": "flat", "candidate": "cupycoll:nccl",
+                 "status": "ok", "gpu_us": 1510.0, "cpu_us": 30.0, "gpu_ratio": 1.0067, "cpu_ratio": 2.5,
+                 "iterations": 30, "world_size": world})
+    rows.append({"kind": "target", "scenario": "coalescing", "target": "coalesced sync: CPU time",
+                 "candidate": "cupycoll:nccl", "value": 0.8, "limit": 1.0, "status": "PASS"})
+    return rows
+
+
+META = {"tool": "cupycoll-bench", "gpu": "NVIDIA H200", "world_size": 8, "transport": "real GPUs",
+        "git_commit": "0123456789abcdef", "command": "cupycoll-bench all_reduce -b 8 -e 128M -f 2",
+        "torch": "2.11.0", "cupy": "14.2.0", "torch_nccl": "2.27.3", "cupy_nccl": "2.27.3",
+        "driver_version": "570.00", "ranks": [{"rank": 0, "device": "cuda:0"}]}
+
+
+def test_json_round_trip(tmp_path):
+    rows = synthetic_rows()
+    rows[0]["time_us"] = float("nan")  # JSON has no NaN: it must come back as null
+    path = tmp_path / "r.json"
+    output.write_json(str(path), META, rows)
+    document = output.read_json(str(path))
+    assert document["schema"] == output.SCHEMA
+    assert document["meta"] == META
+    assert len(document["rows"]) == len(rows)
+    assert document["rows"][0]["time_us"] is None
+    for got, want in zip(document["rows"][1:], rows[1:]):
+        assert got == want
+    json.loads(path.read_text())  # strict JSON
+
+
+def test_csv_round_trip(tmp_path):
+    rows = synthetic_rows()
+    path = tmp_path / "r.csv"
+    output.write_csv(str(path), META, rows)
+    meta, back = output.read_csv(str(path))
+    assert meta["gpu"] == "NVIDIA H200" and meta["git_commit"] == "0123456789abcdef"
+    assert meta["command"] == META["command"]
+    assert json.loads(meta["ranks"]) == META["ranks"]
+    assert len(back) == len(rows)
+    for got, want in zip(back, rows):
+        for key, value in want.items():
+            if isinstance(value, float):
+                assert got[key] == pytest.approx(value, rel=1e-12), key
+            else:
+                assert got[key] == value, key
+    header = [line for line in path.read_text().splitlines() if not line.startswith("#")][0]
+    assert header.split(",")[:3] == ["kind", "collective", "scenario"]
+
+
+def test_table_puts_candidates_side_by_side():
+    header = output.table_header("all_reduce", CANDIDATES, "torch:nccl", 8, "real GPUs", "GPU time")
+    text = "\n".join(header)
+    for name in CANDIDATES:
+        assert name in text
+    assert "speedup = torch:nccl time / candidate time" in text
+    for column in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "host"):
+        assert column in text
+    point = {"size": 1 << 20, "count": 262144, "type": "float", "redop": "sum", "root": -1,
+             "placement": "in-place"}
+    cells = {
+        "cupycoll:nccl": {"status": "ok", "time_us": 50.0, "algbw_gbps": 20.97, "busbw_gbps": 36.7,
+                          "wrong": 0, "host_us": 9.5, "speedup": 1.1},
+        "cupycoll:ring": {"status": "n/a"},
+        "torch:nccl": {"status": "ok", "time_us": 55.0, "algbw_gbps": 19.07, "busbw_gbps": 33.4,
+                       "wrong": 0, "host_us": 6.5, "speedup": 1.0},
+    }
+    line = output.table_line(point, cells, CANDIDATES, "torch:nccl")
+    assert "1048576" in line and "262144" in line and "50.00" in line and "1.10" in line
+    assert "n/a" in line and "base" in line
+    # the cells line up under the header's candidate columns
+    assert len(line.split("|")) == len(header[3].split("|")) == len(CANDIDATES) + 1
+
+
+def test_footer_counts_wrong_values_and_reasons():
+    rows = [r for r in synthetic_rows() if r.get("collective") == "all_gather"]
+    lines = output.table_footer(rows, CANDIDATES)
+    assert lines[0] == "# Out of bounds values : 0 OK"
+    assert any("cupycoll:ring n/a" in line and "reduce_scatter only" in line for line in lines)
+    rows[0]["wrong"] = 3
+    assert "3 FAILED" in output.table_footer(rows, CANDIDATES)[0]
+
+
+def _png_facts(path: Path):
+    data = path.read_bytes()
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(str(path))
+    colours = {tuple(round(float(c), 2) for c in px) for px in pixels.reshape(-1, pixels.shape[-1])[::37]}
+    return data[:8], len(data), len(colours)
+
+
+def test_plot_from_a_stored_json(tmp_path):
+    source = tmp_path / "results.json"
+    output.write_json(str(source), META, synthetic_rows())
+    png = tmp_path / "out.png"
+    proc = run_bench("plot", str(source), "-o", str(png), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    signature, size, colours = _png_facts(png)
+    assert signature == b"\x89PNG\r\n\x1a\n"
+    assert size > 10_000
+    assert colours > 2  # lines in several colours, not a blank canvas
+
+
+def test_plot_of_results_without_measurements_exits_2(tmp_path):
+    source = tmp_path / "empty.json"
+    output.write_json(str(source), META, [r for r in synthetic_rows() if r.get("status") == "n/a"])
+    proc = run_bench("plot", str(source), "-o", str(tmp_path / "x.png"), timeout=120)
+    assert proc.returncode == 2 and "no measured rows" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_whole_pipeline_on_cpu(tmp_path):
+    """--device cpu, 2 ranks: every collective, checks on, all three output files."""
+    js, cs, png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "r.png"
+    proc = run_bench("--device", "cpu", "all", "-b", "64", "-e", "256", "-f", "4", "-n", "2", "-w", "1",
+                     "--ranks", "2", "--json", str(js), "--csv", str(cs), "--plot", str(png),
+                     "--scenario", "overhead", "--overhead-calls", "10")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    document = output.read_json(str(js))
+    meta, rows = document["meta"], document["rows"]
+    assert meta["world_size"] == 2 and meta["command"].endswith("--overhead-calls 10")
+    assert meta["git_commit"] and meta["torch"] and "ranks" in meta
+    swept = [r for r in rows if r["kind"] == "sweep"]
+    for collective in catalog.COLLECTIVES:
+        mine = [r for r in swept if r["collective"] == collective]
+        assert {r["candidate"] for r in mine} == {"cupycoll:nccl", "torch:gloo"}, collective
+        assert all(r["status"] == "ok" and r["wrong"] == 0 for r in mine), mine
+        assert all(r["time_us"] > 0 and r["busbw_gbps"] >= 0 for r in mine)
+    baseline_rows = [r for r in swept if r["candidate"] == "torch:gloo"]
+    assert all(r["speedup"] == pytest.approx(1.0) for r in baseline_rows)
+    overhead = [r for r in rows if r.get("scenario") == "overhead"]
+    assert {(r["case"], r["candidate"]) for r in overhead} == {
+        (case, cand) for case in ("1-element sync", "1-element async") for cand in ("cupycoll:nccl", "torch:gloo")}
+    _, csv_rows = output.read_csv(str(cs))
+    assert len(csv_rows) == len(rows)
+    assert png.stat().st_size > 10_000
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+    assert "all_to_all" in proc.stdout and "sendrecv" in proc.stdout
+    assert not any(math.isnan(r["time_us"]) for r in swept)
