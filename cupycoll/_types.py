@@ -135,14 +135,19 @@ def _reduction(dtype: torch.dtype, kind: RedOpType, reduce_op, fp8_available: bo
     if kind == RedOpType.PREMUL_SUM:
         if dtype not in _FLOATING_FOR_PREMUL:
             raise CupycollValueError(f"ReduceOp.PREMUL_SUM needs a floating dtype, got {dtype}")
-        factor = getattr(reduce_op, "factor", None)
-        if factor is None:
-            raise CupycollValueError(
-                "ReduceOp.PREMUL_SUM without a factor: build it with "
-                "torch.distributed._make_nccl_premul_sum(factor)"
-            )
-        return Reduction(code, -1, premul_factor=factor)
+        return Reduction(code, -1, premul_factor=premul_factor(reduce_op))
     return Reduction(code, _NCCL_OPS[kind])
+
+
+def premul_factor(reduce_op):
+    """PREMUL_SUM's factor (a number or a one-element tensor), or an error saying how to make one."""
+    factor = getattr(reduce_op, "factor", None)
+    if factor is None:
+        raise CupycollValueError(
+            "ReduceOp.PREMUL_SUM without a factor: build it with "
+            "torch.distributed._make_nccl_premul_sum(factor)"
+        )
+    return factor
 
 
 def premul_scalar_bytes(factor, dtype: torch.dtype) -> bytes:

@@ -610,14 +610,10 @@ class ProcessGroupCupycoll(ProcessGroup):
         ring.check(dtype, op)
         premul = premul_ptr = None
         if op == "premul_sum":
-            factor = getattr(reduce_op, "factor", None)
+            factor = _types.premul_factor(reduce_op)
             if isinstance(factor, torch.Tensor):
                 _types.check_premul_tensor(factor, tensor.dtype, tensor.device)
                 premul_ptr = factor.data_ptr()
-            elif factor is None:
-                raise CupycollValueError(
-                    "ReduceOp.PREMUL_SUM without a factor: build it with "
-                    "torch.distributed._make_nccl_premul_sum(factor)")
             else:
                 premul = float(factor)
 
@@ -1000,9 +996,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         if self._coalescing is not None:
             # torch's _coalescing_manager never calls _end_coalescing when its body raises;
             # the block left open by such an exception is dropped here, never issued.
-            warnings.warn("cupycoll: a coalescing block left open (its body raised) was discarded",
-                          RuntimeWarning, stacklevel=3)
-            self._abandon_coalescing()
+            self._discard_raised_block(stacklevel=4)
         owner = _open_block_owner.__dict__.get("group")
         if owner is not None and owner is not self:
             owner._check_coalescing_scope("_start_coalescing", other=self)
@@ -1056,9 +1050,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         group's next all_reduce would otherwise be captured into a dead manager forever)."""
         if self._coalescing_manager is not manager_ref or self._coalescing is None:
             return
-        warnings.warn("cupycoll: the coalescing manager's body raised; the calls it had queued "
-                      "were discarded, never issued", RuntimeWarning, stacklevel=2)
-        self._abandon_coalescing()
+        self._discard_raised_block(stacklevel=3)
         world = getattr(dist.distributed_c10d, "_world", None)
         pending = getattr(world, "pg_coalesce_state", None)
         if isinstance(pending, dict):
@@ -1067,10 +1059,14 @@ class ProcessGroupCupycoll(ProcessGroup):
     def _drop_stale_block(self) -> bool:
         if not self._block_is_stale():
             return False
-        warnings.warn("cupycoll: the coalescing manager's body raised; the calls it had queued "
-                      "were discarded, never issued", RuntimeWarning, stacklevel=4)
-        self._abandon_coalescing()
+        self._discard_raised_block(stacklevel=5)
         return True
+
+    def _discard_raised_block(self, stacklevel: int) -> None:
+        warnings.warn("cupycoll: a coalescing block left open (the manager's body raised) was "
+                      "discarded; the calls it had queued were never issued", RuntimeWarning,
+                      stacklevel=stacklevel)
+        self._abandon_coalescing()
 
     def _check_coalescing_scope(self, op_name: str, other: "ProcessGroupCupycoll" = None) -> None:
         """Called when the thread has an open block: it must be this group's own."""

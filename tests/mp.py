@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -101,3 +102,23 @@ def run_ranks(
     if expect_success and any(r.returncode != 0 for r in results):
         raise WorkersFailed(_report(results, f"{script}: a rank failed"))
     return results
+
+
+def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``python *args`` from the repository root (checkout on PYTHONPATH). On a timeout,
+    kill it with every process it started (torchrun's or the benchmark's ranks) and fail
+    showing what it printed."""
+    import pytest
+
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(args)} did not finish within {timeout:g} s\n"
+                    f"stdout:\n{out[-6000:]}\nstderr:\n{err[-8000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,22 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import catalog, metrics, output  # noqa: E402
-
-CANDIDATES = ["cupycoll:nccl", "cupycoll:ring", "torch:nccl"]
+from mp import run_python  # noqa: E402
 
 
 def run_bench(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-m", "bench", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-        out, err = proc.communicate()
-        pytest.fail(f"bench {' '.join(args)} did not finish within {timeout:g} s\n{out}\n{err[-6000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_python("-m", "bench", *args, timeout=timeout)
+
+CANDIDATES = ["cupycoll:nccl", "cupycoll:ring", "torch:nccl"]
 
 
 def synthetic_rows():

@@ -7,41 +7,27 @@ torch's C++ reducer) trains exactly as DDP on plain gloo. The GPU runs are in th
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from mp import run_python as _run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_ddp.py"
 DEMO = ROOT / "examples" / "demo.py"
 TIMEOUT = 180.0
 
+
+def run_python(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return _run_python(*args, timeout=timeout)
+
 HAS_CUDA = torch.cuda.is_available()
 DIFF = re.compile(r"max \|param difference\| (\S+) vs (\S+): (\S+) \(tolerance (\S+)\): (OK|FAILED)")
 LOSS = re.compile(r"^\[(\S+)\] step +(\d+) +loss (\d+\.\d+)$", re.MULTILINE)
-
-
-def run_python(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    """Run ``python *args`` from the repository root; on a timeout, kill it with all its
-    children (torchrun's workers) and fail showing what it printed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish within {timeout:g} s\n"
-                    f"stdout:\n{out}\nstderr:\n{err[-8000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def torchrun(*args: str, ranks: int = 2) -> subprocess.CompletedProcess:

@@ -27,8 +27,7 @@ from cupycoll.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 from cupycoll.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
 from cupycoll.work import CudaWork
-
-CUDA = torch.device("cuda", 0)
+from standins import CUDA, CpuAsCudaGroup
 
 
 class FakeEvent:
@@ -182,23 +181,9 @@ def test_terminate_policy_ends_the_process(tmp_path):
 # -- the group: fault, abort, init timeouts -------------------------------------------
 
 
-class FaultGroup(pg_module.ProcessGroupCupycoll):
-    """No gloo, CPU tensors take the CUDA path up to the communicator."""
-
-    def _build_cpu_group(self, store, rank, size, timeout):
-        return None
-
-    def _is_cuda(self, tensors, op_name):
-        self._classify(tensors, op_name)
-        return True
-
-    def _check_device(self, tensor, what):
-        return CUDA
-
-
 def make_group(rank=0, size=2, timeout=5.0, store=None):
-    return FaultGroup(store if store is not None else dist.HashStore(), rank, size,
-                      datetime.timedelta(seconds=timeout))
+    return CpuAsCudaGroup(store if store is not None else dist.HashStore(), rank, size,
+                          datetime.timedelta(seconds=timeout))
 
 
 def test_a_fault_aborts_the_communicators_and_every_later_call_raises():

@@ -15,23 +15,10 @@ from torch._C import _distributed_c10d as c10d
 
 from cupycoll.errors import CupycollError, CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
+from standins import CUDA, CpuAsCudaGroup
 
-CUDA = torch.device("cuda", 0)
 
-
-class QueueGroup(ProcessGroupCupycoll):
-    def _build_cpu_group(self, store, rank, size, timeout):
-        return None
-
-    def _is_cuda(self, tensors, op_name):
-        self._classify(tensors, op_name)
-        return True
-
-    def _check_device(self, tensor, what):
-        if not tensor.is_contiguous():
-            raise CupycollValueError(f"{what} is not contiguous")
-        return CUDA
-
+class QueueGroup(CpuAsCudaGroup):
     def _enqueue(self, issues):
         self.batches.append([i.work.op_name for i in issues])
         for issue in issues:

@@ -10,8 +10,6 @@ and a run under torchrun.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import catalog, output  # noqa: E402
+from mp import run_python  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -30,18 +29,7 @@ TIMEOUT = 540.0
 
 
 def _run(argv, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(argv)} did not finish within {timeout:g} s\nstdout:\n{out[-6000:]}\n"
-                    f"stderr:\n{err[-8000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_python(*argv, timeout=timeout)
 
 
 def bench(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:

@@ -1,0 +1,31 @@
+"""Stand-in process groups for CPU tests of logic that normally runs on CUDA.
+
+:class:`CpuAsCudaGroup` is the real ProcessGroupCupycoll with three seams replaced: no
+inner gloo group, CPU tensors take the CUDA route (after the real type and mixing checks),
+and every tensor counts as being on ``cuda:0``. What happens after that (queueing, enqueue,
+faults) is the real code unless a test's subclass replaces it. The GPU tier runs the same
+paths for real.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cupycoll.errors import CupycollValueError
+from cupycoll.process_group import ProcessGroupCupycoll
+
+CUDA = torch.device("cuda", 0)
+
+
+class CpuAsCudaGroup(ProcessGroupCupycoll):
+    def _build_cpu_group(self, store, rank, size, timeout):
+        return None
+
+    def _is_cuda(self, tensors, op_name):
+        self._classify(tensors, op_name)  # the real mixing/type checks, CPU tensors stand in
+        return True
+
+    def _check_device(self, tensor, what):
+        if not tensor.is_contiguous():
+            raise CupycollValueError(f"{what} is not contiguous")
+        return CUDA
