@@ -7,22 +7,35 @@
 PYTHON      ?= python3
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
-CUDA_EXTRA  ?= cuda12
-# CI pins the CPU build it has on disk; elsewhere any torch >= 2.4 already installed is kept.
-TORCH_SPEC  ?= torch>=2.4
+# The python of the targets that install nothing (demo, test-gpu*, verify-gpu): the venv
+# `make test` built when it exists, else the machine's (the GPU machine has no venv).
+RUN_PY      ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+# The torch installed when the venv sees none (an installed torch >= 2.4.1 is kept). On a
+# machine without an NVIDIA driver, TORCH_INDEX adds torch's CPU wheel index, so pip takes
+# the CPU build (about 200 MB) over PyPI's CUDA build (about 5 GB); TORCH_INDEX= turns it off.
+TORCH_SPEC  ?= torch>=2.4.1
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+# cuda12 or cuda13. Empty: the CUDA major of the venv's torch build (cuda12 for a CPU
+# build), so that torch, CuPy and NCCL agree.
+CUDA_EXTRA  ?=
+# More requirements installed with cupycoll, e.g. CI's oldest leg: "cupy-cuda12x==13.0.0".
+PIP_PINS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: install test test-gpu demo bench clean
+.PHONY: install test test-gpu test-gpu-quick demo verify-gpu bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet \
+		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	@# An existing CuPy (e.g. cupy-cuda13x on a GPU machine) is kept: no second CuPy on top.
+	extra="$(CUDA_EXTRA)"; \
+	[ -n "$$extra" ] || extra=$$($(PY) -c "import torch; print('cuda' + (torch.version.cuda or '12').split('.')[0])"); \
 	if $(PY) -c "import cupy" 2>/dev/null; then \
-		$(PY) -m pip install --quiet -e ".[test]"; \
+		$(PY) -m pip install --quiet -e ".[test]" $(PIP_PINS); \
 	else \
-		$(PY) -m pip install --quiet -e ".[test,$(CUDA_EXTRA)]"; \
+		$(PY) -m pip install --quiet -e ".[test,$$extra]" $(PIP_PINS); \
 	fi
 	touch $@
 
@@ -31,11 +44,27 @@ install: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
+# The GPU tier in parts (tests/gpu/tier.py): semantics, api, ring, faults, bench, in that
+# order, each one pytest command with -x under its own time budget (<= 9 min); a failing part
+# stops itself, not the tier. test-gpu-quick: semantics only; test-gpu-PART: one part.
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -m gpu -rs $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR) $(RUN_PY) tests/gpu/tier.py --run
+
+test-gpu-quick:
+	PYTHONPATH=$(CURDIR) $(RUN_PY) tests/gpu/tier.py --run semantics
+
+test-gpu-%:
+	PYTHONPATH=$(CURDIR) $(RUN_PY) tests/gpu/tier.py --run $*
 
 demo:
-	PYTHONPATH=$(CURDIR) $(PYTHON) examples/demo.py
+	@PYTHONPATH=$(CURDIR) $(RUN_PY) examples/demo.py
+
+# The GPU proof (tools/verify_gpu.py): environment, GPU tier, demo, benchmarks, faults, each
+# under its time limit, <= 9 min in all; results (<= 8 files) in verify-gpu-out/.
+# VERIFY_ARGS="--quick" (<= 3 min), "--stage bench,faults", "--out DIR", "--list".
+VERIFY_ARGS ?=
+verify-gpu:
+	PYTHONPATH=$(CURDIR) $(RUN_PY) -m tools.verify_gpu $(VERIFY_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

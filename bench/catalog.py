@@ -48,20 +48,30 @@ DTYPES: Dict[str, Tuple[str, int, str]] = {
     "float": ("float32", 4, "float"),
     "double": ("float64", 8, "float"),
     "bfloat16": ("bfloat16", 2, "float"),
+    # NCCL >= 2.24 (nccl-tests' names); not in "all", like every type a torch may lack.
+    "f8e4m3": ("float8_e4m3fn", 1, "float"),
+    "f8e5m2": ("float8_e5m2", 1, "float"),
 }
+# What "all" means: nccl-tests' ten classic types.
+ALL_DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16")
 _DTYPE_ALIASES = {name: name for name in DTYPES}
 _DTYPE_ALIASES.update({
     "char": "int8", "int": "int32", "float16": "half", "fp16": "half", "f16": "half",
     "float32": "float", "fp32": "float", "f32": "float", "float64": "double", "fp64": "double",
     "f64": "double", "bf16": "bfloat16", "long": "int64",
+    "float8_e4m3fn": "f8e4m3", "fp8_e4m3": "f8e4m3", "e4m3": "f8e4m3",
+    "float8_e5m2": "f8e5m2", "fp8_e5m2": "f8e5m2", "e5m2": "f8e5m2",
 })
 
 # -- reduction ops --------------------------------------------------------------------
-# nccl-tests' "all" is sum, prod, max, min, avg (in that order).
-OPS = ("sum", "prod", "max", "min", "avg")
+# nccl-tests' "all" is sum, prod, max, min, avg, mulsum (in that order). mulsum is NCCL's
+# PreMulSum, here torch's dist._make_nccl_premul_sum(MULSUM_FACTOR): floating types only.
+OPS = ("sum", "prod", "max", "min", "avg", "mulsum")
+MULSUM_FACTOR = 2.0
 BITWISE_OPS = ("band", "bor", "bxor")  # NCCL has none; only cupycoll's ring offers them
 _OP_ALIASES = {name: name for name in OPS + BITWISE_OPS}
-_OP_ALIASES.update({"product": "prod", "mean": "avg", "and": "band", "or": "bor", "xor": "bxor"})
+_OP_ALIASES.update({"product": "prod", "mean": "avg", "and": "band", "or": "bor", "xor": "bxor",
+                    "premul_sum": "mulsum", "premulsum": "mulsum"})
 
 # -- candidates -----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +134,7 @@ def resolve_collectives(text: str) -> List[str]:
 
 
 def resolve_dtypes(text: str) -> List[str]:
-    return _resolve(text, _DTYPE_ALIASES, "data type", tuple(DTYPES), tuple(DTYPES))
+    return _resolve(text, _DTYPE_ALIASES, "data type", tuple(DTYPES), ALL_DTYPES)
 
 
 def resolve_ops(text: str) -> List[str]:
@@ -148,6 +158,8 @@ def static_unsupported(candidate: str, collective: str, dtype: str, op: str, wor
     kind = DTYPES[dtype][2]
     if op in BITWISE_OPS and kind == "float":
         return f"{op} needs an integer type"
+    if op == "mulsum" and kind != "float":
+        return "mulsum (PreMulSum) needs a floating type"
     if collective == "sendrecv" and world < 2:
         return "sendrecv needs 2 ranks or more"
     if candidate == "cupycoll:ring":

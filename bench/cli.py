@@ -1,16 +1,21 @@
 """The command line: parse and validate the arguments, then hand over.
 
 ``cupycoll-bench [COLLECTIVE ...] [nccl-tests flags] [--backends ...] [--scenario ...]``
-runs a benchmark; ``cupycoll-bench plot results.json -o out.png`` draws a saved run.
+runs a benchmark; ``cupycoll-bench plot results.json --plot out.png`` draws a saved run.
 Every mistake in the arguments (an unknown name, a bad size, no GPU, too few GPUs) ends
 with one line on stderr and exit status 2, before any rank starts. This module imports
 neither torch nor CuPy until the arguments are known to be good (the GPU check needs torch).
 
-Where the flags differ from nccl-tests: in-place vs out-of-place is ``--inplace`` /
-``--outofplace`` (default: both, where the torch.distributed call has both forms; nccl-tests'
-``-I``, per-iteration timing, is not offered); ``-w`` defaults to 5 (Python backends create
-their communicators on the first call); ``-d``/``-o`` take comma lists; ``-f`` may be
-fractional.
+nccl-tests' flags keep their meaning (``-C`` reports CPU time, ``-T`` bounds each
+collective, ``-a``/``-m``/``-z``, ``-r all``, ``-o mulsum``, ``-d f8e4m3``, ``-J`` JSON), but
+``--timeout`` is this command's wall-clock limit for the whole run (as it always was), so
+``-T``'s long name is ``--coll_timeout``.
+Where they differ: in-place vs out-of-place is ``--inplace`` / ``--outofplace`` (default:
+both, where the torch.distributed call has both forms; nccl-tests' ``-I``, per-iteration
+timing, and ``-G``, CUDA graphs, are not offered); ``-w`` defaults to 5 (Python backends
+create their communicators on the first call); ``-d``/``-o`` take comma lists; ``-f`` may be
+fractional. Whatever can fail before measuring (an output folder, ``--plot`` without
+matplotlib or with a format it cannot write) fails here, not after the sweep.
 
 Left out: what a rank does (runner, scenarios), process management (launch), output.
 """
@@ -27,6 +32,25 @@ from typing import List, Optional
 from . import catalog, launch, sizes
 
 PROG = "cupycoll-bench"
+FORMATS = ("side-by-side", "nccl-tests")
+DEFAULT_TIMEOUT_S = 1800.0  # -T 0
+
+
+def version_text() -> str:
+    from cupycoll._version import __version__  # the package's one version (imports cupycoll)
+
+    return f"{PROG} {__version__}"
+
+
+class _Version(argparse.Action):
+    """--version, importing cupycoll only when asked (argparse's own wants the text up front)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
 
 
 class UsageError(Exception):
@@ -56,6 +80,12 @@ class Config:
     warmup: int
     check: bool
     root: int
+    all_roots: bool                # -r all: every rank in turn is the root
+    report_cputime: bool           # -C 1: the time column is host time, as nccl-tests' -C
+    average: int                   # -a: 0 rank 0, 1 mean, 2 min, 3 max over ranks
+    agg_iters: int                 # -m: calls per timed iteration, issued as one group
+    blocking: bool                 # -z 1: synchronize after every call
+    format: str                    # "side-by-side" or "nccl-tests"
     placements: List[str]          # "out-of-place", "in-place"
     scenarios: List[str]
     coalesce_bytes: int
@@ -69,7 +99,8 @@ class Config:
     ranks: Optional[int]
     ngpus: Optional[int]
     share_gpu: bool
-    timeout: float
+    timeout: float                 # --timeout: seconds the whole run may take (0: no limit)
+    coll_timeout: float            # -T: seconds each collective may take (0: 30 min)
     progress: Optional[bool]
     command: str
     baseline: str
@@ -83,13 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Examples: %(prog)s all_reduce -b 8 -e 128M -f 2 --plot ar.png ; "
                "%(prog)s all --ranks 2 -b 1K -e 1M -f 4 ; "
                "%(prog)s --scenario coalescing,overhead --json s.json ; "
-               "%(prog)s plot results.json -o results.png",
+               "%(prog)s plot results.json --plot results.png",
     )
     p.add_argument("collective", nargs="*",
                    help=f"collectives to sweep: {', '.join(catalog.COLLECTIVES)}, or all "
                         "(default: all_reduce unless --scenario is given)")
-    p.add_argument("-C", "--collective", dest="collective_opt", action="append", default=[],
+    p.add_argument("--collective", dest="collective_opt", action="append", default=[],
                    metavar="NAME", help="same as the positional argument (comma list, repeatable)")
+    p.add_argument("--version", action=_Version, help="print the version and exit")
     p.add_argument("--backends", default=None,
                    help="comma list of candidates: cupycoll:nccl, cupycoll:ring, torch:nccl "
                         "(default: all three; torch:nccl is the baseline)")
@@ -100,13 +132,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-i", "--stepbytes", default="1M", help="add this many bytes when -f is 1 (default 1M)")
     g.add_argument("-d", "--datatype", default="float",
                    help="int8 uint8 int32 uint32 int64 uint64 half float double bfloat16, torch names "
-                        "(float16, bf16, ...), a comma list, or all (default float)")
+                        "(float16, bf16, ...), f8e4m3 f8e5m2 (NCCL >= 2.24), a comma list, or all "
+                        "(the ten classic types; default float)")
     g.add_argument("-o", "--op", default="sum",
-                   help="sum prod min max avg, all, or band bor bxor (ring only); comma list (default sum)")
+                   help="sum prod min max avg mulsum, all, or band bor bxor (ring only); comma list "
+                        "(default sum)")
     g.add_argument("-n", "--iters", default="20", help="timed iterations per point (default 20)")
     g.add_argument("-w", "--warmup_iters", default="5", help="warm-up iterations per point (default 5)")
     g.add_argument("-c", "--check", default="1", help="1: check every result (#wrong), 0: do not (default 1)")
-    g.add_argument("-r", "--root", default="0", help="root rank of broadcast and reduce (default 0)")
+    g.add_argument("-r", "--root", default="0",
+                   help="root rank of broadcast and reduce, or all: every rank in turn (default 0)")
+    g.add_argument("-C", "--report_cputime", default="0",
+                   help="1: the time column is CPU time (host clock around the -n calls and the "
+                        "final synchronize) instead of GPU time (default 0)")
+    g.add_argument("-a", "--average", default="1",
+                   help="times over ranks: 0 rank 0's, 1 the mean, 2 the minimum, 3 the maximum (default 1)")
+    g.add_argument("-m", "--agg_iters", default="1",
+                   help="calls per timed iteration, issued as one group (a coalescing block on CUDA); "
+                        "times stay per call (default 1)")
+    g.add_argument("-z", "--blocking", default="0", help="1: synchronize after every call (default 0)")
+    # nccl-tests spells -T --timeout; here --timeout is the older wall-clock guard (below),
+    # which scripts and the GPU tier rely on, so -T's long name is --coll_timeout.
+    g.add_argument("-T", "--coll_timeout", default="0",
+                   help="seconds each collective may take before the run fails (the groups' timeout: "
+                        "cupycoll's watchdog, torch's nccl watchdog); default 0: 30 minutes")
     place = g.add_mutually_exclusive_group()
     place.add_argument("--inplace", action="store_true", help="only in-place calls")
     place.add_argument("--outofplace", action="store_true", help="only out-of-place calls")
@@ -127,13 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-g", "--ngpus", default=None, help="use this many GPUs, one rank each (default: all visible)")
     r.add_argument("--share-gpu", action="store_true",
                    help="under torchrun: let several local ranks share a GPU (sets NCCL_HOSTID per rank)")
-    r.add_argument("--timeout", default="0", help="stop every rank after this many seconds (default 0: never)")
+    r.add_argument("--timeout", default="0",
+                   help="stop every rank after this many seconds of wall clock (default 0: never); "
+                        "nccl-tests' per-collective -T is -T/--coll_timeout")
     r.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: development mode on gloo without a GPU (the numbers mean nothing)")
     o = p.add_argument_group("output")
-    o.add_argument("--json", default=None, metavar="FILE", help="write metadata and every row as JSON")
-    o.add_argument("--csv", default=None, metavar="FILE", help="write every row as CSV (metadata as # lines)")
-    o.add_argument("--plot", default=None, metavar="FILE", help="plot busbw and host time vs size (PNG)")
+    o.add_argument("--format", choices=FORMATS, default="side-by-side",
+                   help="side-by-side (default): the candidates in one table; nccl-tests: one "
+                        "nccl-tests table per candidate, out-of-place and in-place column groups")
+    o.add_argument("-J", "--json", default=None, metavar="FILE", help="write metadata and every row as JSON")
+    o.add_argument("-F", "--csv", default=None, metavar="FILE",
+                   help="write every row as CSV (metadata as # lines)")
+    o.add_argument("--plot", default=None, metavar="FILE",
+                   help="plot busbw and host time vs size (png, pdf, svg: what matplotlib writes)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--progress", action="store_true", help="a progress bar even when stderr is not a terminal")
     return p
@@ -173,6 +229,31 @@ def _output_path(path: Optional[str], flag: str) -> Optional[str]:
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: the folder {parent} does not exist")
     return str(Path(path).expanduser())
+
+
+def _flag(text: str, flag: str) -> bool:
+    value = _int(text, flag, 0)
+    if value > 1:
+        raise UsageError(f"{flag} {text!r}: expected 0 or 1")
+    return value == 1
+
+
+def check_plot_output(path: Optional[str], flag: str) -> Optional[str]:
+    """Fail now, not after the sweep: matplotlib missing, or a format it cannot write."""
+    path = _output_path(path, flag)
+    if path is None:
+        return None
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError(f"{flag} {path}: plotting needs matplotlib (pip install matplotlib, "
+                         "or the bench extra: pip install -e '.[bench]')") from None
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        raise UsageError(f"{flag} {path}: matplotlib cannot write {('.' + suffix) if suffix else 'a file without an extension'} "
+                         f"(use one of: {', '.join('.' + f for f in sorted(formats))})")
+    return path
 
 
 def command_line(argv: List[str]) -> str:
@@ -228,6 +309,8 @@ def parse(argv: List[str]) -> Config:
     if coalesce_bytes < coalesce_ops * 4:
         raise UsageError(f"--coalesce-bytes {args.coalesce_bytes}: needs at least 4 bytes (one float) "
                          f"for each of the {coalesce_ops} calls")
+    all_roots = str(args.root).strip().lower() == "all"
+    root = 0 if all_roots else _int(args.root, "-r/--root", 0)
     ranks = None if args.ranks is None else _int(args.ranks, "--ranks", 1)
     ngpus = None if args.ngpus is None else _int(args.ngpus, "-g/--ngpus", 1)
     if args.no_progress and args.progress:
@@ -238,30 +321,43 @@ def parse(argv: List[str]) -> Config:
         minbytes=minbytes, maxbytes=maxbytes, stepfactor=stepfactor, stepbytes=stepbytes, sizes=sweep,
         dtypes=dtypes, ops=ops,
         iters=_int(args.iters, "-n/--iters", 1), warmup=_int(args.warmup_iters, "-w/--warmup_iters", 0),
-        check=_int(args.check, "-c/--check", 0) > 0, root=_int(args.root, "-r/--root", 0),
+        check=_int(args.check, "-c/--check", 0) > 0, root=root, all_roots=all_roots,
+        report_cputime=_flag(args.report_cputime, "-C/--report_cputime"),
+        average=_average(args.average), agg_iters=_int(args.agg_iters, "-m/--agg_iters", 1),
+        blocking=_flag(args.blocking, "-z/--blocking"), format=args.format,
         placements=placements, scenarios=scenarios,
         coalesce_bytes=coalesce_bytes, coalesce_ops=coalesce_ops,
         scenario_iters=_int(args.scenario_iters, "--scenario-iters", 1),
         overhead_calls=_int(args.overhead_calls, "--overhead-calls", 1),
-        json=_output_path(args.json, "--json"), csv=_output_path(args.csv, "--csv"),
-        plot=_output_path(args.plot, "--plot"),
+        json=_output_path(args.json, "-J/--json"), csv=_output_path(args.csv, "-F/--csv"),
+        plot=check_plot_output(args.plot, "--plot"),
         device=device, ranks=ranks, ngpus=ngpus, share_gpu=args.share_gpu,
         timeout=_float(args.timeout, "--timeout", 0.0),
+        coll_timeout=_float(args.coll_timeout, "-T/--coll_timeout", 0.0),
         progress=False if args.no_progress else (True if args.progress else None),
         command=command_line(argv), baseline=catalog.BASELINE[device],
     )
 
 
+def _average(text: str) -> int:
+    value = _int(text, "-a/--average", 0)
+    if value > 3:
+        raise UsageError(f"-a/--average {text!r}: expected 0 (rank 0), 1 (mean), 2 (min) or 3 (max)")
+    return value
+
+
 def parse_plot(argv: List[str]):
     p = _Parser(prog=f"{PROG} plot", description="Plot a saved --json result: busbw and host time vs size.")
     p.add_argument("results", help="a JSON file written by --json")
-    p.add_argument("-o", "--output", default=None, help="PNG to write (default: the JSON's name with .png)")
+    # --plot, as in the main command; -o/--output kept for scripts written before.
+    p.add_argument("--plot", "-o", "--output", dest="plot", default=None, metavar="FILE",
+                   help="the image to write (default: the JSON's name with .png)")
     args = p.parse_args(argv)
     source = Path(args.results)
     if not source.is_file():
         raise UsageError(f"{args.results}: no such file")
-    output = args.output or str(source.with_suffix(".png"))
-    return str(source), _output_path(output, "-o/--output")
+    output = args.plot or str(source.with_suffix(".png"))
+    return str(source), check_plot_output(output, "--plot")
 
 
 def _fail(message: str) -> int:
@@ -292,6 +388,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise UsageError("--ranks does not apply under torchrun (it already started "
                                  f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks)")
             if launch.is_worker():
+                launch.bind_to_launcher()
                 plan = None
             else:
                 plan = launch.plan_torchrun(config.device, config.share_gpu)

@@ -1,26 +1,32 @@
 """Starting the ranks: one process per rank, or none when torchrun already started them.
 
 The launcher (the process the user ran) finds the GPUs, decides how many ranks run on
-which device, picks a free port for the env:// rendezvous and starts each rank as
-``python -m <this package> <same arguments>`` with RANK / WORLD_SIZE / LOCAL_RANK /
-MASTER_ADDR / MASTER_PORT set, like torchrun would. Ranks beyond the number of GPUs share
-them: each such rank gets its own NCCL_HOSTID (NCCL refuses two ranks of one host on one
-GPU) and NCCL_SOCKET_IFNAME=lo, so NCCL talks over loopback sockets.
+which device and starts each rank as ``python -m <this package> <same arguments>`` with
+torch's elastic process launcher (``torch.distributed.elastic.multiprocessing``, what
+torchrun uses): it sets each rank's environment, keeps the logs of ranks 1.. in files,
+and stops every rank as soon as one fails. The launcher hosts the rendezvous store itself,
+as torchrun's agent does (the ranks connect to it with ``TORCHELASTIC_USE_AGENT_STORE``),
+so no free port has to be guessed.
 
-Rank 0 inherits the launcher's stdout and stderr (the tables, the progress bar); the other
-ranks' stderr is kept in a temporary file and shown if they fail. When one rank fails or
-the --timeout passes, the launcher stops the others, so a hang cannot outlive it.
+What torchrun cannot do, and is why this module exists: ranks beyond the number of GPUs
+share them, and each such rank needs its own ``NCCL_HOSTID`` (NCCL refuses two ranks of
+one host on one GPU), with ``NCCL_SOCKET_IFNAME=lo`` and ``NCCL_IB_DISABLE=1`` so that NCCL
+talks over loopback sockets. Rank 0 inherits the launcher's stdout and stderr (tables,
+progress bar); another rank's stderr is shown when it fails. ``--timeout`` stops every
+rank after that much wall-clock time. The elastic launcher starts each rank in a session of
+its own, out of reach of a signal sent to the launcher's process group, so every rank asks
+the kernel to end it when the launcher dies (:func:`bind_to_launcher`), however it dies.
 
 Left out: everything a rank does (runner), and argument parsing (cli).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +36,8 @@ from typing import Dict, List, Optional
 WORKER_ENV = "CUPYCOLL_BENCH_WORKER"      # set in the ranks the launcher starts
 DEVICE_ENV = "CUPYCOLL_BENCH_DEVICE"      # the CUDA device index of that rank
 TRANSPORT_ENV = "CUPYCOLL_BENCH_TRANSPORT"
+LAUNCHER_ENV = "CUPYCOLL_BENCH_LAUNCHER"  # the launcher's pid, for bind_to_launcher
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # holds bench/ (checkout) or cupycoll_bench/
 
 
@@ -119,18 +127,16 @@ def hostid_for(rank: int) -> str:
     return f"cupycoll-bench-{rank}"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rank_env(plan: Plan, rank: int, port: int, base: Dict[str, str]) -> Dict[str, str]:
     env = dict(base)
     env.update(
         RANK=str(rank), WORLD_SIZE=str(plan.world), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(plan.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        PYTHONUNBUFFERED="1", **{WORKER_ENV: "1", TRANSPORT_ENV: plan.transport},
+        # The launcher hosts the store: every rank is a client, as under torchrun's agent.
+        TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_RUN_ID="cupycoll-bench",
+        PYTHONUNBUFFERED="1",
+        **{WORKER_ENV: "1", TRANSPORT_ENV: plan.transport, LAUNCHER_ENV: str(os.getpid())},
     )
     # The ranks import this package by name; make sure they find it (and cupycoll beside
     # it in a checkout) wherever the launcher was started from.
@@ -138,103 +144,100 @@ def rank_env(plan: Plan, rank: int, port: int, base: Dict[str, str]) -> Dict[str
     if plan.devices:
         env[DEVICE_ENV] = str(plan.devices[rank])
     if plan.shared:
-        env["NCCL_HOSTID"] = hostid_for(rank)
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        env.update(share_gpu_env(rank))
     # Several ranks per machine: one OpenMP thread each keeps them from fighting over cores.
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
-def spawn(plan: Plan, argv: List[str], package: str, timeout: float = 0.0) -> int:
-    """Run ``plan.world`` ranks of ``python -m package argv``; return the exit status."""
-    port = free_port()
-    procs: List[subprocess.Popen] = []
-    logs: List[Optional[tempfile._TemporaryFileWrapper]] = []
+def bind_to_launcher(environ=os.environ) -> None:
+    """In a rank the launcher started: have the kernel end this process when the launcher
+    dies. The elastic launcher gives every rank its own session, so neither a Ctrl-C nor a
+    kill of the launcher's process group (a test's or a CI step's timeout) reaches the ranks
+    otherwise, and they would hold the GPU. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
-        for rank in range(plan.world):
-            env = rank_env(plan, rank, port, dict(os.environ))
-            if rank == 0:
-                log, stdout, stderr = None, None, None  # inherit: tables and progress bar
-            else:
-                log = tempfile.TemporaryFile(mode="w+", prefix=f"cupycoll-bench-rank{rank}-")
-                stdout, stderr = subprocess.DEVNULL, log
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", package, *argv], env=env,
-                                          stdout=stdout, stderr=stderr))
-        return _wait(procs, logs, timeout)
-    except KeyboardInterrupt:
-        _stop(procs)
-        print("cupycoll-bench: interrupted; stopped every rank", file=sys.stderr)
-        return 130
-    finally:
-        _stop(procs)
-        for log in logs:
-            if log is not None:
-                log.close()
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != environ.get(LAUNCHER_ENV, str(os.getppid())):
+        os._exit(1)  # the launcher died before the request was in place
 
 
-def _wait(procs: List[subprocess.Popen], logs, timeout: float) -> int:
-    deadline = time.monotonic() + timeout if timeout > 0 else None
-    first: Optional[int] = None      # the first rank to exit
-    grace_until = None
-    straggled = False
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            break
-        if first is None:
-            done = [r for r, c in enumerate(codes) if c is not None]
-            if done:
-                first = done[0]
-                # The others may be stuck in a collective with a dead rank (give them a moment
-                # to fail by themselves), or still tearing down after a clean finish.
-                grace_until = time.monotonic() + (15.0 if codes[first] else 120.0)
-        if grace_until is not None and time.monotonic() > grace_until:
-            straggled = True
-            _stop(procs)
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            _stop(procs)
-            print(f"cupycoll-bench: error: the ranks did not finish within --timeout {timeout:g} s; "
-                  "stopped them", file=sys.stderr)
-            _show_logs(logs)
-            return 124
-        time.sleep(0.05)
-    codes = [p.returncode for p in procs]
-    if not any(codes):
-        return 0
-    if straggled and codes[0] == 0 and codes[first] == 0:
-        print("cupycoll-bench: warning: some ranks did not exit after rank 0 finished; stopped them",
-              file=sys.stderr)
-        return 0
-    if all(c in (0, 1) for c in codes) and codes[0] == 1:
-        return 1  # rank 0 reported wrong values or failed measurements itself, and said so
-    failed = first if first is not None and codes[first] else next(r for r, c in enumerate(codes) if c)
-    print(f"cupycoll-bench: error: rank {failed} exited with status {codes[failed]}; "
-          "the other ranks were stopped", file=sys.stderr)
-    _show_logs(logs, only=failed)
-    return codes[0] if codes[0] and codes[0] > 0 else 1
+def share_gpu_env(rank: int, environ=os.environ) -> Dict[str, str]:
+    """What a rank sharing its GPU needs before NCCL starts (the user's own values kept)."""
+    return {"NCCL_HOSTID": hostid_for(rank),
+            "NCCL_SOCKET_IFNAME": environ.get("NCCL_SOCKET_IFNAME", "lo"),
+            "NCCL_IB_DISABLE": environ.get("NCCL_IB_DISABLE", "1")}
 
 
-def _show_logs(logs, only: Optional[int] = None) -> None:
-    for rank, log in enumerate(logs):
-        if log is None or (only is not None and rank != only):
-            continue
-        log.flush()
-        log.seek(0)
-        text = log.read()[-6000:]
-        if text.strip():
-            print(f"--- rank {rank} stderr (last lines) ---\n{text}", file=sys.stderr)
+def spawn(plan: Plan, argv: List[str], package: str, deadline: float = 0.0) -> int:
+    """Run ``plan.world`` ranks of ``python -m package argv``; return the exit status."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
-
-def _stop(procs: List[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 5.0
-    for proc in procs:
+    # Its own reports (one per stopped rank) would bury the one line this command promises.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    store = TCPStore("127.0.0.1", 0, plan.world, is_master=True, wait_for_workers=False)
+    ranks = range(plan.world)
+    with tempfile.TemporaryDirectory(prefix="cupycoll-bench-") as logs:
+        specs = DefaultLogsSpecs(log_dir=logs, redirects={r: Std.NONE if r == 0 else Std.ALL for r in ranks})
+        context = start_processes(
+            name="cupycoll-bench", entrypoint=sys.executable,
+            args={r: ("-m", package, *argv) for r in ranks},
+            envs={r: rank_env(plan, r, store.port, dict(os.environ)) for r in ranks},
+            logs_specs=specs)
         try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            return _wait(context, deadline)
+        except (KeyboardInterrupt, SignalException):  # start_processes turns Ctrl-C into the latter
+            print("cupycoll-bench: interrupted; stopped every rank", file=sys.stderr)
+            return 130
+        finally:
+            context.close(timeout=5)
+            del store
+
+
+def _wait(context, deadline: float) -> int:
+    """Wait for the ranks; the elastic context stops the others when one fails."""
+    until = time.monotonic() + deadline if deadline > 0 else None
+    procs = [handler.proc for handler in context.subprocess_handlers.values()]
+    grace_until = None
+    while True:
+        result = context.wait(timeout=0.5, period=0.05)
+        if result is not None:
+            break
+        if until is not None and time.monotonic() > until:
+            print(f"cupycoll-bench: error: the ranks did not finish within --timeout {deadline:g} s; "
+                  "stopped them", file=sys.stderr)
+            # What the other ranks said is the clue to a hang; their logs go with the launcher.
+            for rank, path in sorted(context.stderrs.items()):
+                if rank != 0:
+                    _show_log(path, rank)
+            return 124
+        # Every rank that ended so far ended well; the rest may be stuck tearing down.
+        if grace_until is None and any(p.poll() is not None for p in procs):
+            grace_until = time.monotonic() + 120.0
+        if grace_until is not None and time.monotonic() > grace_until:
+            print("cupycoll-bench: warning: some ranks did not exit 120 s after another finished; "
+                  "stopped them", file=sys.stderr)
+            return 0 if procs[0].poll() == 0 else 1
+    if not result.is_failed():
+        return 0
+    first = min(result.failures.values(), key=lambda f: f.timestamp)
+    if first.local_rank == 0 and first.exitcode in (1, 2):
+        return first.exitcode  # rank 0 said why itself (wrong values, nothing measured)
+    print(f"cupycoll-bench: error: rank {first.local_rank} exited with status {first.exitcode}; "
+          "the other ranks were stopped", file=sys.stderr)
+    _show_log(result.stderrs.get(first.local_rank), first.local_rank)
+    return first.exitcode if first.exitcode > 0 else 1
+
+
+def _show_log(path: Optional[str], rank: int) -> None:
+    if not path or not os.path.isfile(path):
+        return
+    with open(path, errors="replace") as log:
+        text = log.read()[-6000:]
+    if text.strip():
+        print(f"--- rank {rank} stderr (last lines) ---\n{text}", file=sys.stderr)

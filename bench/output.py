@@ -95,25 +95,91 @@ def table_line(point: Dict, cells: Dict[str, Optional[Dict]], candidates: Sequen
     return text.rstrip()
 
 
-def table_footer(rows: Sequence[Dict], candidates: Sequence[str]) -> List[str]:
-    """nccl-tests' closing lines: wrong values, average bus bandwidth; plus n/a reasons."""
-    lines = []
+def _wrong_text(rows: Sequence[Dict], checked: bool) -> str:
     wrong = sum(r.get("wrong") or 0 for r in rows if r.get("status") == "ok")
-    checked = any(r.get("wrong") is not None for r in rows)
-    lines.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"
-                 + ("" if checked else " (not checked: -c 0)"))
-    for name in candidates:
-        bws = [r["busbw_gbps"] for r in rows if r["candidate"] == name and r.get("status") == "ok"]
-        if bws:
-            lines.append(f"# Avg bus bandwidth    : {sum(bws) / len(bws):.4g} GB/s  {name} ({len(bws)} points)")
+    return f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}" + (
+        "" if checked else " (not checked: -c 0)")
+
+
+def _reasons(rows: Sequence[Dict]) -> List[str]:
     reasons: Dict[tuple, int] = {}
     for r in rows:
         if r.get("status") != "ok":
             key = (r["candidate"], r["status"], r.get("note") or "")
             reasons[key] = reasons.get(key, 0) + 1
-    for (name, status, note), n in reasons.items():
-        lines.append(f"# {name} {status} ({n} points): {note}")
+    return [f"# {name} {status} ({n} points): {note}" for (name, status, note), n in reasons.items()]
+
+
+def table_footer(rows: Sequence[Dict], candidates: Sequence[str], checked: bool = True,
+                 bandwidth: bool = True) -> List[str]:
+    """nccl-tests' closing lines: wrong values, average bus bandwidth (unless ``bandwidth`` is
+    False: the nccl-tests tables carry their own); plus n/a reasons. ``checked`` is False
+    only for ``-c 0``."""
+    lines = [_wrong_text(rows, checked)] if bandwidth else []  # else each table had its own
+    for name in candidates if bandwidth else ():
+        bws = [r["busbw_gbps"] for r in rows if r["candidate"] == name and r.get("status") == "ok"]
+        if bws:
+            lines.append(f"# Avg bus bandwidth    : {sum(bws) / len(bws):.4g} GB/s  {name} ({len(bws)} points)")
+    lines += _reasons(rows)
     lines.append("#")
+    return lines
+
+
+# -- nccl-tests' own table (--format nccl-tests) ----------------------------------------
+# One table per candidate, laid out as nccl-tests prints it, so that scripts written for
+# its output read this one: per line size, count, type, redop, root, then the out-of-place
+# group (time, algbw, busbw, #wrong) and the in-place group. A group torch.distributed has
+# no call for, or a candidate could not run, holds N/A.
+_NT_PRE = (("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 8), ("redop", "", 6),
+           ("root", "", 6))
+_NT_CELL = (("time", "(us)", 7), ("algbw", "(GB/s)", 6), ("busbw", "(GB/s)", 6), ("#wrong", "", 6))
+_NT_GROUP = 2 + len(_columns(((None, 7, None), (None, 6, None), (None, 6, None), (None, 6, None)),
+                             ["", "", "", ""]))
+
+
+def _nt_line(pre: Sequence[str], groups: Sequence[Sequence[str]]) -> str:
+    text = "  ".join(f"{value:>{width}}" for value, (_, _, width) in zip(pre, _NT_PRE))
+    for group in groups:
+        text += "".join(f"  {value:>{width}}" for value, (_, _, width) in zip(group, _NT_CELL))
+    return text
+
+
+def _nt_time(value: float) -> str:
+    digits = 2 if value < 1e4 else (1 if value < 1e5 else 0)  # keep the column 7 wide
+    return f"{value:.{digits}f}"
+
+
+def _nt_cell(row: Optional[Dict]) -> List[str]:
+    if row is None or row.get("status") != "ok":
+        return ["N/A"] * 4
+    wrong = "N/A" if row.get("wrong") is None else str(row["wrong"])
+    return [_nt_time(row["time_us"]), f"{row['algbw_gbps']:.2f}", f"{row['busbw_gbps']:.2f}", wrong]
+
+
+def nccl_tests_tables(collective: str, rows: Sequence[Dict], candidates: Sequence[str], world: int,
+                      transport: str, timer: str, forms: Sequence[str], checked: bool = True) -> List[str]:
+    lines = []
+    for name in candidates:
+        mine = [r for r in rows if r.get("candidate") == name]
+        lines += ["#", f"# {collective} on {name}: {world} ranks ({transport}); time = {timer}"]
+        missing = [p for p in ("out-of-place", "in-place") if p not in forms]
+        if missing:
+            lines.append(f"# torch.distributed has no {missing[0]} {collective}: those columns are N/A")
+        lines.append("#" + " " * (len(_nt_line([""] * 5, [])) - 1)
+                     + "out-of-place".center(_NT_GROUP) + "in-place".center(_NT_GROUP).rstrip())
+        for index in (0, 1):
+            lines.append("#" + _nt_line([c[index] for c in _NT_PRE],
+                                        [[c[index] for c in _NT_CELL]] * 2)[1:].rstrip())
+        points: Dict[tuple, Dict[str, Dict]] = {}
+        for r in mine:
+            key = (r["size"], r["count"], r["type"], r["redop"], r["root"])
+            points.setdefault(key, {})[r["placement"]] = r
+        for key, cells in points.items():
+            lines.append(_nt_line([str(k) for k in key],
+                                  [_nt_cell(cells.get("out-of-place")), _nt_cell(cells.get("in-place"))]))
+        bws = [r["busbw_gbps"] for r in mine if r.get("status") == "ok"]
+        lines.append(_wrong_text(mine, checked))
+        lines.append(f"# Avg bus bandwidth    : {sum(bws) / len(bws) if bws else 0:g}")
     return lines
 
 
@@ -250,4 +316,4 @@ def describe_file(path: str) -> str:
 
 
 __all__ = ["write_json", "read_json", "write_csv", "read_csv", "table_header", "table_line",
-           "table_footer", "scenario_lines", "describe_meta", "format_bytes"]
+           "table_footer", "nccl_tests_tables", "scenario_lines", "describe_meta", "format_bytes"]

@@ -9,6 +9,7 @@ does not import CuPy: that happens at the first CUDA collective.
 from __future__ import annotations
 
 from ._registration import register
+from ._version import __version__
 from .config import ENVIRONMENT, Options, algorithm
 from .errors import (
     CollectiveTimeoutError,
@@ -22,8 +23,6 @@ from .errors import (
 )
 from .process_group import BACKEND_NAME, ProcessGroupCupycoll, abort_all
 from .work import CudaWork
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BACKEND_NAME",

@@ -9,21 +9,30 @@ from __future__ import annotations
 
 import functools
 
+from . import compat
 from .errors import MissingDependencyError, NoCudaDeviceError
 
 INSTALL_HINT = (
-    "install the extra matching your CUDA version: "
-    "pip install 'cupycoll[cuda12]' (CUDA 12) or 'cupycoll[cuda13]' (CUDA 13)"
+    "install the extra matching the CUDA major of your torch build (torch.version.cuda): "
+    "pip install 'cupycoll[cuda12]' (CUDA 12) or 'cupycoll[cuda13]' (CUDA 13), or from a "
+    "checkout of cupycoll: pip install -e '.[cuda12]' (or -e '.[cuda13]')"
 )
+
+
+def _cupy_ready_to_compile():  # not cached: its callers are
+    """CuPy, with the pip package's NVRTC loaded before any compilation (the ring kernels)."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise MissingDependencyError(f"CuPy is not installed; {INSTALL_HINT}") from exc
+    compat.load_pip_nvrtc(cupy)
+    return cupy
 
 
 @functools.lru_cache(maxsize=None)
 def nccl_module():
     """Return ``cupy.cuda.nccl``, or raise MissingDependencyError naming the extra."""
-    try:
-        import cupy  # noqa: F401
-    except ImportError as exc:
-        raise MissingDependencyError(f"CuPy is not installed; {INSTALL_HINT}") from exc
+    _cupy_ready_to_compile()
     try:
         from cupy.cuda import nccl
     except ImportError as exc:
@@ -34,6 +43,16 @@ def nccl_module():
             "or point CUPY_CUDA_LIB_PATH at an NCCL installation"
         )
     return nccl
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_module():
+    """Return ``cupy.cuda.nvrtc`` (compiling needs no NCCL and no GPU), or raise
+    MissingDependencyError."""
+    _cupy_ready_to_compile()
+    from cupy.cuda import nvrtc
+
+    return nvrtc
 
 
 def cupy_module():

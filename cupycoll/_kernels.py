@@ -194,8 +194,9 @@ def compile_module(device: int, dtype: str, op: str) -> Dict[str, object]:
 def compile_ptx(spec: ModuleSpec, arch: str) -> Tuple[str, Dict[str, str]]:
     """Compile ``spec`` to PTX for ``arch`` (``"compute_80"``) with NVRTC alone: no GPU,
     no driver. Returns the PTX and each name expression's mangled name. For the tests."""
-    from cupy.cuda import nvrtc
+    from . import _cuda
 
+    nvrtc = _cuda.nvrtc_module()
     program = nvrtc.createProgram(spec.source, KERNEL_SOURCE, [], [])
     try:
         for expression in spec.name_expressions:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch.distributed import ReduceOp
 
+from . import compat
 from . import nccl_bindings as nb
 from .errors import CupycollTypeError, CupycollValueError
 
@@ -34,15 +35,10 @@ _REDUCTION_DTYPES = {
     # complex reduces as pairs of reals: only element-wise-linear ops make sense.
     torch.complex64: nb.ncclFloat32,
     torch.complex128: nb.ncclFloat64,
+    torch.uint32: nb.ncclUint32,
+    torch.uint64: nb.ncclUint64,
 }
-for _name, _code in (("uint32", nb.ncclUint32), ("uint64", nb.ncclUint64)):
-    if hasattr(torch, _name):
-        _REDUCTION_DTYPES[getattr(torch, _name)] = _code
-_FP8_DTYPES = {
-    getattr(torch, name): code
-    for name, code in (("float8_e4m3fn", nb.ncclFloat8e4m3), ("float8_e5m2", nb.ncclFloat8e5m2))
-    if hasattr(torch, name)
-}
+_FP8_DTYPES = {torch.float8_e4m3fn: nb.ncclFloat8e4m3, torch.float8_e5m2: nb.ncclFloat8e5m2}
 _COMPLEX = (torch.complex64, torch.complex128)
 _FLOATING_FOR_PREMUL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -139,9 +135,18 @@ def _reduction(dtype: torch.dtype, kind: RedOpType, reduce_op, fp8_available: bo
     return Reduction(code, _NCCL_OPS[kind])
 
 
+def for_group_size(red: Reduction, dtype: torch.dtype, size: int) -> Reduction:
+    """``red`` as a group of ``size`` ranks must issue it. NCCL (2.28 to at least 2.30) runs a
+    one-rank reduction through a host function whose fp8 branches exist only in device code,
+    so ncclAvg on fp8 returns ncclInvalidArgument there; on one rank AVG is SUM."""
+    if size == 1 and red.op == nb.ncclAvg and dtype in _FP8_DTYPES:
+        return dataclasses.replace(red, op=nb.ncclSum)
+    return red
+
+
 def premul_factor(reduce_op):
     """PREMUL_SUM's factor (a number or a one-element tensor), or an error saying how to make one."""
-    factor = getattr(reduce_op, "factor", None)
+    factor = compat.premul_factor(reduce_op)
     if factor is None:
         raise CupycollValueError(
             "ReduceOp.PREMUL_SUM without a factor: build it with "

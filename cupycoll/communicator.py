@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Optional
 
-from . import _cuda, nccl_bindings
+from . import _cuda, compat, nccl_bindings
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -52,19 +52,12 @@ def _library(path: Optional[str] = None) -> nccl_bindings.NcclLibrary:
 
 
 def new_unique_id() -> bytes:
-    """A fresh ncclUniqueId as 128 bytes (CuPy 13 gives ints, CuPy 14 bytes)."""
-    raw = _cuda.nccl_module().get_unique_id()
-    if isinstance(raw, (bytes, bytearray)):
-        return bytes(raw)
-    return bytes(value & 0xFF for value in raw)
+    """A fresh ncclUniqueId as 128 bytes."""
+    return compat.unique_id_to_bytes(_cuda.nccl_module().get_unique_id())
 
 
 def _unique_id_for_cupy(unique_id: bytes):
-    # CuPy 13 takes a tuple of 128 signed chars, CuPy 14 the bytes themselves. (Not probed
-    # with get_unique_id(): each call starts an NCCL bootstrap listener.)
-    if int(_cuda.cupy_module().__version__.split(".")[0]) >= 14:
-        return unique_id
-    return tuple(b - 256 if b > 127 else b for b in unique_id)
+    return compat.unique_id_for_cupy(_cuda.cupy_module(), unique_id)
 
 
 # -- NCCL groups -----------------------------------------------------------------------
@@ -192,7 +185,7 @@ class Communicator:
 
     @staticmethod
     def can_split() -> bool:
-        return hasattr(_cuda.nccl_module().NcclCommunicator, "commSplit")
+        return compat.cupy_has_comm_split(_cuda.nccl_module())
 
     def split(self, color: int, key: int) -> Optional["Communicator"]:
         """ncclCommSplit: collective over this communicator. ``color < 0`` takes no part."""

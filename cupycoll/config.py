@@ -1,42 +1,56 @@
-"""Configuration: ``cupycoll.Options``, the ``CUPYCOLL_*`` environment variables, defaults.
+"""Configuration: ``cupycoll.Options``, the environment variables cupycoll reads, defaults.
 
-Precedence, highest first: a field set explicitly on the :class:`Options` passed as
-``init_process_group(..., pg_options=cupycoll.Options(...))``; then the environment
-variable; then the default. Every environment variable cupycoll reads is read here and
-listed in :data:`ENVIRONMENT`, which the README reproduces.
+Precedence, highest first:
 
-Environment variables:
+1. a field set on the :class:`Options` passed as
+   ``init_process_group(..., pg_options=cupycoll.Options(...))``; for the timeout, also the
+   ``timeout`` given to ``init_process_group`` / ``new_group`` (an explicit argument);
+2. the ``CUPYCOLL_*`` environment variable;
+3. the ``TORCH_NCCL_*`` variable torch's nccl backend reads for the same setting, so a job
+   configured for ``"nccl"`` behaves the same on ``"cupycoll"``;
+4. the default (for the timeout: the default torch passed, else :data:`DEFAULT_TIMEOUT`).
+
+torch always hands a backend a timeout, its default when the caller gave none; cupycoll
+treats a timeout equal to torch's default as "not given", so ``CUPYCOLL_TIMEOUT`` applies
+then. (An explicit ``timeout=timedelta(minutes=30)``, torch's default, reads as not given.)
+
+Every variable that configures cupycoll is read here, only here, and listed in
+:data:`ENVIRONMENT` (the README's table is checked against it):
 
 ``CUPYCOLL_TIMEOUT``
-    Seconds. Overrides the timeout given to ``init_process_group`` for cupycoll's own
-    waits (the unique-id exchange through the store when a communicator is created).
+    Seconds cupycoll waits for peers and the GPU (watchdog, communicator creation) when
+    neither ``Options(timeout=...)`` nor ``init_process_group(timeout=...)`` says.
 ``CUPYCOLL_COMM_SPLIT``
     ``1`` (default) creates subgroup communicators with ``ncclCommSplit`` from the
-    parent's communicator when the parent was bound to a device (``device_id``) and CuPy
-    offers ``commSplit``; ``0`` always exchanges a fresh unique id.
+    parent's communicator when the parent was bound to a device (``device_id``); ``0``
+    always exchanges a fresh unique id.
 ``CUPYCOLL_NCCL_LIBRARY``
     Path of the ``libnccl.so.2`` to bind with ctypes. By default cupycoll binds the library
     CuPy already loaded, so that CuPy, torch and cupycoll share one NCCL.
-``CUPYCOLL_NONBLOCKING``
+``CUPYCOLL_NONBLOCKING`` (``TORCH_NCCL_USE_COMM_NONBLOCKING``)
     ``1`` creates communicators nonblocking (``ncclCommInitRankConfig`` with
-    ``blocking = 0``, through the ctypes bindings): every NCCL call returns at once and
-    cupycoll polls ``ncclInProgress``, bounded by the timeout, so that even communicator
-    creation can be aborted. ``0`` (default): CuPy's blocking communicator.
-``CUPYCOLL_ON_TIMEOUT``
+    ``blocking = 0``): cupycoll polls ``ncclInProgress``, bounded by the timeout, so even
+    communicator creation can be aborted. ``0`` (default): CuPy's blocking communicator.
+``CUPYCOLL_BLOCKING_WAIT`` (``TORCH_NCCL_BLOCKING_WAIT``)
+    ``1``: ``Work.wait()`` blocks the CPU until the collective is done (or the watchdog
+    fails it); ``0`` (default): it only makes the current stream wait.
+``CUPYCOLL_ON_TIMEOUT`` (``TORCH_NCCL_ASYNC_ERROR_HANDLING``)
     What the watchdog does when a collective outlives the timeout or NCCL reports an
     asynchronous error. ``raise`` (default): abort the group's communicators and fail the
     affected Works, so ``wait()`` raises in the caller. ``terminate``: the same, then end the
-    process (like ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``), for jobs that would rather restart.
+    process. torch's ``1`` (tear down) and ``3`` (skip clean-up) read as ``terminate``;
+    ``0`` and ``2`` (clean up only) as ``raise``.
 ``CUPYCOLL_WATCHDOG_INTERVAL``
     Seconds between the watchdog's polls of in-flight work (default 0.1).
 ``CUPYCOLL_ALGORITHM``
     ``auto`` (default): NCCL, and cupycoll's ring kernels only where NCCL cannot serve
-    (bitwise ops). ``nccl``: NCCL only. ``ring``: the ring kernels for every all-reduce and
-    reduce-scatter they support (fp32 accumulation for fp16/bf16, bitwise reproducible).
+    (bitwise ops). ``nccl``: NCCL only. ``ring``: the ring kernels wherever they apply.
 ``CUPYCOLL_RING_SCRATCH_BYTES``
     Scratch memory the ring algorithm allocates once per communicator (default 4 MiB).
 
-Deliberately left out: NCCL's own ``NCCL_*`` variables. They reach NCCL unchanged.
+Deliberately left out: NCCL's own ``NCCL_*`` variables (they reach NCCL unchanged), and
+``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_NCCL_DUMP_ON_TIMEOUT``: cupycoll has no flight
+recorder for them to configure.
 """
 
 from __future__ import annotations
@@ -45,53 +59,181 @@ import contextlib
 import dataclasses
 import datetime
 import os
-from typing import Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
-from .errors import CupycollValueError
+from .errors import CupycollTypeError, CupycollValueError
 
 ENVIRONMENT = {
-    "CUPYCOLL_TIMEOUT": "seconds; overrides init_process_group's timeout for cupycoll's waits",
+    "CUPYCOLL_TIMEOUT": "seconds; used when neither Options nor init_process_group gives a timeout",
     "CUPYCOLL_COMM_SPLIT": "1 (default): subgroups split the parent's communicator; 0: never",
     "CUPYCOLL_NCCL_LIBRARY": "path of libnccl.so.2 for the ctypes bindings (default: CuPy's)",
     "CUPYCOLL_NONBLOCKING": "1: nonblocking communicators (abortable even in init); 0 (default)",
+    "CUPYCOLL_BLOCKING_WAIT": "1: Work.wait() blocks the CPU until done; 0 (default): stream wait",
     "CUPYCOLL_ON_TIMEOUT": "raise (default): abort and fail the Works; terminate: also exit",
     "CUPYCOLL_WATCHDOG_INTERVAL": "seconds between watchdog polls (default 0.1)",
     "CUPYCOLL_ALGORITHM": "auto (default): NCCL, ring only for bitwise ops; nccl; ring",
     "CUPYCOLL_RING_SCRATCH_BYTES": "ring scratch memory per communicator (default 4 MiB)",
+    "TORCH_NCCL_USE_COMM_NONBLOCKING": "as CUPYCOLL_NONBLOCKING, when that is not set",
+    "TORCH_NCCL_BLOCKING_WAIT": "as CUPYCOLL_BLOCKING_WAIT, when that is not set",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1 or 3: CUPYCOLL_ON_TIMEOUT=terminate; 0 or 2: raise",
 }
 
 ALGORITHMS = ("auto", "nccl", "ring")
 TIMEOUT_POLICIES = ("raise", "terminate")
 DEFAULT_RING_SCRATCH_BYTES = 4 << 20
 DEFAULT_WATCHDOG_INTERVAL = 0.1
-
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+# -- one parser per type: each takes the Python value or the environment's text ---------
+
+# torch reads its TORCH_NCCL_* booleans with y/t and n/f too; so does cupycoll, for all of them.
+_TRUE = ("1", "true", "yes", "on", "y", "t")
+_FALSE = ("0", "false", "no", "off", "n", "f")
+
+
+def parse_bool(name: str, value) -> bool:
+    """True/False, 1/0, or their spellings in :data:`_TRUE` / :data:`_FALSE`."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise CupycollValueError(f"{name}={value!r}: expected 0 or 1 (or true/false)")
+    if isinstance(value, int):
+        raise CupycollValueError(f"{name}={value!r}: expected 0 or 1 (or true/false)")
+    raise CupycollTypeError(f"{name}={value!r}: expected a bool, got {type(value).__name__}")
+
+
+def _number(name: str, value, what: str) -> float:
+    if isinstance(value, bool):
+        raise CupycollTypeError(f"{name}={value!r}: expected {what}, got a bool")
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise CupycollValueError(f"{name}={value!r}: expected {what}") from None
+    raise CupycollTypeError(f"{name}={value!r}: expected {what}, got {type(value).__name__}")
+
+
+def parse_seconds(name: str, value) -> datetime.timedelta:
+    """A positive duration: a ``timedelta`` or a number of seconds."""
+    seconds = (value.total_seconds() if isinstance(value, datetime.timedelta)
+               else _number(name, value, "a timedelta or a number of seconds"))
+    if not seconds > 0:  # also rejects NaN
+        raise CupycollValueError(f"{name}={value!r}: the timeout must be positive")
+    return datetime.timedelta(seconds=seconds)
+
+
+def parse_positive_float(name: str, value) -> float:
+    number = float(_number(name, value, "a positive number"))
+    if not 0 < number < float("inf"):
+        raise CupycollValueError(f"{name}={value!r}: expected a positive number")
+    return number
+
+
+def parse_positive_int(name: str, value) -> int:
+    """A positive whole number; 1.5 (or "1.5") is an error, never rounded."""
+    number = _number(name, value, "a positive whole number")
+    if not (number == number and abs(number) != float("inf")) or int(number) != number:
+        raise CupycollValueError(f"{name}={value!r}: expected a positive whole number")
+    if number < 1:
+        raise CupycollValueError(f"{name}={value!r}: expected a positive whole number")
+    return int(number)
+
+
+def parse_choice(choices) -> Callable[[str, object], str]:
+    def parse(name: str, value) -> str:
+        if not isinstance(value, str):
+            raise CupycollTypeError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+        text = value.strip().lower()
+        if text not in choices:
+            raise CupycollValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+def _torch_error_handling(name: str, value) -> str:
+    # torch's ErrorHandlingMode: 0 none, 1 tear down, 2 clean up only, 3 skip clean-up.
+    # 1 and 3 end the process; 0 and 2 leave it to the caller, which is cupycoll's "raise"
+    # (cupycoll always aborts the communicators of a faulted group).
+    text = str(value).strip()
+    if text not in ("0", "1", "2", "3"):
+        raise CupycollValueError(f"{name}={value!r}: expected 0, 1, 2 or 3")
+    return "terminate" if text in ("1", "3") else "raise"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    parse: Callable
+    default: object
+    env: str
+    torch_env: Optional[str] = None
+    torch_parse: Optional[Callable] = None
+
+
+# Everything but the timeout (whose precedence involves torch's argument) and the library
+# path (environment only) is resolved by the same loop over this table.
+_FIELDS = {
+    "comm_split": _Field(parse_bool, True, "CUPYCOLL_COMM_SPLIT"),
+    "nonblocking": _Field(parse_bool, False, "CUPYCOLL_NONBLOCKING",
+                          "TORCH_NCCL_USE_COMM_NONBLOCKING", parse_bool),
+    "blocking_wait": _Field(parse_bool, False, "CUPYCOLL_BLOCKING_WAIT",
+                            "TORCH_NCCL_BLOCKING_WAIT", parse_bool),
+    "on_timeout": _Field(parse_choice(TIMEOUT_POLICIES), "raise", "CUPYCOLL_ON_TIMEOUT",
+                         "TORCH_NCCL_ASYNC_ERROR_HANDLING", _torch_error_handling),
+    "watchdog_interval": _Field(parse_positive_float, DEFAULT_WATCHDOG_INTERVAL,
+                                "CUPYCOLL_WATCHDOG_INTERVAL"),
+    "algorithm": _Field(parse_choice(ALGORITHMS), "auto", "CUPYCOLL_ALGORITHM"),
+    "ring_scratch_bytes": _Field(parse_positive_int, DEFAULT_RING_SCRATCH_BYTES,
+                                 "CUPYCOLL_RING_SCRATCH_BYTES"),
+}
+_TIMEOUT_ENV = "CUPYCOLL_TIMEOUT"
+_LIBRARY_ENV = "CUPYCOLL_NCCL_LIBRARY"
 
 
 @dataclasses.dataclass
 class Options:
     """Per-group options, passed as ``init_process_group(pg_options=cupycoll.Options(...))``.
 
-    A field left at ``None`` falls back to its environment variable, then its default.
+    Every field is checked (and normalized: ``"0"`` becomes False, seconds a ``timedelta``)
+    when the object is built; a bad value raises :class:`~cupycoll.CupycollValueError` or
+    :class:`~cupycoll.CupycollTypeError` naming it. A field left at ``None`` falls back to
+    its ``CUPYCOLL_*`` variable, then torch's ``TORCH_NCCL_*`` one, then the default.
 
     Attributes:
-        timeout: how long cupycoll waits for peers (a ``timedelta`` or seconds). ``None``:
-            ``CUPYCOLL_TIMEOUT``, else the timeout given to ``init_process_group``.
+        timeout: how long cupycoll waits for peers and the GPU (a ``timedelta`` or seconds).
+            ``None``: ``init_process_group``'s timeout if given, else ``CUPYCOLL_TIMEOUT``.
         comm_split: create subgroup communicators with ``ncclCommSplit`` when possible.
-        nonblocking: create nonblocking communicators (``CUPYCOLL_NONBLOCKING``).
-        on_timeout: ``"raise"`` or ``"terminate"`` (``CUPYCOLL_ON_TIMEOUT``).
-        watchdog_interval: seconds between watchdog polls (``CUPYCOLL_WATCHDOG_INTERVAL``).
-        algorithm: ``"auto"``, ``"nccl"`` or ``"ring"`` (``CUPYCOLL_ALGORITHM``).
+        nonblocking: create nonblocking communicators.
+        blocking_wait: ``Work.wait()`` blocks the CPU until the collective is done.
+        on_timeout: ``"raise"`` or ``"terminate"``.
+        watchdog_interval: seconds between watchdog polls.
+        algorithm: ``"auto"``, ``"nccl"`` or ``"ring"``.
         ring_scratch_bytes: the ring's scratch memory per communicator.
     """
 
     timeout: Optional[Union[datetime.timedelta, float]] = None
     comm_split: Optional[bool] = None
     nonblocking: Optional[bool] = None
+    blocking_wait: Optional[bool] = None
     on_timeout: Optional[str] = None
     watchdog_interval: Optional[float] = None
     algorithm: Optional[str] = None
     ring_scratch_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        if self.timeout is not None:
+            self.timeout = parse_seconds("Options.timeout", self.timeout)
+        for name, field in _FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, field.parse(f"Options.{name}", value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,62 +244,35 @@ class Settings:
     comm_split: bool
     nccl_library: Optional[str]
     nonblocking: bool = False
+    blocking_wait: bool = False
     on_timeout: str = "raise"
     watchdog_interval: float = DEFAULT_WATCHDOG_INTERVAL
     algorithm: str = "auto"
     ring_scratch_bytes: int = DEFAULT_RING_SCRATCH_BYTES
 
 
-def _parse_bool(name: str, text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise CupycollValueError(f"{name}={text!r}: expected 0 or 1")
-
-
-def _as_timedelta(name: str, value) -> datetime.timedelta:
-    if isinstance(value, datetime.timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str):
-        try:
-            seconds = float(value)
-        except ValueError:
-            raise CupycollValueError(f"{name}={value!r}: expected a number of seconds") from None
-    else:
-        raise CupycollValueError(f"{name}={value!r}: expected a timedelta or seconds")
-    if not seconds > 0:
-        raise CupycollValueError(f"{name}={value!r}: the timeout must be positive")
-    return datetime.timedelta(seconds=seconds)
-
-
-def _choice(name: str, value, choices) -> str:
-    text = str(value).strip().lower()
-    if text not in choices:
-        raise CupycollValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return text
-
-
-def _positive_number(name: str, value, kind=float):
+def torch_default_timeouts() -> tuple:
+    """The timeouts torch passes a backend when the caller gave none: default_pg_timeout
+    (30 min) for every backend but torch's own nccl (torch 2.4 to 2.15). Not
+    default_pg_nccl_timeout (10 min on CUDA builds): cupycoll never receives it, so an
+    explicit 10 minutes must count as given."""
     try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        raise CupycollValueError(f"{name}={value!r}: expected a positive number") from None
-    if isinstance(value, bool) or not number > 0:
-        raise CupycollValueError(f"{name}={value!r}: expected a positive number")
-    return number
+        from torch.distributed import constants
+    except ImportError:  # pragma: no cover - torch without distributed support
+        return ()
+    value = getattr(constants, "default_pg_timeout", None)
+    return (value,) if isinstance(value, datetime.timedelta) else ()
 
 
-def _pick(options: "Options", field: str, env: Mapping[str, str], variable: str, parse, default):
-    explicit = getattr(options, field)
-    if explicit is not None:
-        return parse(f"Options.{field}", explicit)
-    if env.get(variable):
-        return parse(variable, env[variable])
-    return default
+def _timeout(options: Options, group_timeout, env: Mapping[str, str]) -> datetime.timedelta:
+    if options.timeout is not None:
+        return parse_seconds("Options.timeout", options.timeout)
+    given = None if group_timeout is None else parse_seconds("timeout", group_timeout)
+    if given is not None and given not in torch_default_timeouts():
+        return given
+    if env.get(_TIMEOUT_ENV):
+        return parse_seconds(_TIMEOUT_ENV, env[_TIMEOUT_ENV])
+    return given if given is not None else DEFAULT_TIMEOUT
 
 
 def resolve(
@@ -165,55 +280,29 @@ def resolve(
     group_timeout: Optional[datetime.timedelta] = None,
     environ: Optional[Mapping[str, str]] = None,
 ) -> Settings:
-    """Combine explicit options, the environment and defaults into :class:`Settings`."""
+    """Combine explicit options, the environment and defaults into :class:`Settings`.
+
+    ``group_timeout`` is the timeout torch handed the backend (``init_process_group``'s or
+    ``new_group``'s, or torch's default)."""
     if options is not None and not isinstance(options, Options):
         raise CupycollValueError(
             f"pg_options={options!r}: cupycoll expects a cupycoll.Options instance"
         )
     env = os.environ if environ is None else environ
     options = options or Options()
-
-    if options.timeout is not None:
-        timeout = _as_timedelta("Options.timeout", options.timeout)
-    elif env.get("CUPYCOLL_TIMEOUT"):
-        timeout = _as_timedelta("CUPYCOLL_TIMEOUT", env["CUPYCOLL_TIMEOUT"])
-    elif group_timeout is not None:
-        timeout = _as_timedelta("timeout", group_timeout)
-    else:
-        timeout = DEFAULT_TIMEOUT
-
-    if options.comm_split is not None:
-        comm_split = bool(options.comm_split)
-    elif env.get("CUPYCOLL_COMM_SPLIT"):
-        comm_split = _parse_bool("CUPYCOLL_COMM_SPLIT", env["CUPYCOLL_COMM_SPLIT"])
-    else:
-        comm_split = True
-
-    def as_bool(name, value):
-        return value if isinstance(value, bool) else _parse_bool(name, str(value))
-
-    return Settings(
-        timeout=timeout,
-        comm_split=comm_split,
-        nccl_library=env.get("CUPYCOLL_NCCL_LIBRARY") or None,
-        nonblocking=_pick(options, "nonblocking", env, "CUPYCOLL_NONBLOCKING", as_bool, False),
-        on_timeout=_pick(
-            options, "on_timeout", env, "CUPYCOLL_ON_TIMEOUT",
-            lambda n, v: _choice(n, v, TIMEOUT_POLICIES), "raise",
-        ),
-        watchdog_interval=_pick(
-            options, "watchdog_interval", env, "CUPYCOLL_WATCHDOG_INTERVAL",
-            _positive_number, DEFAULT_WATCHDOG_INTERVAL,
-        ),
-        algorithm=_pick(
-            options, "algorithm", env, "CUPYCOLL_ALGORITHM",
-            lambda n, v: _choice(n, v, ALGORITHMS), "auto",
-        ),
-        ring_scratch_bytes=_pick(
-            options, "ring_scratch_bytes", env, "CUPYCOLL_RING_SCRATCH_BYTES",
-            lambda n, v: _positive_number(n, v, int), DEFAULT_RING_SCRATCH_BYTES,
-        ),
-    )
+    values = {}
+    for name, field in _FIELDS.items():
+        explicit = getattr(options, name)
+        if explicit is not None:
+            values[name] = field.parse(f"Options.{name}", explicit)
+        elif env.get(field.env):
+            values[name] = field.parse(field.env, env[field.env])
+        elif field.torch_env and env.get(field.torch_env):
+            values[name] = field.torch_parse(field.torch_env, env[field.torch_env])
+        else:
+            values[name] = field.default
+    return Settings(timeout=_timeout(options, group_timeout, env),
+                    nccl_library=env.get(_LIBRARY_ENV) or None, **values)
 
 
 # -- per-call algorithm override ---------------------------------------------------------
@@ -228,7 +317,7 @@ def algorithm(name: str):
     """Run the CUDA all-reduces and reduce-scatters issued in the body with ``name``
     (``"nccl"``, ``"ring"`` or ``"auto"``), whatever the groups' ``Options.algorithm``.
     Nests; applies to every thread of the process while the body runs."""
-    choice = _choice("algorithm", name, ALGORITHMS)
+    choice = parse_choice(ALGORITHMS)("algorithm", name)
     _algorithm_override.append(choice)
     try:
         yield

@@ -5,10 +5,25 @@ validation errors also derive from the builtin ``ValueError`` / ``TypeError`` so
 callers catching those keep working. NCCL failures carry the NCCL status, the C function
 that returned it and NCCL's own last-error text.
 
+Failures of the backend itself (NCCL errors, timeouts, an aborted communicator) also derive
+from ``torch.distributed.DistBackendError``, which is what torch's own nccl backend raises,
+so ``except dist.DistBackendError`` catches both backends' failures alike; timeouts keep the
+builtin ``TimeoutError`` as well. These are the CUDA route's errors: CPU tensors go to
+gloo, whose errors are torch's own (``DistBackendError``/``RuntimeError`` from C++).
+
 Deliberately left out: any retry or recovery policy. Errors describe; callers decide.
 """
 
 from __future__ import annotations
+
+# torch.distributed.DistBackendError is what ProcessGroupNCCL raises for NCCL errors,
+# timeouts and aborted communicators; every supported torch has it (since 2.1), so this is
+# no version switch. The fallback keeps this module, and the torch-free ctypes bindings that
+# import it, importable where torch (or its distributed package) is absent.
+try:
+    from torch.distributed import DistBackendError
+except ImportError:  # pragma: no cover - torch without distributed support
+    DistBackendError = RuntimeError
 
 
 class CupycollError(Exception):
@@ -34,7 +49,7 @@ class NoCudaDeviceError(CupycollError, RuntimeError):
     """A CUDA collective was requested on a machine where no CUDA device is visible."""
 
 
-class NcclError(CupycollError, RuntimeError):
+class NcclError(CupycollError, DistBackendError):
     """An NCCL call returned a status other than ncclSuccess.
 
     Attributes:
@@ -60,11 +75,11 @@ class NcclError(CupycollError, RuntimeError):
         return (type(self), (self.status, self.function, "", self.last_error))
 
 
-class CommunicatorAbortedError(CupycollError, RuntimeError):
+class CommunicatorAbortedError(CupycollError, DistBackendError):
     """The communicator (or the whole group) was aborted or shut down; it cannot be used."""
 
 
-class CollectiveTimeoutError(CupycollError, TimeoutError):
+class CollectiveTimeoutError(CupycollError, DistBackendError, TimeoutError):
     """Peers or the GPU did not finish within the timeout: a collective (the watchdog or
     ``Work.wait(timeout)``), communicator creation, or a nonblocking NCCL call."""
 

@@ -8,10 +8,13 @@ nonblocking communicator is still working: poll ``ncclCommGetAsyncError``) are r
 any other status raises :class:`cupycoll.errors.NcclError`.
 
 The library is looked up so that one NCCL serves CuPy, torch and these bindings: an
-explicit path (``CUPYCOLL_NCCL_LIBRARY``), else the ``libnccl.so*`` already mapped into
-the process, else the ``nvidia-nccl-cu1x`` pip package, else the dynamic loader.
+explicit path (``CUPYCOLL_NCCL_LIBRARY``), else what ``cuda-pathfinder`` (a CuPy 14
+dependency) gives, which is the ``libnccl.so.2`` already loaded (CuPy's) when there is one;
+without cuda-pathfinder (CuPy 13), the already loaded library, the ``nvidia-nccl-cu1x`` pip
+package, then the dynamic loader.
 
-Deliberately left out: anything that needs CuPy or torch (this module imports neither),
+Deliberately left out: anything that needs CuPy or torch (this module imports neither;
+the error classes derive from torch's when torch is present),
 buffer/stream/dtype conversion, NCCL functions CuPy already binds well and cupycoll does
 not call through ctypes (``ncclCommInitAll``, ``ncclBcast``), and newer APIs cupycoll
 does not use (``ncclCommShrink``, windows, ``ncclMemAlloc``, one-sided operations).
@@ -136,6 +139,13 @@ def _split_version(code: int) -> tuple:
     if code >= 10000:
         return code // 10000, code % 10000 // 100, code % 100
     return code // 1000, code % 1000 // 100, code % 100
+
+
+def version_text(version) -> str:
+    """``"2.28.9"`` from an NCCL version code (``ncclGetVersion``, CuPy's ``get_version``) or
+    from a ``(2, 28, 9)`` tuple (``torch.cuda.nccl.version()``)."""
+    parts = version if isinstance(version, tuple) else _split_version(int(version))
+    return ".".join(map(str, parts))
 
 
 def fp8_supported(version_code: int) -> bool:
@@ -268,22 +278,33 @@ FUNCTIONS = (
 # ------------------------------------------------------------------ library location
 
 _INSTALL_HINT = (
-    "install NCCL with pip install 'cupycoll[cuda12]' (or 'cupycoll[cuda13]'), "
+    "install NCCL with pip install 'cupycoll[cuda12]' (or 'cupycoll[cuda13]'; from a "
+    "checkout: pip install -e '.[cuda12]'), "
     "or set CUPYCOLL_NCCL_LIBRARY to the path of libnccl.so.2"
 )
 
 
-def _mapped_library() -> Optional[str]:
-    """The libnccl.so* this process already loaded (CuPy's or torch's), if any."""
+def _pathfinder_library() -> Optional[str]:
+    """cuda-pathfinder's libnccl: the ``libnccl.so.2`` already loaded (CuPy >= 14 loads NCCL
+    through it, cached, so both get one file), else the first found in site-packages, conda
+    or the system. None without cuda-pathfinder (CuPy 13 does not need it) or a match."""
     try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split(maxsplit=5)[-1].strip()
-                if os.path.basename(path).startswith("libnccl.so") and os.path.isfile(path):
-                    return path
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError:
+        return None
+    try:
+        return load_nvidia_dynamic_lib("nccl").abs_path
+    except Exception:  # noqa: BLE001 - not found, or an older catalog without "nccl"
+        return None
+
+
+def _loaded_library() -> Optional[str]:
+    """``libnccl.so.2`` if the process has it already; the loader matches it by soname."""
+    try:
+        ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD)
     except OSError:
-        pass
-    return None
+        return None
+    return "libnccl.so.2"
 
 
 def _pip_library() -> Optional[str]:
@@ -300,16 +321,14 @@ def _pip_library() -> Optional[str]:
 
 
 def find_library(path: Optional[str] = None) -> str:
-    """The path (or loader name) of the first NCCL library that loads, in this order:
-    ``path`` (the caller passes ``CUPYCOLL_NCCL_LIBRARY``), a libnccl already mapped into
-    the process, the pip package's file, plain ``libnccl.so.2``.
-
-    An explicit ``path`` that does not load is an error, not a reason to look elsewhere.
-    """
+    """The first NCCL library that loads: ``path`` (``CUPYCOLL_NCCL_LIBRARY``), cuda-pathfinder's,
+    the loaded ``libnccl.so.2``, the pip package's file, the loader's ``libnccl.so.2``.
+    An explicit ``path`` that does not load is an error, not a reason to look elsewhere."""
     if path:
         candidates = [path]
     else:
-        candidates = [c for c in (_mapped_library(), _pip_library()) if c] + ["libnccl.so.2"]
+        candidates = [c for c in (_pathfinder_library(), _loaded_library(), _pip_library()) if c]
+        candidates = list(dict.fromkeys(candidates + ["libnccl.so.2"]))
     failures = []
     for candidate in candidates:
         try:

@@ -50,10 +50,10 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import PrefixStore, ProcessGroup
 
-from . import _types, config
+from . import _types, compat, config
 from .communicator import Communicator, new_unique_id, nccl_group
 from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, CupycollTypeError,
-                     CupycollValueError)
+                     CupycollValueError, NcclError)
 from .watchdog import WATCHDOG, Watch
 from .work import CudaWork
 
@@ -120,9 +120,7 @@ def _flat(tensors) -> List[torch.Tensor]:
     return out
 
 
-def _async_requested(opts) -> bool:
-    # torch < 2.7 has no asyncOp; then every call is treated as async and torch waits.
-    return bool(getattr(opts, "asyncOp", True))
+_async_requested = compat.async_requested
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -194,7 +192,8 @@ class ProcessGroupCupycoll(ProcessGroup):
     ):
         super().__init__(rank, size)
         self.settings = config.resolve(options, timeout)
-        self.options = options if options is not None else config.Options()
+        # Not ``self.options``: torch 2.4 has a read-only ProcessGroup.options (2.11 none).
+        self.pg_options = options if options is not None else config.Options()
         self._store = store
         self._rank = rank
         self._size = size
@@ -237,14 +236,14 @@ class ProcessGroupCupycoll(ProcessGroup):
     def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
         cpu_store = PrefixStore("cupycoll-cpu/", store)
         gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
-        try:
-            inner = ProcessGroup(cpu_store, rank, size)
-        except TypeError:  # torch < 2.6 also takes ProcessGroup.Options
-            inner = ProcessGroup(cpu_store, rank, size, ProcessGroup.Options(backend="gloo"))
-        inner._set_default_backend(_GLOO)
+        compat.keep_gloo_until_exit(gloo)
+        inner = compat.plain_process_group(cpu_store, rank, size)
+        compat.set_default_backend(inner, _GLOO)
         inner._register_backend(_CPU, _GLOO, gloo)
-        # C++ callers asking this group for its CPU backend get the same gloo.
+        # C++ callers asking this group for its CPU backend get the same gloo, also as its
+        # default backend (which torch 2.15's flight-recorder hook looks up at init).
         self._register_backend(_CPU, _GLOO, gloo)
+        compat.set_default_backend(self, _GLOO)
         return inner
 
     def _split_parent(self) -> Optional["ProcessGroupCupycoll"]:
@@ -342,10 +341,22 @@ class ProcessGroupCupycoll(ProcessGroup):
         if self._comm is None:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            unique_id = self._exchange_unique_id("comm", self._rank == 0, self._size)
-            self._comm = self._create_comm(unique_id, self._rank, self._size, device.index)
+            try:
+                unique_id = self._exchange_unique_id("comm", self._rank == 0, self._size)
+                self._comm = self._create_comm(unique_id, self._rank, self._size, device.index)
+            except (CollectiveTimeoutError, NcclError) as exc:
+                self._creation_failed(exc)
+                raise
             self._adopt_device(device)
         return self._comm
+
+    def _creation_failed(self, exc: BaseException) -> None:
+        """A communicator that could not be created faults the group, as a timed-out
+        collective does. A retry cannot work: the store's arrival count now sits between
+        two incarnations, so each rank would number the retry differently (and in blocking
+        mode one would wait in ncclCommInitRank, unabortable, for peers that never come)."""
+        if self._state == "ok":
+            self._on_fault(exc)
 
     def _create_comm(self, unique_id: bytes, rank: int, size: int, device: int) -> Communicator:
         """Create a communicator where abort() can reach it while it connects."""
@@ -370,8 +381,12 @@ class ProcessGroupCupycoll(ProcessGroup):
         comm = self._p2p_comms.get(peer)
         if comm is None:
             low, high = sorted((self._rank, peer))
-            unique_id = self._exchange_unique_id(f"p2p/{low}-{high}", self._rank == low, 2)
-            comm = self._create_comm(unique_id, int(self._rank == high), 2, self._device.index)
+            try:
+                unique_id = self._exchange_unique_id(f"p2p/{low}-{high}", self._rank == low, 2)
+                comm = self._create_comm(unique_id, int(self._rank == high), 2, self._device.index)
+            except (CollectiveTimeoutError, NcclError) as exc:
+                self._creation_failed(exc)
+                raise
             self._p2p_comms[peer] = comm
         return comm
 
@@ -431,7 +446,8 @@ class ProcessGroupCupycoll(ProcessGroup):
         if _open_block_owner.__dict__.get("group") is not None:
             self._check_coalescing_scope(op_name)
         self._seq += 1
-        work = CudaWork(op_name, device, outputs, blocking_wait=blocking_wait, seq=self._seq,
+        work = CudaWork(op_name, device, outputs, seq=self._seq,
+                        blocking_wait=blocking_wait or self.settings.blocking_wait,
                         peers=None if peer is None else [self._global_ranks[peer]])
         issue = _Issue(work, launch, finish, keepalive, async_op, peer, own_group)
         if self._coalescing is not None or peer is not None:
@@ -588,7 +604,8 @@ class ProcessGroupCupycoll(ProcessGroup):
         return peer
 
     def _reduction(self, tensor: torch.Tensor, reduce_op, what: str) -> _types.Reduction:
-        red = _types.reduction(tensor.dtype, reduce_op, self._fp8_available())
+        red = _types.for_group_size(_types.reduction(tensor.dtype, reduce_op, self._fp8_available()),
+                                    tensor.dtype, self._size)
         if red.premul_factor is not None and isinstance(red.premul_factor, torch.Tensor):
             _types.check_premul_tensor(red.premul_factor, tensor.dtype, tensor.device)
         return red
@@ -804,7 +821,7 @@ class ProcessGroupCupycoll(ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([output, input], "reduce_scatter_tensor"):
-            return self._cpu._reduce_scatter_base(output, input, opts)
+            return compat.gloo_reduce_scatter_tensor(self._cpu, output, input, opts)
         device = self._check_device(output, "reduce_scatter_tensor output")
         self._check_device(input, "reduce_scatter_tensor input")
         _check_numel(input, output.numel() * self._size, "reduce_scatter_tensor input")
@@ -833,7 +850,7 @@ class ProcessGroupCupycoll(ProcessGroup):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllToAllOptions()
         if not self._is_cuda([output_tensors, input_tensors], "all_to_all"):
-            return self._cpu.alltoall(output_tensors, input_tensors, opts)
+            return compat.gloo_alltoall(self._cpu, output_tensors, input_tensors, opts)
         outputs = _check_list(output_tensors, "all_to_all output", self._size)
         inputs = _check_list(input_tensors, "all_to_all input", self._size)
         device = self._check_device(inputs[0], "all_to_all input[0]")
@@ -1015,7 +1032,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._flush()
         first = works[0]
         work = CudaWork("coalesced", first.device, [t for w in works for t in w.result()],
-                        seq=works[-1].seq)
+                        seq=works[-1].seq, blocking_wait=self.settings.blocking_wait)
         work._issued(first._stream, first._event, [w._keepalive for w in works])
         self._watch.track(work)
         return work
@@ -1174,12 +1191,7 @@ class ProcessGroupCupycoll(ProcessGroup):
             self._watched = False
 
     def _cpu_shutdown(self) -> None:
-        shutdown = getattr(self._cpu, "shutdown", None)
-        if shutdown is not None:
-            try:
-                shutdown()
-            except RuntimeError:
-                pass  # older torch: gloo has nothing to shut down
+        compat.shutdown(self._cpu)
 
     # -- torch method names that changed between versions ------------------------------
     _allgather_base = all_gather_single

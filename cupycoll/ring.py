@@ -49,7 +49,7 @@ from typing import List, Optional
 
 import numpy
 
-from . import _cuda, nccl_bindings
+from . import _cuda, compat, nccl_bindings
 from ._kernels import ELEMENTS, OPS, check, compile_module, supports
 from .communicator import nccl_group
 from .config import DEFAULT_RING_SCRATCH_BYTES
@@ -316,10 +316,7 @@ class _StreamHandle:
 
 
 def _external_stream(cupy, ptr: int, device: int):
-    # CuPy 14 deprecates ExternalStream in favour of Stream.from_external; CuPy 13 lacks it.
-    if hasattr(cupy.cuda.Stream, "from_external"):
-        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr, device)
+    return compat.external_stream(cupy, _StreamHandle(ptr), ptr, device)
 
 
 def plan_for(kind: str, rank: int, world: int, count: int, dtype: str, op: str,

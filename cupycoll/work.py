@@ -175,3 +175,39 @@ class CudaWork(dist.Work):
 
     def get_future_result(self):
         return self.get_future()
+
+
+class FutureWork(dist.Work):
+    """A CPU Work over a ``torch.futures.Future``, for results cupycoll computes from a gloo
+    call (see :mod:`cupycoll.compat`). Unlike ``_create_work_from_future``, whose ``wait()``
+    returns True even when the future failed (torch 2.4 to 2.15), ``wait()`` raises the
+    future's error, so a gloo timeout or a dead peer is not reported as success."""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self.exception() is None
+
+    def exception(self):
+        if not self._future.done():
+            return None
+        try:
+            self._future.wait()
+        except Exception as exc:  # noqa: BLE001 - the future's own error, handed back
+            return exc
+        return None
+
+    def result(self) -> List[torch.Tensor]:
+        return self._future.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future

@@ -13,9 +13,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
+
+try:
+    import torch
+except ImportError:  # a new shell without the venv, or a machine without torch
+    print(f"make demo needs torch, CuPy and NCCL, and {sys.executable} has no torch.\n"
+          "Install them with `make install` (a .venv that make demo then uses), or "
+          "pip install -e '.[cuda12]' (or '.[cuda13]': the CUDA major of your torch build).",
+          file=sys.stderr)
+    sys.exit(1)
 
 
 def main() -> int:
@@ -26,8 +33,9 @@ def main() -> int:
         print(f"make demo needs an NVIDIA GPU, and found none ({why}; torch {torch.__version__}).\n"
               "It needs a CUDA-enabled torch, CuPy and NCCL: pip install -e '.[cuda12]' "
               "(or '.[cuda13]' for CUDA 13).\n"
-              "Without a GPU, try: python -m torch.distributed.run --standalone --nproc-per-node 2 "
-              "examples/train_ddp.py --device cpu --compare gloo", file=sys.stderr)
+              f"Without a GPU, the CPU variant: {shlex.quote(sys.executable)} -m torch.distributed.run "
+              "--standalone --nproc-per-node 2 examples/train_ddp.py --device cpu --compare gloo",
+              file=sys.stderr)
         return 1
     if gpus == 1:
         ranks, extra = 2, ["--share-gpu"]

@@ -131,9 +131,11 @@ def train(args, backend: str, store, device, initial_state, data):
               f"in {time.perf_counter() - start:.2f} s, final loss {mean_loss:.6f}", flush=True)
     params = [p.detach().cpu().clone() for p in model.parameters()]
     # Free DDP before its group. If DDP's reducer drops the last reference to a gloo group,
-    # torch joins gloo's threads holding the GIL, which can deadlock (pytorch#56297); DDP
-    # sits in a reference cycle, so only the garbage collector frees it.
-    del ddp, optimizer
+    # torch joins gloo's threads holding the GIL, which can deadlock (pytorch#56297; seen on
+    # torch 2.4, which has no ProcessGroup.shutdown to stop them first); DDP sits in a
+    # reference cycle, so only the garbage collector frees it. The loss's autograd graph
+    # refers to DDP too.
+    del ddp, optimizer, loss
     gc.collect()
     dist.destroy_process_group()
     return params, mean_loss

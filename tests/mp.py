@@ -2,23 +2,34 @@
 
 Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (a free port), its own
 NCCL_HOSTID when several ranks share a GPU, and a hard timeout: a hang fails the test
-instead of eating the suite. On failure the message shows every rank's stderr.
+instead of eating the suite. On failure the message shows every rank's output.
+
+Every rank writes its stdout and stderr to files, never to a pipe: a pipe the harness is
+not reading at that moment fills at 64 KiB, the rank blocks in write(), and its peers then
+block in their next collective (a deadlock that only the timeout ends).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
+
+# Seconds the other ranks get to finish once one rank has failed (when all must succeed):
+# a rank that died leaves its peers waiting in a collective until their own timeout.
+FAIL_GRACE_S = 15.0
 
 
 def free_port() -> int:
@@ -36,26 +47,185 @@ def gpu_count() -> int:
         return 0
 
 
+def shared_gpu_env(rank: int, tag: str = "cupycoll-test") -> Dict[str, str]:
+    """What a rank needs to share a GPU with other ranks through NCCL's network transport.
+
+    Distinct host ids make NCCL treat each rank as another node; it then prefers
+    InfiniBand/RoCE over the loopback socket whenever the host has an HCA, so IB is turned
+    off; gloo is kept on loopback too, so a hostname that resolves to a dead interface
+    cannot stall the rendezvous."""
+    return {"NCCL_HOSTID": f"{tag}-rank{rank}", "NCCL_SOCKET_IFNAME": "lo",
+            "NCCL_IB_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
 @dataclasses.dataclass
 class RankResult:
     rank: int
     returncode: Optional[int]
     stdout: str
     stderr: str
+    log_dir: str = ""
 
 
 class WorkersFailed(AssertionError):
     pass
 
 
+def _tail(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"[... {len(text) - limit} characters cut ...]\n" + text[-limit:]
+
+
 def _report(results: Sequence[RankResult], headline: str) -> str:
     parts = [headline]
+    if results and results[0].log_dir:
+        parts.append(f"(full logs: {results[0].log_dir})")
     for r in results:
         parts.append(f"--- rank {r.rank}: exit {r.returncode} ---")
         if r.stdout.strip():
-            parts.append("stdout:\n" + r.stdout[-4000:])
-        parts.append("stderr:\n" + (r.stderr[-8000:] or "(empty)"))
+            parts.append("stdout:\n" + _tail(r.stdout, 4000))
+        parts.append("stderr:\n" + (_tail(r.stderr, 8000) or "(empty)"))
     return "\n".join(parts)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _end_with_parent() -> None:
+    """In a child before exec: get SIGTERM when the test process dies, however it dies.
+
+    Each child leads its own session (so one killpg ends what it started), which puts it
+    outside the process group a tier part's time limit kills; without this, a killed part
+    would leave its ranks holding the GPU while the next part runs. SIGTERM, not SIGKILL:
+    torchrun ends its own workers on SIGTERM."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def process_alive(pid: int) -> bool:
+    """Is ``pid`` running (a zombie has ended; only its parent has not reaped it yet)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    # Each rank leads its own session: this also ends whatever the rank started.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Ranks:
+    """Ranks started by :func:`start_ranks`; :meth:`wait` collects them. Several jobs can
+    run side by side (distinct ports and log folders) and be waited on one after another."""
+
+    def __init__(self, script: str, procs: List[subprocess.Popen], log_dir: str, deadline: float,
+                 timeout: float, expect_success: bool, own_log_dir: bool = False, fail_fast: bool = True):
+        self.script, self.procs, self.log_dir = script, procs, log_dir
+        self.own_log_dir, self.fail_fast = own_log_dir, fail_fast
+        self.deadline, self.timeout, self.expect_success = deadline, timeout, expect_success
+        self.results: Optional[List[RankResult]] = None
+
+    def _read(self, rank: int, stream: str) -> str:
+        path = os.path.join(self.log_dir, f"rank{rank}.{stream}")
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                return fh.read()
+        except OSError:
+            return ""
+
+    def _collect(self) -> List[RankResult]:
+        return [RankResult(rank, proc.returncode, self._read(rank, "out"), self._read(rank, "err"), self.log_dir)
+                for rank, proc in enumerate(self.procs)]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                _kill_tree(proc)
+        for proc in self.procs:
+            proc.wait()
+
+    def wait(self) -> List[RankResult]:
+        if self.results is not None:
+            return self.results
+        failed_at = None
+        headline = None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if now > self.deadline:
+                headline = f"{self.script}: ranks did not finish within {self.timeout:g} s"
+                break
+            if self.fail_fast and failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now
+            if failed_at is not None and now - failed_at > FAIL_GRACE_S:
+                headline = (f"{self.script}: a rank failed and the others did not finish within "
+                            f"{FAIL_GRACE_S:g} s after it")
+                break
+            time.sleep(0.05)
+        self.kill()
+        self.results = results = self._collect()
+        if headline is not None:
+            raise WorkersFailed(_report(results, headline))
+        if self.expect_success and any(r.returncode != 0 for r in results):
+            raise WorkersFailed(_report(results, f"{self.script}: a rank failed"))
+        if self.own_log_dir:  # kept on failure, for the report's "full logs"
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+        return results
+
+
+def start_ranks(
+    script: str,
+    world: int,
+    args: Sequence[str] = (),
+    timeout: float = 120.0,
+    env: Optional[Dict[str, str]] = None,
+    expect_success: bool = True,
+    share_gpu: bool = False,
+    log_dir: Optional[str] = None,
+    fail_fast: Optional[bool] = None,
+) -> Ranks:
+    """Start ``world`` ranks of ``tests/workers/<script>``; the timeout counts from now.
+
+    ``fail_fast`` (default: ``expect_success``): once a rank exits non-zero, the others get
+    FAIL_GRACE_S to finish, then are killed. Off where a rank dies on purpose."""
+    port = free_port()
+    own_log_dir = log_dir is None
+    log_dir = log_dir or tempfile.mkdtemp(prefix=f"cupycoll-{Path(script).stem}-")
+    os.makedirs(log_dir, exist_ok=True)
+    procs = []
+    try:
+        for rank in range(world):
+            child_env = dict(os.environ)
+            # Several ranks, each building CPU references: torch's default of one intra-op
+            # thread per core oversubscribes the machine world-fold.
+            child_env.setdefault("OMP_NUM_THREADS", "2")
+            child_env.update(
+                RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")])),
+                PYTHONUNBUFFERED="1",
+            )
+            if share_gpu:
+                child_env.update(shared_gpu_env(rank))
+            child_env.update(env or {})
+            with open(os.path.join(log_dir, f"rank{rank}.out"), "w") as out, \
+                    open(os.path.join(log_dir, f"rank{rank}.err"), "w") as err:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(WORKERS / script), *args], env=child_env,
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                    preexec_fn=_end_with_parent,
+                ))
+    except BaseException:
+        for proc in procs:
+            _kill_tree(proc)
+        raise
+    return Ranks(script, procs, log_dir, time.monotonic() + timeout, timeout, expect_success, own_log_dir,
+                 expect_success if fail_fast is None else fail_fast)
 
 
 def run_ranks(
@@ -66,42 +236,20 @@ def run_ranks(
     env: Optional[Dict[str, str]] = None,
     expect_success: bool = True,
     share_gpu: bool = False,
+    log_dir: Optional[str] = None,
 ) -> List[RankResult]:
     """Start ``world`` ranks of ``tests/workers/<script>`` and wait for all of them."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        child_env = dict(os.environ)
-        child_env.update(
-            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")])),
-            PYTHONUNBUFFERED="1",
-        )
-        if share_gpu:
-            child_env.update(NCCL_HOSTID=f"cupycoll-test-rank{rank}", NCCL_SOCKET_IFNAME="lo")
-        child_env.update(env or {})
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKERS / script), *args],
-            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
-    deadline = time.monotonic() + timeout
-    results = []
-    timed_out = False
-    for rank, proc in enumerate(procs):
-        try:
-            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for p in procs:
-                p.kill()
-            out, err = proc.communicate()
-        results.append(RankResult(rank, proc.returncode, out, err))
-    if timed_out:
-        raise WorkersFailed(_report(results, f"{script}: ranks did not finish within {timeout:g} s"))
-    if expect_success and any(r.returncode != 0 for r in results):
-        raise WorkersFailed(_report(results, f"{script}: a rank failed"))
-    return results
+    return start_ranks(script, world, args, timeout, env, expect_success, share_gpu, log_dir).wait()
+
+
+def wait_all(jobs: Sequence[Ranks]) -> List[List[RankResult]]:
+    """Wait for jobs started side by side; if one fails, the others are killed (their
+    output is not needed, and they must not outlive the test)."""
+    try:
+        return [job.wait() for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
 
 
 def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
@@ -110,15 +258,27 @@ def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None)
     showing what it printed."""
     import pytest
 
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NCCL_IB_DISABLE="1",
+                    **(env or {}))
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # communicate() drains both pipes together, so one child cannot block on a full pipe.
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_end_with_parent)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        # SIGTERM first: torchrun puts each worker in a session of its own, out of reach of
+        # killpg, and ends them only when it is terminated, not when it is killed.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # a straggler still holds the pipes
+                out, err = "(no output: a child still holds the pipes)", ""
         pytest.fail(f"{' '.join(args)} did not finish within {timeout:g} s\n"
                     f"stdout:\n{out[-6000:]}\nstderr:\n{err[-8000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

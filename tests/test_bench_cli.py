@@ -21,7 +21,8 @@ from bench import catalog, cli, launch, sizes  # noqa: E402
 
 def run_bench(*args: str, env=None, timeout: float = 60.0) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, **(env or {}))
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [(env or {}).get("PYTHONPATH"), str(ROOT),
+                                                            os.environ.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -70,12 +71,12 @@ def test_sweep_rejects_impossible_ranges(args):
 def test_datatype_names_nccl_tests_and_torch():
     assert catalog.resolve_dtypes("float") == ["float"]
     assert catalog.resolve_dtypes("float16,bf16,fp32,float64") == ["half", "bfloat16", "float", "double"]
-    assert catalog.resolve_dtypes("all") == list(catalog.DTYPES)
-    assert len(catalog.DTYPES) == 10
+    assert catalog.resolve_dtypes("all") == list(catalog.ALL_DTYPES) and len(catalog.ALL_DTYPES) == 10
+    assert catalog.resolve_dtypes("f8e4m3,float8_e5m2") == ["f8e4m3", "f8e5m2"]  # nccl-tests' fp8 names
 
 
 def test_op_all_is_nccl_tests_list_and_bitwise_is_extra():
-    assert catalog.resolve_ops("all") == ["sum", "prod", "max", "min", "avg"]
+    assert catalog.resolve_ops("all") == ["sum", "prod", "max", "min", "avg", "mulsum"]
     assert catalog.resolve_ops("band,bor,bxor") == ["band", "bor", "bxor"]
 
 
@@ -114,7 +115,7 @@ def test_parse_nccl_tests_flags():
 
 
 def test_parse_long_flags_and_stepbytes():
-    cfg = cli.parse(["--collective", "all_gather", "-C", "broadcast", "--minbytes", "1M", "--maxbytes", "3M",
+    cfg = cli.parse(["--collective", "all_gather", "--collective", "broadcast", "--minbytes", "1M", "--maxbytes", "3M",
                      "--stepbytes", "1M", "--datatype", "bf16", "--op", "all", "--iters", "2",
                      "--warmup_iters", "0", "--check", "1", "--root", "0", "--inplace"])
     assert cfg.collectives == ["all_gather", "broadcast"]
@@ -147,7 +148,15 @@ def test_parse_all_and_backends():
     (["nope"], "unknown collective 'nope'"),
     (["--backends", "mpi"], "unknown backend 'mpi'"),
     (["-d", "float7"], "unknown data type 'float7'"),
-    (["-o", "mulsum"], "unknown reduction op 'mulsum'"),
+    (["-o", "mulsum2"], "unknown reduction op 'mulsum2'"),
+    (["-a", "4"], "-a/--average"),
+    (["-z", "2"], "-z/--blocking"),
+    (["-C", "all_reduce"], "-C/--report_cputime"),
+    (["-m", "0"], "-m/--agg_iters"),
+    (["-T", "soon"], "-T/--coll_timeout"),
+    (["-r", "first"], "-r/--root"),
+    (["--plot", "out.xyz"], "matplotlib cannot write .xyz"),
+    (["--format", "csv"], "invalid choice"),
     (["-b", "12Q"], "'12Q' is not a size"),
     (["-b", "1M", "-e", "1K"], "larger than maxbytes"),
     (["-n", "0"], "-n/--iters"),
@@ -167,6 +176,35 @@ def test_parse_errors_are_one_line_usage_errors(argv, fragment):
     assert "\n" not in str(info.value)
 
 
+def test_parse_the_other_nccl_tests_flags(tmp_path):
+    cfg = cli.parse(["broadcast", "-C", "1", "-a", "3", "-m", "4", "-z", "1", "-T", "60", "-r", "all",
+                     "-J", str(tmp_path / "r.json"), "-F", str(tmp_path / "r.csv"), "--format", "nccl-tests",
+                     "-o", "mulsum", "-d", "f8e4m3", "--timeout", "900"])
+    assert (cfg.report_cputime, cfg.average, cfg.agg_iters, cfg.blocking) == (True, 3, 4, True)
+    assert cfg.coll_timeout == 60 and cfg.timeout == 900 and cfg.all_roots and cfg.root == 0
+    assert cfg.json.endswith("r.json") and cfg.csv.endswith("r.csv") and cfg.format == "nccl-tests"
+    assert cfg.ops == ["mulsum"] and cfg.dtypes == ["f8e4m3"]
+    default = cli.parse([])
+    assert (default.report_cputime, default.average, default.agg_iters, default.blocking) == (False, 1, 1, False)
+    assert (default.timeout, default.coll_timeout, default.all_roots, default.format) == (0, 0, False, "side-by-side")
+
+
+def test_long_option_names_other_tools_use(tmp_path):
+    # tools/verify_gpu.py drives the command with these names: they must keep working.
+    cfg = cli.parse(["all_reduce", "reduce_scatter", "--minbytes", "8", "--maxbytes", "1K", "--datatype", "float",
+                     "--op", "sum", "--iters", "2", "--warmup_iters", "1", "--check", "1", "--ranks", "2",
+                     "--json", str(tmp_path / "a.json"), "--plot", str(tmp_path / "a.png"),
+                     "--scenario", "overhead", "--backends", "cupycoll:nccl,torch:nccl", "--timeout", "300",
+                     "--no-progress"])
+    assert cfg.collectives == ["all_reduce", "reduce_scatter"] and cfg.ranks == 2 and cfg.timeout == 300
+    assert cfg.plot.endswith("a.png") and cfg.progress is False
+
+
+def test_mulsum_and_fp8_rules():
+    assert catalog.static_unsupported("torch:nccl", "all_reduce", "int32", "mulsum", 2)
+    assert not catalog.static_unsupported("torch:nccl", "all_reduce", "half", "mulsum", 2)
+
+
 # -- launch planning ---------------------------------------------------------------------
 def test_plan_spawn_shares_gpus_with_distinct_hostids(monkeypatch):
     monkeypatch.setattr(launch, "cuda_devices", lambda: 1)
@@ -177,6 +215,7 @@ def test_plan_spawn_shares_gpus_with_distinct_hostids(monkeypatch):
     assert len({e["NCCL_HOSTID"] for e in envs}) == 4
     assert envs[2]["NCCL_HOSTID"] == "cupycoll-bench-2"
     assert all(e["NCCL_SOCKET_IFNAME"] == "lo" and e["MASTER_PORT"] == "1234" for e in envs)
+    assert all(e["NCCL_IB_DISABLE"] == "1" for e in envs)
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert "NCCL_HOSTID" in plan.note()
 
@@ -244,3 +283,31 @@ def test_help_mentions_the_nccl_tests_flags():
     for flag in ("--minbytes", "--maxbytes", "--stepfactor", "--stepbytes", "--datatype", "--op",
                  "--iters", "--warmup_iters", "--check", "--root", "--backends", "--scenario", "--plot"):
         assert flag in proc.stdout
+
+
+def test_version_is_the_package_version():
+    import cupycoll
+
+    proc = run_bench("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"cupycoll-bench {cupycoll.__version__}"
+
+
+def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
+    # A stand-in matplotlib that cannot be imported, first on the path.
+    fake = tmp_path / "shadow" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    pythonpath = os.pathsep.join([str(tmp_path / "shadow"), str(ROOT)])
+    for args in (["--device", "cpu", "--ranks", "2", "--plot", str(tmp_path / "r.png")],
+                 ["plot", str(ROOT / "pyproject.toml"), "--plot", str(tmp_path / "r.png")]):
+        proc = run_bench(*args, env={"PYTHONPATH": pythonpath})
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "needs matplotlib" in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
+
+
+def test_plot_with_an_unknown_extension_fails_at_once(tmp_path):
+    proc = run_bench("--device", "cpu", "--ranks", "2", "--plot", str(tmp_path / "r.bmpx"))
+    assert proc.returncode == 2 and "matplotlib cannot write .bmpx" in proc.stderr
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1

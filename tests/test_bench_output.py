@@ -133,6 +133,47 @@ def test_footer_counts_wrong_values_and_reasons():
     assert "3 FAILED" in output.table_footer(rows, CANDIDATES)[0]
 
 
+def test_not_checked_note_only_with_c0():
+    rows = [dict(r, status="n/a", note="x") for r in synthetic_rows() if r.get("kind") == "sweep"]
+    assert "not checked" not in output.table_footer(rows, CANDIDATES, checked=True)[0]
+    assert "(not checked: -c 0)" in output.table_footer(rows, CANDIDATES, checked=False)[0]
+
+
+def parse_nccl_tests(text: str):
+    """Read a table the way scripts written for nccl-tests do: the data lines are the ones
+    not starting with '#', whitespace-separated; the column groups are named by the header."""
+    header = next(line for line in text.splitlines() if line.startswith("#") and "redop" in line)
+    names = header[1:].split()
+    assert names == ["size", "count", "type", "redop", "root"] + ["time", "algbw", "busbw", "#wrong"] * 2
+    groups = next(line for line in text.splitlines() if "out-of-place" in line and " in-place" in line)
+    assert groups.index("out-of-place") < groups.index("in-place")
+    points = []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = line.split()
+        assert len(fields) == 13, line
+        points.append({"size": int(fields[0]), "count": int(fields[1]), "type": fields[2], "redop": fields[3],
+                       "root": int(fields[4]), "oop": fields[5:9], "ip": fields[9:13]})
+    avg = [float(line.split(":")[1]) for line in text.splitlines() if line.startswith("# Avg bus bandwidth")]
+    return points, avg
+
+
+def test_nccl_tests_table_reads_like_nccl_tests():
+    rows = [r for r in synthetic_rows() if r.get("collective") == "all_gather"]
+    rows += [dict(r, placement="out-of-place", time_us=r.get("time_us", 0) * 2) for r in rows]
+    text = "\n".join(output.nccl_tests_tables("all_gather", rows, ["cupycoll:nccl"], 8, "real GPUs",
+                                               "GPU time", ("out-of-place", "in-place")))
+    points, avg = parse_nccl_tests(text)
+    mine = [r for r in rows if r["candidate"] == "cupycoll:nccl" and r["placement"] == "in-place"]
+    assert [p["size"] for p in points] == [r["size"] for r in mine]
+    for point, row in zip(points, mine):
+        assert float(point["ip"][0]) == pytest.approx(row["time_us"], abs=0.01)
+        assert float(point["oop"][0]) == pytest.approx(2 * row["time_us"], abs=0.01)
+        assert float(point["ip"][2]) == pytest.approx(row["busbw_gbps"], abs=0.006) and point["ip"][3] == "0"
+    assert len(avg) == 1 and avg[0] > 0
+
+
 def _png_facts(path: Path):
     data = path.read_bytes()
     import matplotlib.image
@@ -146,7 +187,7 @@ def test_plot_from_a_stored_json(tmp_path):
     source = tmp_path / "results.json"
     output.write_json(str(source), META, synthetic_rows())
     png = tmp_path / "out.png"
-    proc = run_bench("plot", str(source), "-o", str(png), timeout=120)
+    proc = run_bench("plot", str(source), "--plot", str(png), timeout=120)  # the main command's name
     assert proc.returncode == 0, proc.stderr
     signature, size, colours = _png_facts(png)
     assert signature == b"\x89PNG\r\n\x1a\n"
@@ -160,6 +201,32 @@ def test_plot_of_results_without_measurements_exits_2(tmp_path):
     proc = run_bench("plot", str(source), "-o", str(tmp_path / "x.png"), timeout=120)
     assert proc.returncode == 2 and "no measured rows" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_pipeline_on_cpu_in_nccl_tests_format(tmp_path):
+    """-r all, -C 1, -a 3, -m 2, -z 1, -c 0, -J/-F: a table nccl-tests' readers parse."""
+    js = tmp_path / "r.json"
+    proc = run_bench("--device", "cpu", "broadcast", "-b", "64", "-e", "256", "-f", "4", "-n", "2", "-w", "1",
+                     "--ranks", "2", "--format", "nccl-tests", "-r", "all", "-C", "1", "-a", "3", "-m", "2",
+                     "-z", "1", "-c", "0", "-T", "120", "-J", str(js), "-F", str(tmp_path / "r.csv"),
+                     "--backends", "cupycoll:nccl")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    points, avg = parse_nccl_tests(proc.stdout)
+    assert [(p["size"], p["root"]) for p in points] == [(64, 0), (64, 1), (256, 0), (256, 1)]
+    assert all(p["oop"] == ["N/A"] * 4 and float(p["ip"][0]) > 0 and p["ip"][3] == "N/A" for p in points)
+    assert len(avg) == 1 and "(not checked: -c 0)" in proc.stdout
+    meta = output.read_json(str(js))["meta"]
+    assert (meta["report_cputime"], meta["average"], meta["agg_iters"], meta["blocking"]) == (True, 3, 2, True)
+    assert meta["root"] == "all" and meta["timeout_s"] == 120 and "CPU time" in meta["timer"]
+    assert (tmp_path / "r.csv").stat().st_size > 0
+
+
+def test_nothing_measured_says_so_and_fails(tmp_path):
+    proc = run_bench("--device", "cpu", "all_reduce", "-b", "64", "-e", "64", "-n", "1", "-w", "0",
+                     "--ranks", "2", "-o", "mulsum")  # gloo has no PreMulSum: every cell n/a
+    assert proc.returncode == 1
+    assert "nothing was measured" in proc.stderr and "Traceback" not in proc.stderr
+    assert "not checked" not in proc.stdout
 
 
 def test_whole_pipeline_on_cpu(tmp_path):

@@ -8,22 +8,143 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import _registration, config
-from cupycoll.errors import CupycollValueError, NcclError
+from cupycoll import _registration, compat, config
+from cupycoll.errors import CupycollTypeError, CupycollValueError, NcclError
+from installed import cupycoll_entry_points
+
+
+SECONDS = datetime.timedelta(seconds=1)
 
 
 def test_precedence_options_then_env_then_default():
     env = {"CUPYCOLL_TIMEOUT": "12", "CUPYCOLL_COMM_SPLIT": "0"}
-    s = config.resolve(cupycoll.Options(timeout=3, comm_split=True), datetime.timedelta(seconds=99), env)
-    assert s.timeout == datetime.timedelta(seconds=3) and s.comm_split is True
-    s = config.resolve(cupycoll.Options(), datetime.timedelta(seconds=99), env)
-    assert s.timeout == datetime.timedelta(seconds=12) and s.comm_split is False
-    s = config.resolve(None, datetime.timedelta(seconds=99), {})
-    assert s.timeout == datetime.timedelta(seconds=99) and s.comm_split is True
+    s = config.resolve(cupycoll.Options(timeout=3, comm_split=True), 99 * SECONDS, env)
+    assert s.timeout == 3 * SECONDS and s.comm_split is True
+    s = config.resolve(cupycoll.Options(), None, env)
+    assert s.timeout == 12 * SECONDS and s.comm_split is False
+    s = config.resolve(None, 99 * SECONDS, {})
+    assert s.timeout == 99 * SECONDS and s.comm_split is True
     assert config.resolve(None, None, {}).timeout == config.DEFAULT_TIMEOUT
+
+
+def test_an_explicit_init_timeout_beats_the_environment():
+    # init_process_group(timeout=99 s) is an explicit argument: CUPYCOLL_TIMEOUT must not win.
+    env = {"CUPYCOLL_TIMEOUT": "12"}
+    assert config.resolve(None, 99 * SECONDS, env).timeout == 99 * SECONDS
+    # torch passes its default when the caller gave none: then the variable applies...
+    torch_default = dist.distributed_c10d._get_default_timeout(dist.Backend("cupycoll"))
+    assert torch_default in config.torch_default_timeouts()
+    assert config.resolve(None, torch_default, env).timeout == 12 * SECONDS
+    # ...and without it torch's default stands.
+    assert config.resolve(None, torch_default, {}).timeout == torch_default
+    # torch's nccl default (10 min on CUDA builds) is never handed to cupycoll: explicit here
+    assert config.resolve(None, datetime.timedelta(minutes=10), env).timeout == datetime.timedelta(minutes=10)
+
+
+@pytest.mark.parametrize("text,value", [("t", True), ("Y", True), ("f", False), ("n", False)])
+def test_torch_boolean_spellings_are_accepted(text, value):
+    # torch's getCvarBool reads y/t and n/f: TORCH_NCCL_BLOCKING_WAIT=t must not break init
+    assert config.resolve(None, None, {"TORCH_NCCL_BLOCKING_WAIT": text}).blocking_wait is value
+
+
+def test_an_explicit_init_timeout_reaches_a_real_group(monkeypatch):
+    monkeypatch.setenv("CUPYCOLL_TIMEOUT", "12")
+    dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=77))
+    try:
+        assert dist.group.WORLD.settings.timeout == 77 * SECONDS
+        sub = dist.new_group([0], backend="cupycoll")
+        assert sub.settings.timeout == 12 * SECONDS  # no timeout given to new_group
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("field,variable,torch_variable,torch_value,expected", [
+    ("nonblocking", "CUPYCOLL_NONBLOCKING", "TORCH_NCCL_USE_COMM_NONBLOCKING", "1", True),
+    ("blocking_wait", "CUPYCOLL_BLOCKING_WAIT", "TORCH_NCCL_BLOCKING_WAIT", "1", True),
+    ("on_timeout", "CUPYCOLL_ON_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "terminate"),
+    ("on_timeout", "CUPYCOLL_ON_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", "terminate"),
+])
+def test_torch_variables_apply_below_cupycoll_ones(field, variable, torch_variable, torch_value, expected):
+    default = getattr(config.resolve(None, None, {}), field)
+    assert default != expected
+    assert getattr(config.resolve(None, None, {torch_variable: torch_value}), field) == expected
+    cupycoll_value = {True: "0", False: "1", "terminate": "raise", "raise": "terminate"}[expected]
+    both = {torch_variable: torch_value, variable: cupycoll_value}
+    assert getattr(config.resolve(None, None, both), field) == default  # CUPYCOLL_* wins
+    explicit = cupycoll.Options(**{field: default})
+    assert getattr(config.resolve(explicit, None, {torch_variable: torch_value}), field) == default
+
+
+def test_torch_error_handling_modes_that_keep_the_process():
+    for mode in ("0", "2"):
+        env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": mode}
+        assert config.resolve(None, None, env).on_timeout == "raise"
+        env["CUPYCOLL_ON_TIMEOUT"] = "terminate"
+        assert config.resolve(None, None, env).on_timeout == "terminate"
+
+
+def test_blocking_wait_setting_reaches_the_works(monkeypatch):
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    try:
+        assert group.settings.blocking_wait is True
+        # A send to a peer is queued, not issued: the Work exists without a GPU.
+        work = group._submit("send", torch.device("cuda", 0), [], launch=None, peer=0)
+        assert work._blocking_wait is True
+    finally:
+        group._queue.clear()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("value", [True, 1, "1", "true", "Yes", " on "])
+def test_every_boolean_parses_alike_true(value):
+    for field in ("comm_split", "nonblocking", "blocking_wait"):
+        assert getattr(cupycoll.Options(**{field: value}), field) is True
+
+
+@pytest.mark.parametrize("value", [False, 0, "0", "false", "No", "off"])
+def test_every_boolean_parses_alike_false(value):
+    for field in ("comm_split", "nonblocking", "blocking_wait"):
+        assert getattr(cupycoll.Options(**{field: value}), field) is False
+    assert config.resolve(None, None, {"CUPYCOLL_COMM_SPLIT": str(value)}).comm_split is False
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"comm_split": "maybe"}, CupycollValueError, "Options.comm_split='maybe'"),
+    ({"nonblocking": 2}, CupycollValueError, "Options.nonblocking=2"),
+    ({"comm_split": [1]}, CupycollTypeError, "Options.comm_split"),
+    ({"ring_scratch_bytes": 1.5}, CupycollValueError, "Options.ring_scratch_bytes=1.5"),
+    ({"ring_scratch_bytes": "1.5"}, CupycollValueError, "whole number"),
+    ({"ring_scratch_bytes": 0}, CupycollValueError, "positive"),
+    ({"ring_scratch_bytes": True}, CupycollTypeError, "bool"),
+    ({"timeout": -1}, CupycollValueError, "must be positive"),
+    ({"timeout": "soon"}, CupycollValueError, "Options.timeout='soon'"),
+    ({"timeout": [3]}, CupycollTypeError, "Options.timeout"),
+    ({"watchdog_interval": 0}, CupycollValueError, "positive"),
+    ({"on_timeout": "explode"}, CupycollValueError, "raise, terminate"),
+    ({"algorithm": 3}, CupycollTypeError, "auto, nccl, ring"),
+])
+def test_options_validate_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        cupycoll.Options(**kwargs)
+
+
+def test_options_normalize():
+    o = cupycoll.Options(timeout=2.5, ring_scratch_bytes="4096", algorithm=" RING ")
+    assert o.timeout == datetime.timedelta(seconds=2.5)
+    assert o.ring_scratch_bytes == 4096 and o.algorithm == "ring"
+    assert cupycoll.Options(ring_scratch_bytes=8.0).ring_scratch_bytes == 8
+
+
+def test_pg_options_of_another_type():
+    with pytest.raises(CupycollValueError, match="cupycoll.Options"):
+        config.resolve({"timeout": 3}, None, {})
 
 
 def test_nccl_library_from_env():
@@ -35,20 +156,57 @@ def test_nccl_library_from_env():
     ({"CUPYCOLL_TIMEOUT": "soon"}, "CUPYCOLL_TIMEOUT='soon'"),
     ({"CUPYCOLL_TIMEOUT": "-1"}, "must be positive"),
     ({"CUPYCOLL_COMM_SPLIT": "maybe"}, "CUPYCOLL_COMM_SPLIT='maybe'"),
+    ({"CUPYCOLL_RING_SCRATCH_BYTES": "1.5"}, "CUPYCOLL_RING_SCRATCH_BYTES='1.5'"),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "7"}, "TORCH_NCCL_ASYNC_ERROR_HANDLING='7'"),
+    ({"TORCH_NCCL_BLOCKING_WAIT": "sometimes"}, "TORCH_NCCL_BLOCKING_WAIT"),
 ])
 def test_bad_environment(env, match):
     with pytest.raises(CupycollValueError, match=match):
         config.resolve(None, None, env)
 
 
-def test_every_variable_is_documented():
-    source = open(config.__file__).read()
-    for name in config.ENVIRONMENT:
-        assert source.count(name) >= 3, name  # the table, the docstring and the reader
+def _readme_variables():
     readme = os.path.join(os.path.dirname(config.__file__), "..", "README.md")
-    if os.path.exists(readme):
-        text = open(readme).read()
-        assert all(name in text for name in config.ENVIRONMENT)
+    section = open(readme).read().split("### Configuration", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    names = set()
+    for row in rows:
+        name = row.split("`")[1]
+        if name.startswith(("CUPYCOLL_", "TORCH_NCCL_")):
+            names.add(name)
+    return names
+
+
+def test_every_variable_is_documented_and_read():
+    source = open(config.__file__).read()
+    docstring = config.__doc__
+    read = {f.env for f in config._FIELDS.values()} | {f.torch_env for f in config._FIELDS.values() if f.torch_env}
+    read |= {config._TIMEOUT_ENV, config._LIBRARY_ENV}
+    assert read == set(config.ENVIRONMENT)  # what is read is listed, and nothing else
+    for name in config.ENVIRONMENT:
+        assert name in docstring, name
+    assert _readme_variables() == set(config.ENVIRONMENT)
+    assert "os.environ" in source
+
+
+def test_no_other_module_reads_the_environment_for_settings():
+    package = os.path.dirname(config.__file__)
+    for name in os.listdir(package):
+        if name.endswith(".py") and name != "config.py":
+            text = open(os.path.join(package, name)).read()
+            for variable in config.ENVIRONMENT:
+                assert f'"{variable}"' not in text, (name, variable)
+
+
+def test_backend_errors_are_torch_dist_backend_errors():
+    from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError
+
+    for error in (NcclError(6, "ncclAllReduce"), CollectiveTimeoutError("late"), CommunicatorAbortedError("gone")):
+        assert isinstance(error, dist.DistBackendError) and isinstance(error, cupycoll.CupycollError)
+        with pytest.raises(dist.DistBackendError):
+            raise error
+    assert isinstance(CollectiveTimeoutError("late"), TimeoutError)
+    assert not isinstance(CupycollValueError("x"), dist.DistBackendError)
 
 
 def test_import_registers_idempotently():
@@ -73,15 +231,14 @@ def _python(code, **env):
 
 
 def test_entry_point_is_cheap_and_registers():
-    from importlib.metadata import entry_points
-
-    if not any(ep.name == "cupycoll" for ep in entry_points(group="torch.backends")):
+    if not cupycoll_entry_points("torch.backends"):
         pytest.skip("cupycoll is not pip-installed here, so its torch.backends entry point is absent")
     code = ("import sys, torch, torch.distributed as dist; "
             "print('CUPYCOLL' in dist.Backend._plugins, 'cupy' in sys.modules)")
     result = _python(code)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["True", "False"]
+    # torch 2.4 has no entry-point autoload (cupycoll.compat.TORCH_AUTOLOADS_BACKENDS)
+    assert result.stdout.split() == [str(compat.TORCH_AUTOLOADS_BACKENDS), "False"]
     off = _python(code, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert off.stdout.split() == ["False", "False"]
 
@@ -134,3 +291,31 @@ def test_splitting_is_offered_only_to_new_cupycoll_groups():
     assert _new_process_group_helper("nccl") is False
     assert _new_process_group_helper("gloo") is False
     assert handle.supports_splitting is True  # asked outside group creation
+
+
+def test_version_and_license_are_declared_once():
+    tomllib = pytest.importorskip("tomllib")
+    root = os.path.join(os.path.dirname(cupycoll.__file__), "..")
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    module, _, name = attr.rpartition(".")
+    import importlib
+
+    assert getattr(importlib.import_module(module), name) == cupycoll.__version__
+    assert project["project"]["license"] == {"text": "MIT"}
+    with open(os.path.join(root, "LICENSE")) as f:
+        assert f.readline().strip() == "MIT License"
+    source = open(cupycoll.__file__).read()
+    assert '__version__ = "' not in source  # re-exported, not written again
+
+
+def test_installed_metadata_matches_the_checkout():
+    from importlib import metadata
+
+    try:
+        dist_version = metadata.version("cupycoll")
+    except metadata.PackageNotFoundError:
+        pytest.skip("cupycoll is not pip-installed here")
+    assert dist_version == cupycoll.__version__

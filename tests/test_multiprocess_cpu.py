@@ -12,12 +12,15 @@ import json
 import pytest
 import torch
 
+from cupycoll import compat
+from installed import cupycoll_entry_points
 from mp import run_ranks
 
 
-def _run(tmp_path, backend, world, *extra):
+def _run(tmp_path, backend, world, *extra, expect_success=True):
     out = tmp_path / backend.replace(":", "_").replace(",", "+")
-    run_ranks("api_worker.py", world, ["--backend", backend, "--out", str(out), *extra], timeout=180)
+    run_ranks("api_worker.py", world, ["--backend", backend, "--out", str(out), *extra], timeout=180,
+              expect_success=expect_success)
     summaries = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     outputs = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     return summaries, outputs
@@ -33,14 +36,35 @@ def _assert_same(a, b):
             assert u.dtype == v.dtype and torch.equal(u, v), name
 
 
+def _gloo_gap(failure: str) -> bool:
+    """Is this failure of the plain gloo run one of this torch's known gloo gaps, which
+    cupycoll's CPU route fills (cupycoll.compat)?"""
+    name = failure.split(":")[0]
+    if not compat.GLOO_HAS_ALLTOALL and name.startswith("all_to_all/"):
+        return "does not support alltoall" in failure  # before 2.12
+    if not compat.GLOO_REDUCE_SCATTER_HONOURS_OP and name.startswith("reduce_scatter_tensor/"):
+        return "RedOpType.SUM" not in name and " got " in failure  # 2.4 sums for every op
+    return False
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_apis_match_gloo(tmp_path, world):
     ours, our_out = _run(tmp_path, "cupycoll", world)
-    theirs, their_out = _run(tmp_path, "gloo", world)
+    gaps_expected = not (compat.GLOO_HAS_ALLTOALL and compat.GLOO_REDUCE_SCATTER_HONOURS_OP)
+    theirs, their_out = _run(tmp_path, "gloo", world, expect_success=not gaps_expected)
     for rank in range(world):
         assert ours[rank]["failures"] == []
         assert ours[rank]["group_type"] == "ProcessGroupCupycoll"
-        assert ours[rank]["cases"] == theirs[rank]["cases"] > 100
+        assert all(_gloo_gap(f) for f in theirs[rank]["failures"]), theirs[rank]["failures"]
+        if not compat.GLOO_HAS_ALLTOALL:
+            assert any(f.startswith("all_to_all/") for f in theirs[rank]["failures"])
+        # A case gloo got wrong was still checked by the worker against its local reference
+        # in our run; one gloo raised on was not counted in gloo's.
+        raised = {f.split(":")[0] for f in theirs[rank]["failures"] if ": raised " in f}
+        wrong = {f.split(":")[0].split("[")[0] for f in theirs[rank]["failures"]} - raised
+        assert ours[rank]["cases"] == theirs[rank]["cases"] + len(raised) > 100
+        our_out[rank] = {k: v for k, v in our_out[rank].items() if k not in raised | wrong}
+        their_out[rank] = {k: v for k, v in their_out[rank].items() if k not in wrong}
         # the same forms are rejected (gloo has no _start_coalescing) and the rest agree
         assert ours[rank]["errors"] == theirs[rank]["errors"]
         assert any(name.startswith("coalesced/") for name in our_out[rank])
@@ -56,9 +80,10 @@ def test_registration_forms(tmp_path, backend):
 
 
 def test_entry_point_registers_without_import(tmp_path):
-    from importlib.metadata import entry_points
-
-    if not any(ep.name == "cupycoll" for ep in entry_points(group="torch.backends")):
+    if not cupycoll_entry_points("torch.backends"):
         pytest.skip("cupycoll is not pip-installed here, so its torch.backends entry point is absent")
+    if not compat.TORCH_AUTOLOADS_BACKENDS:
+        pytest.skip(f"torch {torch.__version__} does not autoload entry points (2.5 added it): "
+                    "there `import cupycoll` registers the backend (test_config_and_registration)")
     summaries, _ = _run(tmp_path, "cupycoll", 2, "--no-import")
     assert all(s["failures"] == [] and s["group_type"] == "ProcessGroupCupycoll" for s in summaries)

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -73,8 +74,12 @@ def header(tmp_path_factory):
     lines += [f'printf("fieldsize {n} %zu\\n", sizeof(((ncclConfig_t*)0)->{n}));' for n in fields]
     lines += [f'printf("enum {n} %d\\n", (int){n});' for names in enums.values() for n in names]
     for macro in ("NCCL_VERSION(2, 30, 0)", "NCCL_VERSION(2, 24, 0)", "NCCL_VERSION_CODE",
-                  "NCCL_API_MAGIC", "NCCL_CONFIG_UNDEF_INT", "NCCL_SPLIT_NOCOLOR"):
+                  "NCCL_CONFIG_UNDEF_INT", "NCCL_SPLIT_NOCOLOR"):
         lines.append(f'printf("macro {macro.replace(" ", "")} %lld\\n", (long long)({macro}));')
+    # The magic NCCL checks, as NCCL_CONFIG_INITIALIZER sets it: 2.28's header writes the
+    # literal there (it has no NCCL_API_MAGIC macro), later headers use the macro.
+    lines.append("{ ncclConfig_t initial = NCCL_CONFIG_INITIALIZER;")
+    lines.append('printf("initializer magic %lld\\n", (long long)initial.magic); }')
     work = tmp_path_factory.mktemp("ncclh")
     source = work / "probe.c"
     source.write_text(
@@ -92,12 +97,13 @@ def header(tmp_path_factory):
         "typedef struct CUstream_st* cudaStream_t;\ntypedef struct CUevent_st* cudaEvent_t;\n"
     )
     (stubs / "cuda_fp16.h").write_text("")
-    (stubs / "cuda_bf16.h").write_text("")
+    # as the real cuda_bf16.h does: NCCL before 2.24 declares ncclBfloat16 only then
+    (stubs / "cuda_bf16.h").write_text("#define __CUDA_BF16_TYPES_EXIST__\n")
     compiled = subprocess.run([gcc, "-I", nccl_inc, "-I", str(stubs), str(source), "-o", str(exe)],
                               capture_output=True, text=True, timeout=60)
     assert compiled.returncode == 0, compiled.stderr
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=30).stdout
-    facts = {"fields": {}, "fieldsize": {}, "enum": {}, "macro": {}}
+    facts = {"fields": {}, "fieldsize": {}, "enum": {}, "macro": {}, "initializer": {}}
     for line in out.splitlines():
         kind, *rest = line.split()
         if kind == "sizeof":
@@ -118,6 +124,13 @@ def test_version_matches_cupy(lib):
         pytest.skip("CuPy was built without NCCL")
     assert lib.version() == nccl.get_version()
     assert lib.version() >= 21800
+
+
+def test_version_text():
+    # one decoder for every version code cupycoll prints (bench metadata, verify-gpu)
+    assert nb.version_text(22809) == "2.28.9"
+    assert nb.version_text(2708) == "2.7.8"  # NCCL <= 2.8 encoded X*1000 + Y*100 + Z
+    assert nb.version_text((2, 28, 9)) == "2.28.9"  # torch.cuda.nccl.version()
 
 
 def test_version_tuple(lib):
@@ -237,23 +250,29 @@ def test_unique_id(lib):
 
 def test_config_layout_matches_header(header):
     ours = [name for name, _ in nb.ncclConfig_t._fields_]
-    # Our struct is a prefix of the header's, field by field, at the same offsets.
-    assert header["field_order"][: len(ours)] == ours
-    for name in ours:
+    theirs = header["field_order"]
+    # One struct is a prefix of the other, field by field at the same offsets: NCCL copies
+    # min(config.size, its own sizeof) bytes, so both sides read the fields they share.
+    common = min(len(ours), len(theirs))
+    assert common >= 9 and theirs[:common] == ours[:common]  # up to splitShare (2.18)
+    for name in ours[:common]:
         assert getattr(nb.ncclConfig_t, name).offset == header["fields"][name], name
         assert getattr(nb.ncclConfig_t, name).size == header["fieldsize"][name], name
-    if header["field_order"] == ours:
+    if theirs == ours:
         assert ctypes.sizeof(nb.ncclConfig_t) == header["sizeof"]
-    else:
+    elif len(theirs) > len(ours):  # a newer NCCL
         assert ctypes.sizeof(nb.ncclConfig_t) <= header["sizeof"]
         # A newer field may sit in our tail padding; NCCL_CONFIG_VERSION makes NCCL ignore it.
         assert nb.NCCL_CONFIG_VERSION < header["macro"]["NCCL_VERSION_CODE"]
+    else:  # an older NCCL (2.20, 2.28) knows a prefix of our fields and reads only that
+        assert header["sizeof"] < ctypes.sizeof(nb.ncclConfig_t)
+        assert header["macro"]["NCCL_VERSION_CODE"] < nb.NCCL_CONFIG_VERSION
     assert ctypes.sizeof(nb.ncclConfig_t) == 96  # x86-64, NCCL 2.30.0 layout
 
 
 def test_config_constants_match_header(header):
     assert nb.NCCL_CONFIG_VERSION == header["macro"]["NCCL_VERSION(2,30,0)"] == 23000
-    assert nb.NCCL_API_MAGIC == header["macro"]["NCCL_API_MAGIC"]
+    assert nb.NCCL_API_MAGIC == header["initializer"]["magic"]
     assert nb.NCCL_CONFIG_UNDEF_INT == header["macro"]["NCCL_CONFIG_UNDEF_INT"]
     assert nb.NCCL_SPLIT_NOCOLOR == header["macro"]["NCCL_SPLIT_NOCOLOR"]
 
@@ -271,13 +290,19 @@ OUR_ENUM_NAMES = {
 def test_enum_constants_match_header(header):
     for enum, names in OUR_ENUM_NAMES.items():
         for name in names:
+            if name.startswith("ncclFloat8") and not nb.fp8_supported(header["macro"]["NCCL_VERSION_CODE"]):
+                assert name not in header["enum_names"][enum]  # 2.24 added them
+                continue
             assert name in header["enum_names"][enum], f"{name} not in the header's {enum}"
             assert getattr(nb, name) == header["enum"][name], name
 
 
 def test_status_names_match_header(header):
     expected = {header["enum"][n]: n for n in header["enum_names"]["ncclResult_t"] if n != "ncclNumResults"}
-    assert errors.NCCL_STATUS_NAMES == expected
+    # Every status this header has is named alike; ours may go on with newer ones (2.28's
+    # header ends before ncclTimeout), numbered after the header's last.
+    assert {k: v for k, v in errors.NCCL_STATUS_NAMES.items() if k in expected} == expected
+    assert all(k > max(expected) for k in errors.NCCL_STATUS_NAMES if k not in expected)
 
 
 def test_make_config():
@@ -311,6 +336,49 @@ def test_find_library_default_finds_an_nccl():
     if os.path.isabs(found):
         assert os.path.basename(found).startswith("libnccl.so")
     assert nb.load().version() >= 21800
+
+
+def test_find_library_prefers_the_nccl_already_loaded(tmp_path):
+    """CuPy loads libnccl first; the bindings must bind that very file, not another copy.
+    Here a link in a temporary folder stands for "the library CuPy loaded"."""
+    link = tmp_path / "libnccl.so.2"
+    link.symlink_to(PIP_LIBRARY)
+    code = ("import ctypes, sys; ctypes.CDLL(sys.argv[1]); "
+            "from cupycoll import nccl_bindings as nb; print(nb.find_library()); print(nb.load().path); "
+            "print(*sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libnccl.so' in l}))")
+    out = subprocess.run([sys.executable, "-c", code, str(link)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found, bound, *mapped = out.stdout.split()
+    try:
+        import cuda.pathfinder  # noqa: F401 - CuPy 14's loader: names the loaded file
+        assert found == bound == str(link)
+    except ImportError:  # CuPy 13: the loader's soname, which resolves to the loaded file
+        assert found == bound == "libnccl.so.2"
+    assert mapped == [os.path.realpath(link)]  # one NCCL in the process: the one loaded first
+
+
+def test_find_library_uses_cuda_pathfinder(monkeypatch):
+    pathfinder = pytest.importorskip("cuda.pathfinder")
+    calls = []
+
+    class Loaded:
+        abs_path = PIP_LIBRARY
+
+    def fake(name):
+        calls.append(name)
+        return Loaded()
+
+    monkeypatch.setattr(pathfinder, "load_nvidia_dynamic_lib", fake)
+    assert nb.find_library() == PIP_LIBRARY and calls == ["nccl"]
+
+
+def test_find_library_without_cuda_pathfinder(monkeypatch):
+    # CuPy 13 does not depend on cuda-pathfinder: the fallback must still find NCCL.
+    monkeypatch.setitem(sys.modules, "cuda.pathfinder", None)
+    assert nb._pathfinder_library() is None
+    found = nb.find_library()
+    assert found in ("libnccl.so.2", PIP_LIBRARY)
+    assert nb.NcclLibrary(found).version() >= 21800
 
 
 def test_find_library_bogus_path(tmp_path):

@@ -19,9 +19,9 @@ from cupycoll.errors import CupycollValueError
 
 def _nvrtc_available() -> bool:
     try:
-        from cupy.cuda import nvrtc
+        from cupycoll import _cuda
 
-        nvrtc.getVersion()
+        _cuda.nvrtc_module().getVersion()
         return True
     except Exception:  # noqa: BLE001 - any failure means: cannot compile here
         return False

@@ -1,9 +1,13 @@
-"""GPU tier: the whole API suite on CUDA tensors through NCCL, world sizes 1-4.
+"""GPU tier, part "api": the whole API suite on CUDA tensors through NCCL.
+
+Each case is checked against a reference computed with torch on the CPU (api_worker.py), and
+at 2 ranks every exact output must equal torch's own nccl backend's on the same case (torch's
+nccl skips what it cannot run; tests/workers/api_plan.py says which, and why). One rank, and
+eager init with subgroups split at 3 ranks, run the suite once more each; all four runs
+start together.
 
 Ranks beyond the number of GPUs share one with a distinct NCCL_HOSTID each (NCCL's socket
-transport), as docs/gpu-verification.md describes. Each case is checked against a reference
-computed with torch on the CPU, and the outputs must equal torch's own nccl backend run on
-the same cases (bitwise for exact cases, loosely for AVG / fp8).
+transport). Every run has a hard limit below the part's budget (tests/gpu/tier.py).
 """
 
 from __future__ import annotations
@@ -13,42 +17,101 @@ import json
 import pytest
 import torch
 
-from mp import gpu_count, run_ranks
+from gpu.tier import GPU_TIER_BUDGETS_S
+from mp import WorkersFailed, gpu_count, start_ranks
+from workers.api_plan import compare_runs, failed_case_names
 
 pytestmark = pytest.mark.gpu
 
-
-def _run(tmp_path, backend, world, *extra, timeout=900):
-    out = tmp_path / f"{backend}-{world}-{'-'.join(extra) or 'lazy'}"
-    run_ranks("api_worker.py", world, ["--backend", backend, "--device", "cuda", "--suite", "full",
-                                       "--out", str(out), *extra],
-              timeout=timeout, share_gpu=world > gpu_count())
-    summaries = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return summaries, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+BUDGET_S = GPU_TIER_BUDGETS_S["api"]
+# All runs at once: ~10 s to start the ranks, 1-3 s of NCCL init over sockets, ~1,100 cases
+# of a few milliseconds each (8 processes time-slicing one GPU), and the large (1M-element)
+# cases' CPU references.
+SUBPROCESS_LIMITS_S = {"suite runs": 100}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_api_suite_matches_torch_nccl(tmp_path, world):
-    ours, our_out = _run(tmp_path, "cupycoll", world)
-    _, ref_out = _run(tmp_path, "nccl", world)
-    for rank in range(world):
-        assert ours[rank]["failures"] == [], ours[rank]["failures"][:20]
-        assert ours[rank]["errors"] == {}, ours[rank]["errors"]  # every coalescing form works on CUDA
-        assert ours[rank]["cases"] > 500
-        common = set(our_out[rank]) & set(ref_out[rank])
-        assert len(common) > 400
-        for name in sorted(common):
-            if "AVG" in name or "float8" in name:
-                continue  # reduction order may differ; the reference check above covers them
-            a, b = our_out[rank][name], ref_out[rank][name]
-            for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
-                assert torch.equal(x, y), name
+def _start(tmp_path, backend, world, *extra):
+    out = tmp_path / f"{backend.replace(':', '_').replace(',', '+')}-{world}-{'-'.join(extra) or 'lazy'}"
+    # A rank with failed cases exits 1: the tests report its summary, which says more than
+    # its exit code. A rank that crashes still ends the run early (fail_fast).
+    job = start_ranks("api_worker.py", world, ["--backend", backend, "--device", "cuda", "--suite", "full",
+                                               "--out", str(out), *extra],
+                      timeout=SUBPROCESS_LIMITS_S["suite runs"], share_gpu=world > gpu_count(),
+                      expect_success=False, fail_fast=True, log_dir=str(out) + "-logs")
+    return job, out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("form", ["cupycoll", "cpu:gloo,cuda:cupycoll"])
-def test_api_suite_eager_init_and_split(tmp_path, world, form):
-    # device_id: eager communicator, subgroups made with ncclCommSplit
-    ours, _ = _run(tmp_path, form, world, "--device-id")
-    for summary in ours:
-        assert summary["failures"] == [], summary["failures"][:20]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of the part, started together (8 processes on 16 cores and one GPU): the
+    wall time of the slowest, not the sum of four process starts and suites."""
+    tmp = tmp_path_factory.mktemp("api")
+    started = {
+        "ours": _start(tmp, "cupycoll", 2),
+        # torch's nccl is the reference, not under test: a case it gets wrong is left out of
+        # the comparison (and printed), not a failure
+        "reference": _start(tmp, "nccl", 2),
+        "one_rank": _start(tmp, "cupycoll", 1),
+        # device_id: the communicator is made at init, subgroups with ncclCommSplit; an odd
+        # world size gives uneven reduce-scatter and all-to-all splits
+        "eager_split": _start(tmp, "cpu:gloo,cuda:cupycoll", 3, "--device-id"),
+    }
+    runs = {}
+    try:
+        for name, (job, out) in started.items():
+            try:
+                runs[name] = (job.wait(), out)
+            except WorkersFailed as exc:  # a hang or crash fails the tests of this run only
+                runs[name] = (exc, out)
+    finally:
+        for job, _ in started.values():
+            job.kill()
+    return runs
+
+
+def _summaries(run):
+    results, out = run
+    if isinstance(results, WorkersFailed):
+        pytest.fail(str(results), pytrace=False)
+    missing = [r.rank for r in results if not (out / f"rank{r.rank}.json").exists()]
+    assert not missing, f"ranks {missing} did not finish the suite (logs: {out}-logs)\n" + "\n".join(
+        f"--- rank {r.rank}: exit {r.returncode}\n{r.stderr[-4000:]}" for r in results)
+    return [json.loads((out / f"rank{r.rank}.json").read_text()) for r in results]
+
+
+def _assert_clean(summary, rank):
+    assert summary["failures"] == [], (rank, summary["failures"][:20])
+    assert summary["errors"] == {}, (rank, summary["errors"])  # every coalescing form works on CUDA
+    assert summary["skipped"] == {}, (rank, summary["skipped"])
+    assert summary["cases"] > 500, (rank, summary["cases"])
+
+
+def test_api_suite_at_two_ranks(runs):
+    for rank, summary in enumerate(_summaries(runs["ours"])):
+        _assert_clean(summary, rank)
+
+
+def test_api_suite_matches_torch_nccl(runs):
+    _, ours_out = runs["ours"]
+    _, ref_out = runs["reference"]
+    ref = _summaries(runs["reference"])
+    for rank in range(2):
+        assert ref[rank]["skipped"], "the reference skipped nothing: api_plan.reference_lacks not applied"
+        if ref[rank]["failures"]:
+            print(f"reference (torch nccl) rank {rank} failed {len(ref[rank]['failures'])} cases, "
+                  f"left out of the comparison:", *ref[rank]["failures"][:20], sep="\n  ")
+        compared, mismatches = compare_runs(torch.load(ours_out / f"rank{rank}.pt"),
+                                            torch.load(ref_out / f"rank{rank}.pt"),
+                                            exclude=failed_case_names(ref[rank]["failures"]))
+        assert mismatches == [], (rank, mismatches[:20])
+        assert compared > 400, (rank, compared)
+
+
+def test_api_suite_on_one_rank(runs):
+    # NCCL's one-rank paths (fp8 AVG among them: issued as SUM)
+    _assert_clean(_summaries(runs["one_rank"])[0], 0)
+
+
+def test_api_suite_eager_init_and_split(runs):
+    for rank, summary in enumerate(_summaries(runs["eager_split"])):
+        _assert_clean(summary, rank)

@@ -1,11 +1,10 @@
-"""GPU tier, one process: stream and Work semantics, bad input on real CUDA tensors, DDP."""
+"""GPU tier, part "semantics" (runs first: quick, one process): stream and Work semantics, bad
+input on real CUDA tensors, one-rank paths, DDP (and DDP parity with torch's nccl, 2 ranks)."""
 
 from __future__ import annotations
 
 import datetime
-import os
 import re
-import subprocess
 import sys
 import time
 
@@ -15,9 +14,15 @@ import torch.distributed as dist
 
 import cupycoll
 from cupycoll.errors import CupycollTypeError, CupycollValueError
-from mp import ROOT, gpu_count
+from gpu.tier import GPU_TIER_BUDGETS_S
+from mp import ROOT, gpu_count, run_python, shared_gpu_env
 
 pytestmark = pytest.mark.gpu
+
+BUDGET_S = GPU_TIER_BUDGETS_S["semantics"]
+# torchrun with 2 ranks: ~10 s to start them, NCCL init for cupycoll and torch's nccl, a few
+# training steps each.
+SUBPROCESS_LIMITS_S = {"ddp parity": 50}
 
 
 @pytest.fixture
@@ -73,8 +78,12 @@ def test_bad_input_on_cuda_keeps_group_usable(group):
         dist.all_gather_into_tensor(torch.zeros(5, device="cuda"), torch.ones(4, device="cuda"))
     with pytest.raises(CupycollTypeError, match="int16"):
         dist.all_reduce(torch.ones(3, dtype=torch.int16, device="cuda"))
-    with pytest.raises(CupycollValueError, match="BXOR"):
-        dist.all_reduce(torch.ones(3, dtype=torch.int32, device="cuda"), op=dist.ReduceOp.BXOR)
+    # NCCL has no bitwise ops: an error when NCCL is chosen; "auto" sends them to the ring
+    with cupycoll.algorithm("nccl"):
+        with pytest.raises(CupycollValueError, match="BXOR"):
+            dist.all_reduce(torch.ones(3, dtype=torch.int32, device="cuda"), op=dist.ReduceOp.BXOR)
+    with pytest.raises(CupycollValueError, match="cannot reduce dtype float32 with op bxor"):
+        dist.all_reduce(torch.ones(3, device="cuda"), op=dist.ReduceOp.BXOR)  # nor can the ring
     with pytest.raises(CupycollValueError, match="root 3 is out of range"):
         group.broadcast([x], _bopts(3))
     if gpu_count() > 1:
@@ -84,8 +93,34 @@ def test_bad_input_on_cuda_keeps_group_usable(group):
     assert torch.equal(x.cpu(), torch.ones(4, 4))
 
 
+def test_bitwise_ops_run_on_the_ring_by_default(group):
+    x = torch.tensor([0b1010, 0b0110, 7], dtype=torch.int32, device="cuda")
+    dist.all_reduce(x, op=dist.ReduceOp.BXOR)  # one rank: the XOR over ranks is the input
+    assert x.cpu().tolist() == [0b1010, 0b0110, 7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_avg_on_one_rank(group, dtype):
+    # NCCL's one-rank path rejects fp8 AVG (no host-side fp8 pre-multiply); cupycoll issues SUM
+    from cupycoll import _cuda, nccl_bindings
+
+    if not nccl_bindings.fp8_supported(_cuda.nccl_module().get_version()):
+        pytest.skip("fp8 needs NCCL >= 2.24")
+    values = torch.tensor([1.0, 2.0, 3.5, -4.0, 0.25], device="cuda").to(dtype)
+    for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+        x = values.clone()
+        dist.all_reduce(x, op=op)
+        assert torch.equal(x.view(torch.uint8).cpu(), values.view(torch.uint8).cpu()), op
+    out = torch.empty(5, device="cuda").to(dtype)
+    dist.reduce_scatter_tensor(out, values.clone(), op=dist.ReduceOp.AVG)
+    assert torch.equal(out.view(torch.uint8).cpu(), values.view(torch.uint8).cpu())
+
+
 def test_ddp_comm_hook_gets_cuda_future(group):
+    torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).cuda()
+    twin = torch.nn.Linear(8, 4).cuda()
+    twin.load_state_dict(model.state_dict())
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
     seen = []
 
@@ -95,8 +130,13 @@ def test_ddp_comm_hook_gets_cuda_future(group):
         return fut.then(lambda f: f.value()[0])
 
     ddp.register_comm_hook(None, hook)
-    ddp(torch.randn(16, 8, device="cuda")).sum().backward()
-    assert seen and all(p.grad is not None for p in model.parameters())
+    data = torch.randn(16, 8, device="cuda")
+    ddp(data).sum().backward()
+    twin(data).sum().backward()
+    assert seen
+    # one rank: the all-reduced gradients are the local ones, as the hook's future delivered them
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-6)
 
 
 def test_ddp_parity_with_torch_nccl():
@@ -104,9 +144,10 @@ def test_ddp_parity_with_torch_nccl():
            str(ROOT / "examples" / "train_ddp.py"), "--compare", "nccl"]
     if gpu_count() < 2:
         cmd.append("--share-gpu")
-    # make test-gpu runs from a checkout that need not be pip-installed
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    # train_ddp.py sets each rank's NCCL_HOSTID; IB and the gloo interface are the same for all.
+    # run_python kills torchrun and its ranks together on a timeout, showing their output.
+    env = {k: v for k, v in shared_gpu_env(0).items() if k != "NCCL_HOSTID"}
+    result = run_python(*cmd[1:], timeout=SUBPROCESS_LIMITS_S["ddp parity"], env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     diff = float(re.search(r"max \|param difference\| cupycoll vs nccl: ([0-9.eE+-]+)", result.stdout).group(1))
     assert diff <= 1e-5

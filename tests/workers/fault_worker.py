@@ -4,6 +4,10 @@ collective, dies, never joins, an abort from another thread, init/abort cycles, 
 Usage: fault_worker.py SCENARIO MODE OUT_DIR, MODE being "blocking" or "nonblocking".
 Each rank writes OUT_DIR/rank<N>.json with what it measured; the test reads and asserts.
 Every rank exits 0 after handling the fault (except the one that is killed on purpose).
+
+SCENARIO "suite" runs every scenario in one launch (one process start, not seven), in
+SUITE's order, writing OUT_DIR/<scenario>-rank<N>.json after each: a scenario that raises is
+recorded and the next one still runs; "killed" comes last, as it ends a rank.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -25,6 +30,11 @@ import cupycoll
 TIMEOUT_S = 5.0  # the groups' timeout: faults must surface within TIMEOUT_S + 5 s
 
 
+# The order of the "suite" scenario: the leak check first, on a clean process; "killed" last.
+SUITE = ("cycles", "skip", "skip_lazy", "never_joins", "abort_thread", "recover", "killed")
+SUITE_CYCLES = 8
+
+
 def main() -> None:
     scenario, mode, out_dir = sys.argv[1:4]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -33,14 +43,36 @@ def main() -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=datetime.timedelta(seconds=60))
     ctx = Context(rank, world, device, store, mode == "nonblocking")
-    result = SCENARIOS[scenario](ctx)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-        json.dump(result or {}, fh)
+    if scenario == "suite":
+        for index, name in enumerate(SUITE):
+            # each scenario's own store prefixes, even if a crash left the last one's count short
+            ctx.scope, ctx.cycle = name, 1000 * index
+            ctx.all_reach("start")  # no scenario begins while a peer is still in the last one
+            print(f"rank {rank}: scenario {name} ({mode})", flush=True)
+            try:
+                result = cycles(ctx, SUITE_CYCLES, warm=3) if name == "cycles" else SCENARIOS[name](ctx)
+            except Exception:  # noqa: BLE001 - recorded for the test, the suite goes on
+                traceback.print_exc()
+                result = {"crashed": traceback.format_exc()[-3000:]}
+                try:
+                    if dist.is_initialized():
+                        dist.group.WORLD.abort()
+                        dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - best effort, the next scenario starts fresh
+                    traceback.print_exc()
+            with open(os.path.join(out_dir, f"{name}-rank{rank}.json"), "w") as fh:
+                json.dump(result or {}, fh)
+        survivors = world - 1  # "killed" ended the last rank
+    else:
+        result = SCENARIOS[scenario](ctx)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(result or {}, fh)
+        survivors = world - 1 if scenario == "killed" else world
     # The store's host must outlive the others' last use of it.
     store.add("exited", 1)
     if rank == 0:
         deadline = time.monotonic() + 30
-        while store.add("exited", 0) < world and time.monotonic() < deadline:
+        while store.add("exited", 0) < survivors and time.monotonic() < deadline:
             time.sleep(0.05)
     os._exit(0)  # a faulted group's NCCL state is gone; skip interpreter teardown races
 
@@ -50,6 +82,10 @@ class Context:
         self.rank, self.world, self.device, self.store = rank, world, device, store
         self.nonblocking = nonblocking
         self.cycle = 0
+        self.scope = ""  # the running scenario: its store keys cannot meet another's
+
+    def key(self, name):
+        return f"{self.scope}/{name}"
 
     def init(self, eager=True, timeout=TIMEOUT_S):
         """A fresh default group on a fresh store prefix (what recovery does)."""
@@ -62,12 +98,14 @@ class Context:
         return dist.group.WORLD
 
     def wait_for(self, key, seconds=60):
+        key = self.key(key)
         deadline = time.monotonic() + seconds
         while not self.store.check([key]) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def all_reach(self, key, seconds=60):
         """A store-only barrier (the group under test may be dead)."""
+        key = self.key(key)
         self.store.add(key, 1)
         deadline = time.monotonic() + seconds
         while self.store.add(key, 0) < self.world and time.monotonic() < deadline:
@@ -103,8 +141,8 @@ def skip(ctx, eager=True):
         result["seconds"], result["error"] = expect_fault(collective)
         # every later call raises at once
         result["later_seconds"], result["later_error"] = expect_fault(lambda: dist.all_reduce(x))
-        if ctx.store.add("survivors", 1) == ctx.world - 1:
-            ctx.store.set("survivors-done", "1")
+        if ctx.store.add(ctx.key("survivors"), 1) == ctx.world - 1:
+            ctx.store.set(ctx.key("survivors-done"), "1")
     dist.destroy_process_group()
     return result
 
@@ -164,7 +202,7 @@ def abort_thread(ctx):
         result["release_after_abort_s"] = released_at - aborted_at[0]
         result["abort_call_s"] = aborted_at[1] - aborted_at[0]
         result["later_seconds"], result["later_error"] = expect_fault(lambda: dist.all_reduce(x))
-        ctx.store.set("aborted", "1")
+        ctx.store.set(ctx.key("aborted"), "1")
     else:
         ctx.wait_for("aborted")
     dist.destroy_process_group()
@@ -186,8 +224,8 @@ def never_joins(ctx):
     except Exception as exc:  # torch may wrap the backend's error
         result["error"] = f"{type(exc).__name__}: {exc}"
     result["seconds"] = time.monotonic() - start
-    if ctx.store.add("failed", 1) == ctx.world - 1:
-        ctx.store.set("init-failed", "1")
+    if ctx.store.add(ctx.key("failed"), 1) == ctx.world - 1:
+        ctx.store.set(ctx.key("init-failed"), "1")
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
@@ -199,8 +237,9 @@ def _resources():
             "fds": len(os.listdir("/proc/self/fd"))}
 
 
-def cycles(ctx, count=50):
-    """init, all_reduce, abort, destroy: ``count`` times; resources sampled along the way."""
+def cycles(ctx, count=50, warm=5):
+    """init, all_reduce, abort, destroy: ``count`` times; resources sampled after ``warm``
+    cycles (NCCL's one-time allocations done) and after the last."""
     samples = []
     for cycle in range(count):
         group = ctx.init()
@@ -211,10 +250,10 @@ def cycles(ctx, count=50):
         group.abort()
         dist.destroy_process_group()
         ctx.all_reach(f"cycle-done/{cycle}")
-        if cycle in (4, count - 1):
+        if cycle in (min(warm, count - 1) - 1, count - 1):
             time.sleep(0.5)  # let NCCL's proxy threads finish exiting
             samples.append(_resources())
-    return {"after_5": samples[0], "after_all": samples[1]}
+    return {"after_warm": samples[0], "after_all": samples[-1], "count": count}
 
 
 def recover(ctx):

@@ -6,7 +6,7 @@ checked twice, locally: bitwise against cupycoll.ring_schedule's numpy simulator
 computes exactly what it computes), and against a plain torch reduction (exact for integers
 and bool, loosely for floating point, where the ring's order differs from torch's).
 
-Usage: ring_worker.py --select context|options --out DIR [--quick]
+Usage: ring_worker.py --select context|options --out DIR [--quick] [--large N]
   context: the group is made with default options; calls run under cupycoll.algorithm("ring")
   options: the group is made with pg_options=cupycoll.Options(algorithm="ring")
 """
@@ -189,9 +189,8 @@ def sweep(s: Suite, device, ring_scope, sizes):
     s.run("reduce_scatter/in_place", in_place_out_of_place)
 
 
-def reproducibility(s: Suite, device, ring_scope):
+def reproducibility(s: Suite, device, ring_scope, n):
     def case(name):
-        n = (1 << 20) + 3
         for dtype in ("float32", "bfloat16", "float16"):
             x0 = inputs_of(RANK, n, dtype, "sum", 3).to(device)
             digests = set()
@@ -209,9 +208,8 @@ def reproducibility(s: Suite, device, ring_scope):
     s.run("reproducible", case)
 
 
-def bf16_error_vs_nccl(s: Suite, device):
+def bf16_error_vs_nccl(s: Suite, device, n):
     def case(name):
-        n = (1 << 20) + 3
         ins = [inputs_of(r, n, "bfloat16", "sum", 4) for r in range(WORLD)]
         exact = functools.reduce(torch.add, [i.double() for i in ins])
         errors = {}
@@ -235,6 +233,9 @@ def main() -> int:
     ap.add_argument("--select", choices=["context", "options"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="sizes 0, 1, 7, 1001 only")
+    ap.add_argument("--large", type=int, default=SIZES[-1],
+                    help="the large size (default 2**20 + 3); with a small ring_scratch_bytes "
+                         "a smaller one still spans many pipeline slices")
     args = ap.parse_args()
 
     local = RANK % torch.cuda.device_count()
@@ -249,10 +250,10 @@ def main() -> int:
     dist.init_process_group(**kwargs)
 
     s = Suite()
-    sweep(s, device, ring_scope, SIZES[:-1] if args.quick else SIZES)
-    reproducibility(s, device, ring_scope)
+    sweep(s, device, ring_scope, SIZES[:-1] if args.quick else SIZES[:-1] + (args.large,))
+    reproducibility(s, device, ring_scope, args.large)
     if args.select == "context" and WORLD > 1:
-        bf16_error_vs_nccl(s, device)
+        bf16_error_vs_nccl(s, device, args.large)
     torch.cuda.synchronize()
 
     os.makedirs(args.out, exist_ok=True)

@@ -1,0 +1,244 @@
+"""Every torch and CuPy version difference cupycoll copes with, in one place.
+
+cupycoll supports torch 2.4.1 to 2.15, CuPy 13 and 14, NCCL 2.20 onwards (the versions CI
+runs: see the README's compatibility table). Where those versions differ in something
+cupycoll uses, the difference is handled here, once, with a comment naming the version that
+changed it; the rest of the package calls these functions and never probes versions itself.
+Each entry has a test in ``tests/test_compat.py`` that asserts the installed version's
+behaviour.
+
+Left out: what every supported version has (``torch.uint32``, the fp8 dtypes, gloo's
+``alltoall_base``: nothing to decide), and NCCL's own version facts (which data types and
+``ncclConfig_t`` fields exist since which release), which are data in
+:mod:`cupycoll.nccl_bindings` next to the declarations they describe. This module imports
+no CuPy at import time: CuPy is handed in by the callers that already loaded it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from .work import FutureWork
+
+
+def _release(version: str) -> tuple:
+    """``"2.15.0+cu132"`` -> ``(2, 15)``."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+TORCH = _release(torch.__version__)
+
+# ------------------------------------------------------------------------------ torch
+
+# How "cupycoll" becomes known to init_process_group without ``import cupycoll``: torch 2.5
+# added the import-time autoload of "torch.backends" entry points (2.4 has none: there the
+# import is required); torch 2.15 also loads a "torch.distributed.backends" entry point
+# named like the backend when init_process_group meets an unknown name. pyproject.toml
+# declares both; cupycoll's code does not branch on these.
+TORCH_AUTOLOADS_BACKENDS = TORCH >= (2, 5)
+TORCH_LAZY_BACKEND_ENTRY_POINTS = TORCH >= (2, 15)
+
+
+def premul_factor(reduce_op) -> Optional[object]:
+    """The factor of a ``ReduceOp`` made by ``dist._make_nccl_premul_sum`` (a number or a
+    one-element tensor); None when ``reduce_op`` carries none."""
+    # torch 2.13 binds ReduceOp.factor; 2.4-2.12 do not (the review found 2.11 raising
+    # "PREMUL_SUM without a factor" for a valid op). The pickling state is the same on all
+    # of them: __getstate__() returns (op, factor), factor None unless PREMUL_SUM.
+    if type(reduce_op) is not ReduceOp:  # a bare RedOpType carries no factor
+        return None
+    state = reduce_op.__getstate__()
+    return state[1] if len(state) > 1 else None
+
+
+def async_requested(opts) -> bool:
+    """Did the caller pass ``async_op=True``?"""
+    # torch 2.7 added asyncOp to the options objects. Before, torch waits on every Work
+    # itself, so treating each call as asynchronous is what those versions expect.
+    return bool(getattr(opts, "asyncOp", True))
+
+
+# torch 2.12 gave ProcessGroupGloo the list form of alltoall (2.11 raises "Backend gloo does
+# not support alltoall"). alltoall_base (all_to_all_single) works on every supported
+# version, so before 2.12 cupycoll's CPU route builds the list form from it.
+GLOO_HAS_ALLTOALL = TORCH >= (2, 12)
+
+
+def gloo_alltoall(gloo: ProcessGroup, outputs: Sequence[torch.Tensor],
+                  inputs: Sequence[torch.Tensor], opts) -> dist.Work:
+    """``alltoall`` on a gloo group, also where gloo lacks it (see GLOO_HAS_ALLTOALL).
+
+    The fallback sends the inputs flattened into one buffer through ``alltoall_base`` with
+    per-peer element counts as split sizes, then copies each peer's slice into its output
+    when the transfer completes (so ``async_op=True`` stays asynchronous)."""
+    if GLOO_HAS_ALLTOALL:
+        return gloo.alltoall(list(outputs), list(inputs), opts)
+    send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
+    recv = torch.empty(sum(t.numel() for t in outputs), dtype=send.dtype)
+    work = gloo.alltoall_base(recv, send, [t.numel() for t in outputs],
+                              [t.numel() for t in inputs], opts)
+
+    def unpack(done) -> List[torch.Tensor]:
+        done.wait()  # gloo's error (a timeout, a dead peer) fails this Work too
+        for out, piece in zip(outputs, torch.split(recv, [t.numel() for t in outputs])):
+            out.copy_(piece.view(out.shape))
+        return list(outputs)
+
+    return FutureWork(work.get_future().then(unpack))
+
+
+# torch 2.4's gloo _reduce_scatter_base (reduce_scatter_tensor) sums whatever the op:
+# MAX, MIN, PRODUCT and AVG all come back as SUM. 2.11's honours the op; the releases in
+# between are not tested here, so they take the fallback too (correct on every version).
+GLOO_REDUCE_SCATTER_HONOURS_OP = TORCH >= (2, 11)
+
+
+def gloo_reduce_scatter_tensor(gloo: ProcessGroup, output: torch.Tensor, input: torch.Tensor,
+                               opts) -> dist.Work:
+    """``reduce_scatter_tensor`` on a gloo group with the op the caller gave.
+
+    Where gloo would sum anyway (GLOO_REDUCE_SCATTER_HONOURS_OP), an all-reduce of the whole
+    input with the op, of which this rank keeps its chunk: twice the traffic, right result.
+    Bad input gets gloo's own errors, as from _reduce_scatter_base."""
+    if GLOO_REDUCE_SCATTER_HONOURS_OP or opts.reduceOp == ReduceOp.SUM:
+        return gloo._reduce_scatter_base(output, input, opts)
+    if input.numel() != output.numel() * gloo.size() or input.dtype != output.dtype:
+        return gloo._reduce_scatter_base(output, input, opts)  # gloo's own error
+    full = input.detach().clone().reshape(-1)
+    # gloo's all-reduce has no AVG ("Cannot use ReduceOp.AVG with Gloo"): SUM, then divide.
+    average = opts.reduceOp == ReduceOp.AVG
+    all_opts = dist.AllreduceOptions()
+    all_opts.reduceOp = ReduceOp.SUM if average else opts.reduceOp
+    work = gloo.allreduce([full], all_opts)
+    start, size = gloo.rank() * output.numel(), gloo.size()
+
+    # The callback must not hold the group: it is released on a gloo worker thread, and if
+    # it held the last reference, the group's destructor would join that very thread (abort).
+    def keep_chunk(done) -> List[torch.Tensor]:
+        done.wait()  # gloo's error (a timeout, a dead peer, an op it lacks) fails this Work too
+        chunk = full[start:start + output.numel()].view(output.shape)
+        output.copy_(chunk / size if average else chunk)
+        return [output]
+
+    return FutureWork(work.get_future().then(keep_chunk))
+
+
+def plain_process_group(store, rank: int, size: int) -> ProcessGroup:
+    """A bare ``ProcessGroup`` to register backends on."""
+    # torch 2.6 dropped ProcessGroup.Options from the constructor; 2.4-2.5 require it.
+    if TORCH >= (2, 6):
+        return ProcessGroup(store, rank, size)
+    return ProcessGroup(store, rank, size, ProcessGroup.Options(backend="gloo"))
+
+
+def set_default_backend(group: ProcessGroup, backend_type) -> None:
+    """Make ``backend_type`` (one registered on ``group``) its default backend.
+
+    A Python group that torch adopts whole has none otherwise, and torch 2.15's
+    init_process_group attaches a flight-recorder hook that looks the default up ("Could not
+    find the default backend type 0 ..."): every init failed without this."""
+    # torch 2.4 has no _set_default_backend (2.11 has): it derives the default from the
+    # Options given to the constructor (plain_process_group), and has no such hook.
+    if hasattr(group, "_set_default_backend"):
+        group._set_default_backend(backend_type)
+
+
+_KEPT_UNTIL_EXIT: List[ProcessGroup] = []
+
+
+def keep_gloo_until_exit(gloo: ProcessGroup) -> None:
+    """Where torch cannot shut a gloo group down (see shutdown), hold it until the
+    interpreter exits instead of letting it be freed with its process group."""
+    # torch 2.4: freeing a gloo group joins its worker threads while holding the GIL. If a
+    # worker is at that moment freeing a tensor whose Python object it owns, it needs the
+    # GIL, and the process hangs (pytorch#56297; seen at the end of DDP runs and of the GPU
+    # probe's CPU mode on 2.4). Held here, a group is freed only at exit, with idle workers;
+    # the cost is its threads and sockets for the life of the process.
+    if not hasattr(ProcessGroup, "shutdown"):
+        _KEPT_UNTIL_EXIT.append(gloo)
+
+
+def shutdown(group: ProcessGroup) -> None:
+    """Shut a gloo-backed group down where torch can (its threads end now, not at exit)."""
+    # torch 2.4 has no ProcessGroup.shutdown (2.11 has): there the group is torn down when
+    # it is freed. Where it exists but a backend does not implement it, torch raises
+    # RuntimeError; that too leaves the teardown to the destructor.
+    if not hasattr(group, "shutdown"):
+        return
+    try:
+        group.shutdown()
+    except RuntimeError:
+        pass
+
+
+# ------------------------------------------------------------------------------ CuPy
+
+
+def cupy_major(cupy) -> int:
+    return int(cupy.__version__.split(".")[0])
+
+
+def unique_id_to_bytes(raw) -> bytes:
+    """``cupy.cuda.nccl.get_unique_id()`` as 128 bytes."""
+    # CuPy 14 returns bytes; CuPy 13 a tuple of 128 signed chars.
+    if isinstance(raw, (bytes, bytearray)):
+        return bytes(raw)
+    return bytes(value & 0xFF for value in raw)
+
+
+def unique_id_for_cupy(cupy, unique_id: bytes):
+    """128 bytes as ``NcclCommunicator(size, uid, rank)`` takes them."""
+    # CuPy 14 takes the bytes; CuPy 13 a tuple of signed chars. Decided by version, not by
+    # calling get_unique_id(): each call starts an NCCL bootstrap listener.
+    if cupy_major(cupy) >= 14:
+        return unique_id
+    return tuple(b - 256 if b > 127 else b for b in unique_id)
+
+
+def cupy_has_comm_split(nccl) -> bool:
+    """Can CuPy's NcclCommunicator split (``ncclCommSplit``)?"""
+    # CuPy 14 added NcclCommunicator.commSplit; CuPy 13 (13.6 included) has none, and then
+    # every subgroup gets a communicator of its own.
+    return hasattr(nccl.NcclCommunicator, "commSplit")
+
+
+def load_pip_nvrtc(cupy) -> Optional[str]:
+    """Make the NVRTC of the ``nvidia-cuda-nvrtc`` pip package (the cuda12/cuda13 extras
+    install it) the one CuPy compiles with; the path loaded, or None."""
+    # CuPy 14 finds pip-installed CUDA libraries itself (through cuda-pathfinder). CuPy 13
+    # asks the dynamic loader for libnvrtc.so.<major>, whose search path does not include
+    # site-packages, so the ring kernels could not compile. A library loaded first by path
+    # is matched by its soname when CuPy asks.
+    if cupy_major(cupy) >= 14:
+        return None
+    import ctypes
+    import glob
+    import os
+    import sys
+
+    for entry in sys.path:
+        found = sorted(glob.glob(os.path.join(entry, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.*")))
+        for path in found:
+            if re.fullmatch(r"libnvrtc\.so\.\d+", os.path.basename(path)):
+                try:
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                except OSError:
+                    continue
+                return path
+    return None
+
+
+def external_stream(cupy, handle, ptr: int, device: int):
+    """A CuPy stream object for the CUDA stream ``ptr`` on ``device``, not owned by CuPy.
+    ``handle`` is an object with ``__cuda_stream__`` for ``ptr``."""
+    # CuPy 14 added Stream.from_external (any __cuda_stream__ object) and deprecates
+    # ExternalStream; CuPy 13 has only ExternalStream.
+    if cupy_major(cupy) >= 14:
+        return cupy.cuda.Stream.from_external(handle)
+    return cupy.cuda.ExternalStream(ptr, device)

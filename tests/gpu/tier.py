@@ -1,0 +1,170 @@
+"""The GPU tier as parts: which files, in which order, and each one's time budget.
+
+One pytest command per part, quick semantic checks first, each stopping at its first
+failure (``-x``) so that the failure prints at once and the next part still runs. The
+budget is the wall-clock limit of the part's command: every subprocess limit inside a
+part's tests is below it, so a hang fails inside the part, with the ranks' output.
+
+Budgets are for one H100/H200 with up to 3 ranks sharing it through distinct
+NCCL_HOSTIDs (NCCL's socket transport: millisecond latency, a few GB/s), with torch, CuPy
+and NCCL as the device machine has them. How they were estimated (process start with torch
+and CuPy imported 5-10 s, cold page cache on the first one; NCCL init over sockets 1-3 s;
+5 s group timeouts in the fault scenarios) is in docs/gpu-verification.md; replace the
+estimates with measured times after the first run.
+
+Importable without pytest, torch or a GPU (tools/verify_gpu.py imports it), and runnable:
+
+    python tests/gpu/tier.py --check           what is installed and what is missing
+    python tests/gpu/tier.py --run [PART ...]  the parts in order, each under its budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+# (part name, test file, budget in seconds), in the order the parts run.
+GPU_TIER: List[Tuple[str, str, int]] = [
+    ("semantics", "tests/gpu/test_gpu_semantics.py", 60),
+    ("api", "tests/gpu/test_gpu_api.py", 120),
+    ("ring", "tests/gpu/test_gpu_ring.py", 90),
+    ("faults", "tests/gpu/test_gpu_faults.py", 120),
+    ("bench", "tests/gpu/test_gpu_bench.py", 180),
+]
+GPU_TIER_BUDGETS_S = {name: budget for name, _path, budget in GPU_TIER}
+# What each part should take (s), from the same reasoning; the budgets leave ~1.3-1.5x. The
+# semantics estimate includes its DDP parity run (~30 s of it).
+GPU_TIER_ESTIMATES_S = {"semantics": 40, "api": 75, "ring": 55, "faults": 80, "bench": 140}
+
+# A part's command is killed after its budget; the device tool's limit per command is 600 s.
+COMMAND_LIMIT_S = 540
+
+# What the tier imports: without the first group nothing runs; without the second, the
+# tests that need it say so (the benchmark's plots and progress bar).
+REQUIRED = {
+    "pytest": "the test runner: pip install pytest (or carry a wheel: docs/gpu-verification.md)",
+    "torch": "torch with CUDA",
+    "numpy": "numpy",
+    "cupy": "CuPy for your CUDA: pip install cupy-cuda12x / cupy-cuda13x",
+}
+OPTIONAL = {
+    "matplotlib": "bench --plot and `bench plot` (tests/gpu/test_gpu_bench.py skips those checks)",
+    "tqdm": "the benchmark's progress bar (optional; the benchmark runs without it)",
+}
+
+
+def pytest_command(path: str, python: Optional[str] = None, extra: Sequence[str] = ()) -> List[str]:
+    """The command of one part: stop at the first failure and report it right away."""
+    return [python or sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-rfEs", *extra, path]
+
+
+def _probe(module: str) -> Optional[str]:
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure counts as missing
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def check() -> List[str]:
+    """Print what the GPU tier has and lacks; the list of missing required pieces."""
+    missing = []
+    for module, what in REQUIRED.items():
+        problem = _probe(module)
+        print(f"{'ok     ' if problem is None else 'MISSING'} {module:<11} {what if problem else ''}"
+              f"{'' if problem is None else ' (' + problem + ')'}")
+        if problem is not None:
+            missing.append(module)
+    if "cupy" not in missing:
+        problem = _probe("cupy.cuda.nccl")
+        print(f"{'ok     ' if problem is None else 'MISSING'} {'NCCL':<11} "
+              f"{'' if problem is None else 'cupy.cuda.nccl: ' + problem + ' (pip install nvidia-nccl-cu12/cu13)'}")
+        if problem is not None:
+            missing.append("nccl")
+    for module, what in OPTIONAL.items():
+        problem = _probe(module)
+        print(f"{'ok     ' if problem is None else 'absent '} {module:<11} {'' if problem is None else what}")
+    if "torch" not in missing:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        print(f"{'ok     ' if count else 'MISSING'} {'GPU':<11} {count} visible to torch {torch.__version__}")
+        if not count:
+            missing.append("gpu")
+    mode = _compute_mode()
+    if mode is not None:
+        # ranks sharing one GPU need the Default compute mode
+        print(f"{'ok     ' if mode.startswith('Default') else 'WARNING'} {'mode':<11} compute mode, MIG: {mode}")
+    return missing
+
+
+def _compute_mode() -> Optional[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode,mig.mode.current", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def run_part(name: str, path: str, budget: int, python: Optional[str] = None) -> int:
+    """One part under its budget; its exit status (124 when the budget ran out)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("NCCL_DEBUG", "WARN")
+    cmd = pytest_command(path, python)
+    print(f"\n=== GPU tier part {name!r}: {' '.join(cmd[1:])} (budget {budget} s)", flush=True)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        status = proc.wait(timeout=min(budget, COMMAND_LIMIT_S))
+    except subprocess.TimeoutExpired:
+        # SIGTERM ends pytest, and with it (tests/mp.py binds them to it) the ranks it
+        # started in sessions of their own; SIGKILL if that does not do it.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        print(f"=== part {name!r} ran past its budget of {budget} s and was killed", flush=True)
+        status = 124
+    print(f"=== part {name!r}: exit {status} after {time.monotonic() - start:.0f} s", flush=True)
+    return status
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="report the prerequisites and exit")
+    ap.add_argument("--run", nargs="*", metavar="PART", help="run these parts (default: all, in order)")
+    args = ap.parse_args(argv)
+    if args.run is None and not args.check:
+        ap.error("give --check or --run")
+    missing = check()
+    if missing:
+        print(f"the GPU tier cannot run here: missing {', '.join(missing)}", file=sys.stderr)
+        return 1
+    if args.run is None:
+        return 0
+    names = [name for name, _path, _budget in GPU_TIER]
+    unknown = [p for p in args.run if p not in names]
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}; the parts are {names}")
+    chosen = [part for part in GPU_TIER if not args.run or part[0] in args.run]
+    statuses = {name: run_part(name, path, budget) for name, path, budget in chosen}
+    print("\n=== GPU tier: " + ", ".join(f"{n} {'passed' if s == 0 else 'FAILED (exit %d)' % s}"
+                                         for n, s in statuses.items()), flush=True)
+    return 0 if all(s == 0 for s in statuses.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""cupycoll.compat against the installed torch and CuPy: each version difference it handles
+is asserted as this version behaves, so every CI leg (torch 2.4 to 2.15, CuPy 13 and 14)
+checks its own side of each difference."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import threading
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cupycoll
+from cupycoll import _types, compat
+from cupycoll.errors import CupycollValueError
+from installed import cupycoll_entry_points
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_torch_release_parsing():
+    assert compat._release("2.15.0+cu132") == (2, 15)
+    assert compat._release("2.4.1") == (2, 4)
+    assert compat._release("2.16.0a0+git1234") == (2, 16)
+    assert compat.TORCH == compat._release(torch.__version__) >= (2, 4)
+
+
+# ------------------------------------------------------------------ PREMUL_SUM factor
+
+
+def test_entry_point_autoload_is_version_dependent():
+    import torch as t
+
+    assert hasattr(t, "_import_device_backends") == compat.TORCH_AUTOLOADS_BACKENDS
+
+
+def test_premul_factor_number_and_tensor():
+    assert compat.premul_factor(dist._make_nccl_premul_sum(0.5)) == 0.5
+    factor = torch.tensor([3.0])
+    assert compat.premul_factor(dist._make_nccl_premul_sum(factor)) is factor
+    # what torch hands the group: the options object's reduceOp
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist._make_nccl_premul_sum(2.0)
+    assert compat.premul_factor(opts.reduceOp) == 2.0
+
+
+def test_premul_factor_absent():
+    assert compat.premul_factor(dist.ReduceOp(dist.ReduceOp.SUM)) is None
+    assert compat.premul_factor(dist.ReduceOp.PREMUL_SUM) is None  # a bare RedOpType
+    with pytest.raises(CupycollValueError, match="_make_nccl_premul_sum"):
+        _types.reduction(torch.float32, dist.ReduceOp.PREMUL_SUM, False)
+
+
+def test_premul_factor_reaches_the_nccl_mapping():
+    # The torch 2.11 failure: a valid op was rejected as "without a factor".
+    red = _types.reduction(torch.float32, dist._make_nccl_premul_sum(0.5), False)
+    assert red.premul_factor == 0.5
+
+
+def test_reduce_op_factor_attribute_is_version_dependent():
+    op = dist._make_nccl_premul_sum(0.5)
+    if compat.TORCH >= (2, 13):
+        assert op.factor == 0.5
+    else:
+        assert not hasattr(op, "factor")
+
+
+# ------------------------------------------------------------------------- asyncOp
+
+
+def test_async_requested():
+    opts = dist.AllreduceOptions()
+    if compat.TORCH >= (2, 7):
+        opts.asyncOp = False
+        assert compat.async_requested(opts) is False
+        opts.asyncOp = True
+        assert compat.async_requested(opts) is True
+    else:
+        assert not hasattr(opts, "asyncOp")
+        assert compat.async_requested(opts) is True
+
+
+# ------------------------------------------------------------------- gloo alltoall
+
+
+def _gloo_pair(fn):
+    """Run ``fn(group, rank)`` on the two ranks of a gloo group built in two threads."""
+    store = dist.HashStore()
+    results, failures = [None, None], []
+
+    def rank_main(rank):
+        try:
+            group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+            try:
+                results[rank] = fn(group, rank)
+            finally:
+                # gloo torn down at interpreter exit can abort the process (torch 2.4)
+                compat.shutdown(group)
+                del group
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if failures:
+        raise failures[0]
+    return results
+
+
+def _exchange(uneven):
+    def exchange(group, rank):
+        # rank r sends r*10 + p to peer p, shaped (p + 1, 2) when uneven, else (2, 2)
+        inputs = [torch.full((p + 1 if uneven else 2, 2), float(rank * 10 + p)) for p in range(2)]
+        outputs = [torch.zeros(rank + 1 if uneven else 2, 2) for _ in range(2)]
+        work = compat.gloo_alltoall(group, outputs, inputs, dist.AllToAllOptions())
+        assert work.wait()
+        return outputs
+    return exchange
+
+
+def _check_exchange(results, uneven):
+    for rank, outputs in enumerate(results):
+        for peer, out in enumerate(outputs):
+            assert torch.equal(out, torch.full((rank + 1 if uneven else 2, 2), float(peer * 10 + rank)))
+
+
+def test_gloo_alltoall():
+    _check_exchange(_gloo_pair(_exchange(uneven=False)), uneven=False)
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+def test_gloo_alltoall_fallback(monkeypatch, uneven):
+    # the alltoall_base route, exercised on every torch (it is the only route before 2.12);
+    # unlike gloo's own alltoall (2.12+) it also takes tensors of different sizes, as NCCL does
+    monkeypatch.setattr(compat, "GLOO_HAS_ALLTOALL", False)
+    _check_exchange(_gloo_pair(_exchange(uneven)), uneven)
+
+
+def test_gloo_lacks_alltoall_before_2_12():
+    def plain(group, rank):
+        try:
+            group.alltoall([torch.zeros(1), torch.zeros(1)], [torch.ones(1), torch.ones(1)],
+                           dist.AllToAllOptions()).wait()
+        except RuntimeError as exc:
+            return str(exc)
+        return None
+
+    errors = _gloo_pair(plain)
+    if compat.GLOO_HAS_ALLTOALL:
+        assert errors == [None, None]
+    else:
+        assert all("does not support alltoall" in e for e in errors)
+
+
+# ------------------------------------------------------ gloo reduce_scatter_tensor
+
+OPS = {"SUM": torch.add, "MAX": torch.maximum, "MIN": torch.minimum, "PRODUCT": torch.mul}
+
+
+def _rank_input(rank):
+    return torch.tensor([[1.0, 5.0, 2.0], [3.0, 2.0, 4.0]])[rank].repeat_interleave(2)  # 6 values
+
+
+def _reduce_scatter(op, raw=False):
+    def run(group, rank):
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, op)
+        out = torch.zeros(3)
+        if raw:
+            group._reduce_scatter_base(out, _rank_input(rank), opts).wait()
+        else:
+            compat.gloo_reduce_scatter_tensor(group, out, _rank_input(rank), opts).wait()
+        return out
+    return run
+
+
+def _expected(op, rank):
+    return OPS[op](_rank_input(0), _rank_input(1))[rank * 3:(rank + 1) * 3]
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("op", list(OPS))
+def test_gloo_reduce_scatter_tensor_honours_the_op(monkeypatch, op, fallback):
+    if fallback:  # the all-reduce route, exercised on every torch
+        monkeypatch.setattr(compat, "GLOO_REDUCE_SCATTER_HONOURS_OP", False)
+    results = _gloo_pair(_reduce_scatter(op))
+    for rank in range(2):
+        assert torch.equal(results[rank], _expected(op, rank)), (op, rank, results[rank])
+
+
+def test_gloo_reduce_scatter_tensor_fallback_averages(monkeypatch):
+    # gloo's all-reduce has no AVG: the fallback sums and divides
+    monkeypatch.setattr(compat, "GLOO_REDUCE_SCATTER_HONOURS_OP", False)
+    results = _gloo_pair(_reduce_scatter("AVG"))
+    for rank in range(2):
+        assert torch.equal(results[rank], _expected("SUM", rank) / 2), (rank, results[rank])
+
+
+class _FailingGloo:
+    """A gloo group whose every call fails as a timed-out one does: its Work's future
+    completes with the error."""
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+    def _failed(self, *_args):
+        future = torch.futures.Future()
+        future.set_exception(RuntimeError("gloo: timed out waiting for peer 1"))
+        return types.SimpleNamespace(get_future=lambda: future)  # what the fallbacks use of a Work
+
+    alltoall_base = allreduce = _failed
+
+
+def test_gloo_fallbacks_fail_when_gloo_fails(monkeypatch):
+    monkeypatch.setattr(compat, "GLOO_HAS_ALLTOALL", False)
+    monkeypatch.setattr(compat, "GLOO_REDUCE_SCATTER_HONOURS_OP", False)
+    outputs = [torch.zeros(1), torch.zeros(1)]
+    work = compat.gloo_alltoall(_FailingGloo(), outputs, [torch.ones(1), torch.ones(1)],
+                                dist.AllToAllOptions())
+    with pytest.raises(RuntimeError, match="timed out waiting for peer 1"):
+        work.wait()
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    work = compat.gloo_reduce_scatter_tensor(_FailingGloo(), torch.zeros(1), torch.ones(2), opts)
+    with pytest.raises(RuntimeError, match="timed out waiting for peer 1"):
+        work.wait()
+
+
+def test_gloo_reduce_scatter_base_by_version():
+    got = _gloo_pair(_reduce_scatter("MAX", raw=True))
+    if compat.GLOO_REDUCE_SCATTER_HONOURS_OP:
+        assert all(torch.equal(got[r], _expected("MAX", r)) for r in range(2))
+    elif compat.TORCH < (2, 5):  # seen on 2.4: a sum, whatever the op
+        assert all(torch.equal(got[r], _expected("SUM", r)) for r in range(2))
+
+
+# ------------------------------------------------------- group construction and init
+
+
+def test_plain_process_group():
+    group = compat.plain_process_group(dist.HashStore(), 1, 3)
+    assert isinstance(group, dist.ProcessGroup)
+    assert (group.rank(), group.size()) == (1, 3)
+
+
+def test_gloo_kept_until_exit_only_without_shutdown():
+    before = len(compat._KEPT_UNTIL_EXIT)
+    group = cupycoll.ProcessGroupCupycoll(dist.HashStore(), 0, 1)
+    kept = compat._KEPT_UNTIL_EXIT[before:]
+    if hasattr(dist.ProcessGroup, "shutdown"):
+        assert kept == []
+    else:  # torch 2.4: freeing it could hang (pytorch#56297)
+        assert len(kept) == 1 and isinstance(kept[0], dist.ProcessGroupGloo)
+    group.shutdown()
+
+
+def test_shutdown_is_safe_on_every_version():
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    compat.shutdown(group)
+    compat.shutdown(group)  # twice: still no error
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_sets_a_default_backend(world_of_one):
+    # torch 2.15 attaches a flight-recorder hook to every new group, which needs the
+    # group's default backend: init failed with "Could not find the default backend type 0".
+    pg = world_of_one
+    assert isinstance(pg, cupycoll.ProcessGroupCupycoll)
+    hooks = getattr(dist.distributed_c10d._world, "pg_flight_recorder_hooks", None)
+    if compat.TORCH >= (2, 15):
+        assert pg in hooks
+    else:
+        assert hooks is None or pg not in hooks
+    assert pg._get_backend(torch.device("cpu")) is not None
+    t = torch.ones(3)
+    dist.all_reduce(t)  # and the group works
+    assert torch.equal(t, torch.ones(3))
+
+
+def test_split_source_offered_only_to_cupycoll_groups(world_of_one):
+    """Which backend a bound default group lends its communicator to, for splitting."""
+    import inspect
+
+    source = dist.distributed_c10d._get_split_source
+    pg, cuda0 = world_of_one, torch.device("cuda", 0)
+    pg.bound_device_id = cuda0  # as init_process_group(device_id=...) does; no GPU needed here
+    try:
+        if len(inspect.signature(source).parameters) == 2:
+            # torch 2.15 (not 2.13) compares the backend names itself: a new "nccl" group
+            # (nccl2 by default in 2.15) never gets cupycoll's handle to split from.
+            assert compat.TORCH >= (2, 14)
+            assert source(pg, "nccl") is None
+            assert source(pg, "cupycoll") is pg._get_backend(cuda0)
+        else:
+            # Older torch asks the handle alone; it answers "yes" only while torch builds a
+            # cupycoll group (its frame check), and here, outside any build, it does.
+            assert compat.TORCH <= (2, 14)
+            assert source(pg) is pg._get_backend(cuda0)
+    finally:
+        pg.bound_device_id = None
+
+
+def test_pg_options_do_not_shadow_torch(world_of_one):
+    # torch 2.4 has a read-only ProcessGroup.options; setting it failed every init there.
+    pg = world_of_one
+    assert isinstance(pg.pg_options, cupycoll.Options)
+    if "options" in dir(dist.ProcessGroup):
+        assert not isinstance(pg.options, cupycoll.Options)
+
+
+def test_lazy_backend_entry_point():
+    """torch 2.15 loads the ``torch.distributed.backends`` entry point named like the
+    backend string when init_process_group meets an unknown name; cupycoll declares one,
+    so it works with the import-time ``torch.backends`` autoload switched off."""
+    assert hasattr(dist.Backend, "_ensure_backend_registered") == compat.TORCH_LAZY_BACKEND_ENTRY_POINTS
+    if not compat.TORCH_LAZY_BACKEND_ENTRY_POINTS:
+        pytest.skip(f"torch {torch.__version__} has no lazy backend entry points (2.15 added them)")
+    if not cupycoll_entry_points("torch.distributed.backends"):
+        pytest.skip("cupycoll is not pip-installed here, so its entry points are absent")
+    code = ("import torch.distributed as dist, sys\n"
+            "assert 'cupycoll' not in sys.modules\n"
+            "dist.init_process_group('cupycoll', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "print(type(dist.group.WORLD).__name__)\n"
+            "dist.destroy_process_group()\n")
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ProcessGroupCupycoll"
+
+
+# ----------------------------------------------------------------------------- CuPy
+
+
+def test_unique_id_to_bytes():
+    raw = bytes(range(128))
+    assert compat.unique_id_to_bytes(raw) == raw
+    signed = tuple(b - 256 if b > 127 else b for b in raw)  # CuPy 13's form
+    assert compat.unique_id_to_bytes(signed) == raw
+
+
+def test_unique_id_for_cupy():
+    raw = bytes((i * 3) % 256 for i in range(128))
+    assert compat.unique_id_for_cupy(types.SimpleNamespace(__version__="14.2.0"), raw) == raw
+    as13 = compat.unique_id_for_cupy(types.SimpleNamespace(__version__="13.6.0"), raw)
+    assert isinstance(as13, tuple) and all(-128 <= v < 128 for v in as13)
+    assert compat.unique_id_to_bytes(as13) == raw
+
+
+def test_installed_cupy_matches_its_version():
+    cupy = pytest.importorskip("cupy")
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+    major = compat.cupy_major(cupy)
+    assert major >= 13
+    # CuPy 14 added commSplit and Stream.from_external; 13 has neither.
+    assert compat.cupy_has_comm_split(nccl) == (major >= 14)
+    assert hasattr(cupy.cuda.Stream, "from_external") == (major >= 14)
+
+
+def test_external_stream_by_version():
+    made = []
+    stream_cls = types.SimpleNamespace(from_external=lambda handle: made.append(("from", handle)) or "S14")
+    cuda = types.SimpleNamespace(Stream=stream_cls,
+                                 ExternalStream=lambda ptr, dev: made.append(("ext", ptr, dev)) or "S13")
+    handle = object()
+    new = types.SimpleNamespace(__version__="14.2.0", cuda=cuda)
+    old = types.SimpleNamespace(__version__="13.6.0", cuda=cuda)
+    assert compat.external_stream(new, handle, 1234, 0) == "S14"
+    assert compat.external_stream(old, handle, 1234, 1) == "S13"
+    assert made == [("from", handle), ("ext", 1234, 1)]
+
+
+def test_pip_nvrtc_is_loaded_for_cupy_13():
+    cupy = pytest.importorskip("cupy")
+    from cupycoll import _cuda
+
+    loaded = compat.load_pip_nvrtc(cupy)
+    if compat.cupy_major(cupy) >= 14:
+        assert loaded is None  # CuPy 14 finds it itself
+    else:
+        assert loaded is not None and "nvidia/cuda_nvrtc/lib/libnvrtc.so." in loaded
+    # either way the ring kernels can compile: the extras install nvidia-cuda-nvrtc
+    assert _cuda.nvrtc_module().getVersion() >= (12, 0)

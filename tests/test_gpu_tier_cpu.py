@@ -1,0 +1,355 @@
+"""What the GPU tier relies on that a CPU can check: the multi-process harness (no pipe
+deadlock, hangs and failures end with every rank's output), the API suite's expectations
+(exactness of each reduction check against every order NCCL may reduce in, the cases torch's
+nccl cannot run as a reference, the cross-backend comparison), the one-rank fp8 AVG choice,
+a communicator creation that times out, and the tier's split into parts with budgets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import itertools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mp
+from cupycoll import _types
+from cupycoll import nccl_bindings as nb
+from cupycoll import process_group as pg_module
+from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
+from gpu.tier import COMMAND_LIMIT_S, GPU_TIER, GPU_TIER_BUDGETS_S, GPU_TIER_ESTIMATES_S, pytest_command
+from standins import CUDA, CpuAsCudaGroup
+from workers import api_plan, api_worker
+
+R = dist.ReduceOp
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- the harness (tests/mp.py) ---------------------------------------------------------
+
+
+def test_a_rank_writing_more_than_a_pipe_holds_does_not_deadlock_the_harness():
+    # rank 1 writes 256 KiB to each stream before rank 0 may go on: with pipes read one
+    # rank at a time this hung until the timeout
+    start = time.monotonic()
+    results = mp.run_ranks("harness_worker.py", 2, ["chatty"], timeout=60)
+    assert time.monotonic() - start < 45
+    assert [r.returncode for r in results] == [0, 0]
+    assert len(results[1].stdout) >= 256 * 1024 and len(results[1].stderr) >= 256 * 1024
+
+
+def test_a_hung_rank_fails_the_run_with_its_output_and_is_killed():
+    job = mp.start_ranks("harness_worker.py", 2, ["hang"], timeout=8)
+    with pytest.raises(mp.WorkersFailed, match="did not finish within 8 s") as info:
+        job.wait()
+    assert "rank 0 is about to hang" in str(info.value)
+    assert "full logs:" in str(info.value) and os.path.isdir(job.log_dir)
+    assert all(p.poll() is not None for p in job.procs)
+
+
+def test_a_failed_rank_ends_the_run_after_a_grace_period(monkeypatch):
+    monkeypatch.setattr(mp, "FAIL_GRACE_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(mp.WorkersFailed, match="a rank failed") as info:
+        mp.run_ranks("harness_worker.py", 2, ["fail"], timeout=60)
+    assert time.monotonic() - start < 30  # not the 60 s timeout
+    assert "rank 1 fails on purpose" in str(info.value) and "exit 3" in str(info.value)
+
+
+def test_jobs_run_side_by_side_and_a_failure_kills_the_rest():
+    hung = mp.start_ranks("harness_worker.py", 1, ["hang"], timeout=60)
+    failing = mp.start_ranks("harness_worker.py", 2, ["fail"], timeout=4)
+    with pytest.raises(mp.WorkersFailed):
+        mp.wait_all([failing, hung])
+    assert all(p.poll() is not None for p in hung.procs + failing.procs)
+
+
+def test_ranks_end_when_the_test_process_is_killed():
+    # a tier part over its budget is killed with its process group; the ranks lead sessions
+    # of their own, so only their tie to the test process (tests/mp.py) can end them
+    code = ("import sys, time, mp; job = mp.start_ranks('harness_worker.py', 2, ['fail'], timeout=60); "
+            "print(*[p.pid for p in job.procs], flush=True); time.sleep(60)")
+    test_process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT / "tests", stdout=subprocess.PIPE,
+                                    text=True, env=dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}:{ROOT}"))
+    pids = [int(p) for p in test_process.stdout.readline().split()]
+    assert len(pids) == 2
+    test_process.kill()
+    test_process.wait()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in pids if mp.process_alive(pid)]
+    assert not alive, f"ranks {alive} outlived the killed test process"
+
+
+def test_ranks_sharing_a_gpu_use_loopback_sockets_not_infiniband():
+    envs = [mp.shared_gpu_env(rank) for rank in range(3)]
+    assert len({e["NCCL_HOSTID"] for e in envs}) == 3
+    for env in envs:
+        assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_SOCKET_IFNAME"] == "lo"
+        assert env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+# -- the API suite's expectations (tests/workers/api_plan.py, api_worker.Suite) ----------
+
+
+def _fold_orders(values, combine):
+    """Every result of reducing ``values`` pairwise in any order and grouping (ring, tree,
+    any rotation), each partial result rounded by ``combine``."""
+    if len(values) == 1:
+        return [values[0]]
+    results = []
+    for i, j in itertools.combinations(range(len(values)), 2):
+        rest = [v for k, v in enumerate(values) if k not in (i, j)]
+        results += _fold_orders(rest + [combine(values[i], values[j])], combine)
+    return results
+
+
+def _nccl_like_results(dtype, op, world, n=1001):
+    """What NCCL may return for the suite's inputs: the reduction in ``dtype``, rounded at
+    every step; AVG pre-multiplies by 1/n (the factor itself in ``dtype`` or exact)."""
+    inputs = [api_worker.value(r, n, dtype) for r in range(world)]
+    wide = torch.complex128 if dtype.is_complex else torch.float64 if dtype.is_floating_point else torch.int64
+
+    def rounded(x):
+        return x.to(dtype)
+
+    def combine(a, b):
+        a, b = a.to(wide), b.to(wide)
+        if op in (R.SUM, R.AVG):
+            return rounded(a + b)
+        if op == R.PRODUCT:
+            return rounded(a * b)
+        return rounded(torch.minimum(a, b) if op == R.MIN else torch.maximum(a, b))
+
+    if op == R.AVG and world == 1 and api_plan.is_fp8(dtype):
+        op_inputs = [inputs]  # cupycoll issues SUM on one rank (for_group_size)
+    elif op == R.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        # NCCL divides integers once, at the end
+        return [rounded(torch.div(sum(i.to(wide) for i in inputs), world, rounding_mode="trunc"))]
+    elif op == R.AVG:
+        factors = [torch.tensor(1.0 / world, dtype=torch.float64), torch.tensor(1.0 / world).to(dtype)]
+        op_inputs = [[rounded(i.to(wide) * f.to(wide)) for i in inputs] for f in factors]
+    else:
+        op_inputs = [inputs]
+    return [result for ins in op_inputs for result in _fold_orders(ins, combine)]
+
+
+FULL_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+               torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2,
+               torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", FULL_DTYPES, ids=str)
+def test_every_reduction_check_holds_for_every_order_nccl_may_reduce_in(dtype, world):
+    # The worker's own Suite.check, with the exactness api_plan chose, against each result a
+    # correct NCCL may produce: a check that a correct backend can fail is a broken test
+    # (e5m2 cannot hold 9, so fp8 sums at 3 ranks must be checked with a tolerance).
+    ops = [R.SUM, R.AVG] if dtype.is_complex else [R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG]
+    suite = api_worker.Suite(torch.device("cpu"), out=None)
+    for op in ops:
+        expected = api_worker.reduce_ref([api_worker.value(r, 1001, dtype) for r in range(world)], op)
+        for index, got in enumerate(_nccl_like_results(dtype, op, world)):
+            suite.check(f"{op}/{index}", got, expected, **api_plan.reduce_check(dtype, op, world))
+    assert suite.failures == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_checks_still_catch_a_wrong_result(dtype):
+    suite = api_worker.Suite(torch.device("cpu"), out=None)
+    expected = api_worker.reduce_ref([api_worker.value(r, 1001, dtype) for r in range(3)], R.SUM)
+    one_rank_missing = sum(api_worker.value(r, 1001, dtype).float() for r in range(2)).to(dtype)
+    suite.check("sum", one_rank_missing, expected, **api_plan.reduce_check(dtype, R.SUM, 3))
+    assert suite.failures
+
+
+def test_exact_checks_stay_exact_where_the_dtype_holds_the_result():
+    assert api_plan.reduce_check(torch.int32, R.SUM, 4) == {"exact": True}
+    assert api_plan.reduce_check(torch.float16, R.PRODUCT, 4) == {"exact": True}
+    assert api_plan.reduce_check(torch.float32, R.AVG, 2)["exact"] is False
+    assert api_plan.reduce_check(torch.float8_e5m2, R.SUM, 3)["exact"] is False
+
+
+def test_reduce_runs_no_max_on_complex_which_cupycoll_rejects():
+    assert api_plan.reduce_ops_for(torch.complex64) == (R.SUM,)
+    assert api_plan.reduce_ops_for(torch.float32) == (R.SUM, R.MAX)
+    with pytest.raises(CupycollValueError, match="MAX is not defined for dtype torch.complex64"):
+        _types.reduction(torch.complex64, R.MAX, True)
+
+
+def test_ring_exchanges_are_skipped_at_one_rank_where_they_would_send_to_self():
+    assert not api_plan.self_p2p_cases_apply(1) and api_plan.self_p2p_cases_apply(2)
+    group = CpuAsCudaGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
+    with pytest.raises(CupycollValueError, match="own rank"):
+        group._check_peer(0)
+
+
+@pytest.mark.parametrize("family, dtype, reason", [
+    ("broadcast", torch.int16, "no NCCL type"),
+    ("all_gather", torch.uint16, "no NCCL type"),
+    ("all_gather_into_tensor", torch.int16, "no NCCL type"),
+    ("reduce", torch.complex128, "unconverted"),
+    ("coalesced/exception_then_collective", None, "coalescing mode"),
+])
+def test_torch_nccl_reference_skips_what_it_cannot_run(family, dtype, reason):
+    assert reason in api_plan.reference_lacks("nccl", family, dtype)
+    for backend in ("cupycoll", "cpu:gloo,cuda:cupycoll", "gloo"):
+        assert api_plan.reference_lacks(backend, family, dtype) == ""
+
+
+def test_torch_nccl_reference_runs_everything_else():
+    assert api_plan.reference_lacks("nccl", "broadcast", torch.float32) == ""
+    assert api_plan.reference_lacks("nccl", "reduce", torch.float64) == ""
+    assert api_plan.reference_lacks("nccl", "all_reduce", torch.complex64) == ""
+
+
+def test_suite_records_a_skipped_case_without_running_it():
+    suite = api_worker.Suite(torch.device("cpu"), out=None, backend="nccl")
+    ran = []
+    suite.run("broadcast/torch.int16/root0/sync", ran.append, "broadcast", torch.int16)
+    suite.run("broadcast/torch.int32/root0/sync", ran.append, "broadcast", torch.int32)
+    assert ran == ["broadcast/torch.int32/root0/sync"]
+    assert list(suite.skipped) == ["broadcast/torch.int16/root0/sync"]
+
+
+def test_large_outputs_are_kept_as_digests_and_small_ones_as_tensors():
+    small = torch.arange(api_plan.KEEP_TENSORS_UP_TO, dtype=torch.float32)
+    large = torch.arange(api_plan.LARGE, dtype=torch.float32)
+    assert api_plan.kept(small) is small
+    d = api_plan.kept(large)
+    assert isinstance(d, str) and d.startswith("sha256:float32:(1048579,):")
+    assert api_plan.kept([large, small])[1] is small
+    assert api_plan.digest(large) == api_plan.digest(large.clone())
+    changed = large.clone()
+    changed[-1] += 1
+    assert api_plan.digest(changed) != d
+    assert api_plan.digest(large.view(torch.int32)) != d  # same bytes, another dtype
+
+
+def test_comparison_with_the_reference_covers_common_exact_cases_only():
+    t = torch.arange(5.0)
+    ours = {"all_reduce/torch.float32/RedOpType.SUM/5/sync": t, "broadcast/x": [t, t],
+            "all_reduce/torch.float32/RedOpType.AVG/5/sync": t, "all_reduce/torch.float8_e5m2/x": t,
+            "only_ours": t, "big": api_plan.digest(torch.ones(5000))}
+    reference = {"all_reduce/torch.float32/RedOpType.SUM/5/sync": t.clone(), "broadcast/x": [t, t.clone()],
+                 "all_reduce/torch.float32/RedOpType.AVG/5/sync": t + 1e-6,
+                 "all_reduce/torch.float8_e5m2/x": t + 1, "only_reference": t,
+                 "big": api_plan.digest(torch.ones(5000))}
+    compared, mismatches = api_plan.compare_runs(ours, reference)
+    assert (compared, mismatches) == (3, [])
+    reference["broadcast/x"] = [t, t + 1]
+    reference["big"] = api_plan.digest(torch.zeros(5000))
+    reference["all_reduce/torch.float32/RedOpType.SUM/5/sync"] = t.to(torch.float64)
+    compared, mismatches = api_plan.compare_runs(ours, reference)
+    assert compared == 3 and [m.split("[")[0] for m in mismatches] == [
+        "all_reduce/torch.float32/RedOpType.SUM/5/sync", "big", "broadcast/x"]
+
+
+def test_comparison_leaves_out_cases_the_reference_got_wrong():
+    t = torch.arange(3.0)
+    compared, mismatches = api_plan.compare_runs({"a": t, "b": t}, {"a": t + 1, "b": t}, exclude={"a"})
+    assert (compared, mismatches) == (1, [])
+    assert api_plan.failed_case_names(["a[0]: got [1] expected [0]", "b: raised TypeError: x"]) == {"a", "b"}
+
+
+# -- cupycoll behaviour the GPU tier relies on ---------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_avg_on_one_rank_is_issued_as_sum(dtype):
+    # NCCL's one-rank path has no fp8 pre-multiply on the host: ncclInvalidArgument
+    red = _types.reduction(dtype, R.AVG, True)
+    assert red.op == nb.ncclAvg
+    assert _types.for_group_size(red, dtype, 1).op == nb.ncclSum
+    assert _types.for_group_size(red, dtype, 2).op == nb.ncclAvg
+    other = _types.reduction(torch.float16, R.AVG, True)
+    assert _types.for_group_size(other, torch.float16, 1) is other
+    for size, op in ((1, nb.ncclSum), (3, nb.ncclAvg)):
+        group = CpuAsCudaGroup(dist.HashStore(), 0, size, datetime.timedelta(seconds=5))
+        group._fp8 = True
+        # torch.ones(dtype=fp8) has no CPU fill kernel on torch 2.4; a conversion has
+        assert group._reduction(torch.ones(2).to(dtype), R.AVG, "all_reduce").op == op
+
+
+def test_a_communicator_creation_that_times_out_faults_the_group(monkeypatch):
+    # a retry would re-count arrivals from a half-filled incarnation (ranks disagree on
+    # which unique id to use); the group must be dead instead, failing fast
+    monkeypatch.setattr(pg_module, "new_unique_id", lambda: b"\1" * 128)
+    store = dist.HashStore()
+    group = CpuAsCudaGroup(store, 0, 3, datetime.timedelta(seconds=0.3))
+    with pytest.raises(CollectiveTimeoutError, match="all 3 ranks to join"):
+        group._comm_for(CUDA)
+    assert group._state == "aborted"
+    joined = store.add("cupycoll/comm/joined", 0)
+    start = time.monotonic()
+    with pytest.raises(CommunicatorAbortedError, match="timed out") as info:
+        group._comm_for(CUDA)
+    assert time.monotonic() - start < 0.1 and isinstance(info.value.__cause__, CollectiveTimeoutError)
+    assert store.add("cupycoll/comm/joined", 0) == joined  # no second arrival counted
+
+
+def test_a_pair_communicator_creation_that_times_out_faults_the_group(monkeypatch):
+    monkeypatch.setattr(pg_module, "new_unique_id", lambda: b"\1" * 128)
+    group = CpuAsCudaGroup(dist.HashStore(), 1, 3, datetime.timedelta(seconds=0.3))
+    group._device = CUDA
+    with pytest.raises(CollectiveTimeoutError):
+        group._p2p_comm(2)
+    with pytest.raises(CommunicatorAbortedError):
+        group._p2p_comm(0)
+
+
+# -- the tier's split (tests/gpu/tier.py) ----------------------------------------------------
+
+
+def test_the_tier_runs_semantics_first_and_every_part_fits_one_command():
+    assert [name for name, _, _ in GPU_TIER] == ["semantics", "api", "ring", "faults", "bench"]
+    for name, path, budget in GPU_TIER:
+        assert (ROOT / path).is_file(), path
+        assert 0 < budget <= COMMAND_LIMIT_S < 600, name
+        assert GPU_TIER_BUDGETS_S[name] == budget
+        assert 0 < GPU_TIER_ESTIMATES_S[name] < budget, name
+    assert pytest_command("tests/gpu/x.py", "py") == ["py", "-m", "pytest", "-m", "gpu", "-x", "-q", "-rfEs",
+                                                      "tests/gpu/x.py"]
+
+
+@pytest.mark.parametrize("name, path, budget", GPU_TIER, ids=[p[0] for p in GPU_TIER])
+def test_every_subprocess_limit_is_below_its_parts_budget(name, path, budget):
+    # so that a hang fails inside the part, with the ranks' output, before the part is killed
+    module = importlib.import_module("gpu." + Path(path).stem)
+    limits = module.SUBPROCESS_LIMITS_S
+    assert limits and max(limits.values()) < budget, limits
+    assert module.BUDGET_S == budget
+
+
+def test_the_fault_suite_runs_every_scenario_and_kills_a_rank_last():
+    fault_worker = importlib.import_module("workers.fault_worker")
+    assert set(fault_worker.SUITE) == set(fault_worker.SCENARIOS)
+    assert fault_worker.SUITE[-1] == "killed"  # it ends a rank: nothing may come after it
+
+
+def test_tier_check_names_what_is_missing():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "tests/gpu/tier.py", "--check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "MISSING GPU" in proc.stdout and "ok      pytest" in proc.stdout
+    assert "cannot run here: missing gpu" in proc.stderr
+
+
+def test_the_gpu_tier_collects_and_skips_with_a_reason_without_a_gpu():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+                           "tests/gpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "passed" not in proc.stdout and "failed" not in proc.stdout
+    assert "needs a CUDA GPU" in proc.stdout

@@ -1,0 +1,55 @@
+"""The Makefile's interpreter choice and install command, checked with ``make -n`` (prints
+the commands, runs none), and what ``make demo`` says where torch is missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def _dry_run(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("RUN_PY", "CUDA_EXTRA", "TORCH_INDEX")}
+    out = subprocess.run(["make", "-n", "-C", ROOT, *args], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_demo_uses_the_venv_when_it_exists(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    assert f"{venv}/bin/python examples/demo.py" in _dry_run("demo", f"VENV={venv}")
+
+
+def test_demo_uses_the_machine_python_without_a_venv(tmp_path):
+    out = _dry_run("demo", f"VENV={tmp_path / 'none'}", "PYTHON=/opt/site/python3")
+    assert "/opt/site/python3 examples/demo.py" in out
+
+
+def test_install_picks_the_extra_from_torch_and_honours_pins(tmp_path):
+    out = _dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_INDEX=", "PIP_PINS=cupy-cuda12x==13.0.0")
+    assert "--extra-index-url" not in out
+    assert "torch.version.cuda" in out  # CUDA_EXTRA empty: derived from the torch build
+    assert 'pip install --quiet -e ".[test,$extra]" cupy-cuda12x==13.0.0' in out
+    out = _dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_INDEX=https://example.invalid/cpu",
+                   "CUDA_EXTRA=cuda13")
+    assert "--extra-index-url https://example.invalid/cpu" in out
+    assert 'extra="cuda13"' in out
+
+
+def test_demo_without_torch_says_how_to_install():
+    # -S: no site-packages, so no torch, as in a new shell without the venv
+    proc = subprocess.run([sys.executable, "-S", os.path.join(ROOT, "examples", "demo.py")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "has no torch" in proc.stderr and "make install" in proc.stderr

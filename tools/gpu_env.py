@@ -1,0 +1,135 @@
+"""Stage 1 of ``make verify-gpu``: what this GPU machine has, as JSON.
+
+GPU name, count, compute capability and memory, driver, Python, torch (and its CUDA and
+NCCL), CuPy, the CUDA runtime, the NCCL version as CuPy loaded it and as cupycoll's ctypes
+bindings loaded it (with the library path; the two must agree, or cupycoll would drive two
+different NCCLs), and one tiny CUDA computation through torch and through CuPy.
+
+``python -m tools.gpu_env [--json PATH]`` prints one ``key: value`` line per figure.
+Exit status: 0 all good; 1 something is missing or disagrees (the JSON says what, under
+"problems"); 3 torch sees no CUDA GPU (nothing else on the CUDA path can run).
+
+Left out: anything that needs a second process or a communicator (the later stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import Dict, List
+
+from cupycoll import nccl_bindings
+
+NO_GPU_EXIT = 3
+
+
+def _cuda_text(code: int) -> str:
+    return f"{code // 1000}.{code // 10 % 100}"
+
+
+def _nvidia_smi() -> Dict:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_mode",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"nvidia_smi": f"not usable: {exc}"}
+    first = out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
+    parts = [p.strip() for p in first.split(",")]
+    if len(parts) < 4:
+        return {"nvidia_smi": (out.stderr or out.stdout).strip()[:200] or "no output"}
+    return {"smi_name": parts[0], "driver": parts[1], "smi_memory": parts[2], "compute_mode": parts[3]}
+
+
+def collect() -> (Dict, List[str], int):
+    info: Dict = {"python": platform.python_version(), "host": platform.node(),
+                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)")}
+    problems: List[str] = []
+    info.update(_nvidia_smi())
+    import torch
+
+    info["torch"] = torch.__version__
+    info["torch_cuda"] = torch.version.cuda or "none"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        why = "this torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA GPU"
+        problems.append(f"no GPU for torch: {why}")
+        return info, problems, NO_GPU_EXIT
+    info["gpus"] = torch.cuda.device_count()
+    props = torch.cuda.get_device_properties(0)
+    info["gpu"] = props.name
+    info["compute_capability"] = f"{props.major}.{props.minor}"
+    info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+    try:
+        version = torch.cuda.nccl.version()  # (2, 28, 3); an int code in old releases
+        info["nccl_torch"] = nccl_bindings.version_text(version)
+    except Exception as exc:  # noqa: BLE001 - torch may be built without NCCL
+        info["nccl_torch"] = f"n/a ({exc})"
+    try:
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        ok = float(x.sum().item()) == float((1 << 20) * ((1 << 20) - 1) // 2)
+        info["torch_cuda_op"] = "ok" if ok else "wrong result"
+        if not ok:
+            problems.append("a sum on the GPU through torch gave a wrong result")
+    except Exception as exc:  # noqa: BLE001
+        info["torch_cuda_op"] = f"failed: {exc}"
+        problems.append(f"a CUDA operation through torch failed: {exc}")
+
+    try:
+        import cupy
+        from cupy.cuda import nccl
+
+        info["cupy"] = cupy.__version__
+        info["cuda_runtime"] = _cuda_text(cupy.cuda.runtime.runtimeGetVersion())
+        info["cuda_driver_api"] = _cuda_text(cupy.cuda.runtime.driverGetVersion())
+        if not getattr(nccl, "available", False):
+            problems.append("CuPy found no NCCL library")
+        else:
+            info["nccl_cupy"] = nccl_bindings.version_text(nccl.get_version())
+        y = cupy.arange(1024, dtype=cupy.float32)
+        info["cupy_cuda_op"] = "ok" if float(y.sum()) == 1023 * 512 else "wrong result"
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"CuPy: {type(exc).__name__}: {exc}")
+
+    try:
+        library = nccl_bindings.load(os.environ.get("CUPYCOLL_NCCL_LIBRARY") or None)
+        info["nccl_bindings"] = nccl_bindings.version_text(library.version())
+        info["nccl_library"] = library.path
+        if library.missing:
+            info["nccl_bindings_missing"] = library.missing
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"cupycoll's NCCL bindings: {type(exc).__name__}: {exc}")
+    if info.get("nccl_cupy") and info.get("nccl_bindings") and info["nccl_cupy"] != info["nccl_bindings"]:
+        problems.append(f"NCCL versions disagree: CuPy loaded {info['nccl_cupy']}, the ctypes bindings "
+                        f"{info['nccl_bindings']} ({info.get('nccl_library')})")
+    try:
+        import cupycoll
+
+        info["cupycoll"] = cupycoll.__version__
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"import cupycoll: {exc}")
+    return info, problems, (1 if problems else 0)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_env", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args(argv)
+    info, problems, status = collect()
+    info["problems"] = problems
+    for key, value in info.items():
+        if key != "problems":
+            print(f"{key}: {value}")
+    for problem in problems:  # last, so that a one-line report of the step shows it
+        print(f"problem: {problem}")
+    sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(info, fh, indent=1)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

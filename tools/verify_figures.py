@@ -1,0 +1,233 @@
+"""What ``make verify-gpu``'s stages measured: figures from their output, and the targets.
+
+Readers turn one step's output (its log tail, or the JSON file it wrote) into a small dict
+of key figures for the summary table: pytest's counts, the demo's largest parameter
+difference, a benchmark run's ok / error / n/a / #wrong counts, the probe's checks.
+:func:`evaluate_targets` then judges the figures of one run against the targets of
+issue 12, each PASS, MISS or "not measured" (with why), never left out:
+
+* host µs per synchronous all_reduce, cupycoll / torch:nccl <= 1.0 (1 and 2 ranks);
+* 64-op coalesced host time, cupycoll / torch:nccl <= 1.0 (sync and async, worse of two);
+* ring kernel bandwidth >= 0.9x a device-to-device copy (worst dtype x kernel, largest size);
+* ring / NCCL time <= 1.1x at >= 64 MiB, 2 ranks (worst point; NCCL = cupycoll:nccl);
+* watchdog overhead <= 2 µs per collective; abort latency <= 2 s; hung peer -> error
+  <= timeout + 5 s; killed peer -> error <= timeout + 5 s;
+* DDP parameter difference vs torch's nccl <= 1e-6 (fp32).
+
+Inputs are the files bench/output.py (``{"schema", "meta", "rows"}``) and
+bench/fault_bench.py write. Pure standard library. Left out: running anything, layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Dict, List, Optional
+
+MIB = 1 << 20
+OURS, RING, TORCH = "cupycoll:nccl", "cupycoll:ring", "torch:nccl"
+
+_PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b")
+_DEMO_DIFF = re.compile(r"max \|param difference\| (\S+) vs (\S+): ([0-9.eE+-]+)")
+
+
+def load_json(path: str) -> Optional[Dict]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+# -- readers: one step's output -> figures ---------------------------------------------
+def pytest_counts(text: str) -> Dict:
+    """pytest's closing counts (``3 passed, 1 skipped in 4.2s``), from the last such line."""
+    for line in reversed(text.splitlines()):
+        found = _PYTEST_COUNT.findall(line)
+        if found and (" in " in line or "no tests ran" in line):
+            counts = {}
+            for number, word in found:
+                word = "errors" if word.startswith("error") else word
+                counts[word] = counts.get(word, 0) + int(number)
+            return counts
+    return {}
+
+
+def read_pytest(result) -> Dict:
+    counts = pytest_counts(result.tail)
+    figures = {k: counts.get(k, 0) for k in ("passed", "failed", "skipped", "errors")}
+    if result.status == "passed" and figures["passed"] == 0:
+        figures["_fail"] = (f"no test ran on the GPU ({figures['skipped']} skipped): "
+                            "nothing was verified")
+    return figures
+
+
+def read_demo(result) -> Dict:
+    found = _DEMO_DIFF.findall(result.tail)
+    if not found:
+        return {}
+    ours, ref, diff = found[-1]
+    return {"ddp_max_param_diff": float(diff), "compared": f"{ours} vs {ref}"}
+
+
+def bench_counts(path: str) -> Dict:
+    """ok / error / n/a rows and #wrong of one --json file (absent: {})."""
+    document = load_json(path)
+    if not document or not isinstance(document.get("rows"), list):
+        return {}
+    rows = [r for r in document["rows"] if r.get("kind") in ("sweep", "scenario")]
+    figures = {"rows_ok": sum(r.get("status") == "ok" for r in rows),
+               "rows_error": sum(r.get("status") == "error" for r in rows),
+               "rows_na": sum(r.get("status") == "n/a" for r in rows)}
+    wrong = [r["wrong"] for r in rows if isinstance(r.get("wrong"), int)]
+    if wrong:
+        figures["wrong"] = sum(wrong)
+    return figures
+
+
+def read_probe(path: str) -> Dict:
+    document = load_json(path) or {}
+    if not document.get("checks"):
+        return {}
+    figures = {"checks_passed": document.get("passed", 0), "checks_failed": document.get("failed", 0)}
+    failed = [c["check"] for c in document["checks"] if not c["ok"]]
+    if failed:
+        figures["failed_checks"] = ", ".join(failed)
+    return figures
+
+
+# -- targets --------------------------------------------------------------------------
+def _target(name: str, limit: float, better: str, value: Optional[float], detail: str = "",
+            why_not: str = "") -> Dict:
+    """better: "max" (value must be <= limit) or "min" (>= limit)."""
+    if value is None:
+        status = "not measured"
+    elif better == "max":
+        status = "PASS" if value <= limit else "MISS"
+    else:
+        status = "PASS" if value >= limit else "MISS"
+    return {"target": name, "limit": f"{'≤' if better == 'max' else '≥'} {limit:g}", "value": value,
+            "status": status, "detail": detail if value is not None else why_not}
+
+
+def _rows(document: Optional[Dict]) -> List[Dict]:
+    return [r for r in (document or {}).get("rows", []) if isinstance(r, dict)]
+
+
+def _scenario(document, scenario: str, case: str, candidate: str) -> Optional[Dict]:
+    for r in _rows(document):
+        if (r.get("kind") == "scenario" and r.get("scenario") == scenario and r.get("case") == case
+                and r.get("candidate") == candidate and r.get("status") == "ok"):
+            return r
+    return None
+
+
+def _host_ratio(document, world: int, missing: str) -> Dict:
+    name = f"host µs per synchronous all_reduce, cupycoll / torch:nccl ({world} rank{'s' * (world > 1)})"
+    row = _scenario(document, "overhead", "1-element sync", OURS) or _scenario(
+        document, "coalescing", "1-element sync", OURS)
+    value = row.get("cpu_ratio") if row else None
+    detail = f"{row['cpu_us']:.1f} µs per call ({row['scenario']})" if row and value is not None else ""
+    return _target(name, 1.0, "max", value, detail, missing)
+
+
+def _coalesced(document, world: int, missing: str) -> Dict:
+    name = f"64-op coalesced host time, cupycoll / torch:nccl ({world} rank{'s' * (world > 1)})"
+    found = {case: _scenario(document, "coalescing", case, OURS) for case in ("coalesced sync", "coalesced async")}
+    ratios = {case: r.get("cpu_ratio") for case, r in found.items() if r and r.get("cpu_ratio") is not None}
+    value = max(ratios.values()) if ratios else None
+    detail = ", ".join(f"{case.split()[1]} {v:.3f}" for case, v in ratios.items())
+    return _target(name, 1.0, "max", value, detail + " (worse of the two)", missing)
+
+
+def _kernel(document, missing: str) -> Dict:
+    name = "ring kernel bandwidth / device-to-device copy (1 GPU)"
+    rows = [r for r in _rows(document) if r.get("scenario") == "kernel" and r.get("status") == "ok"
+            and isinstance(r.get("ratio_to_copy"), (int, float))]
+    if not rows:
+        return _target(name, 0.9, "min", None, why_not=missing)
+    largest = max(r.get("size_bytes") or 0 for r in rows)
+    at = [r for r in rows if (r.get("size_bytes") or 0) == largest]
+    worst = min(at, key=lambda r: r["ratio_to_copy"])
+    detail = (f"worst of {len(at)} at {largest // MIB} MiB: {worst.get('kernel')} {worst.get('dtype')} "
+              f"{worst.get('gbps', 0):.0f} GB/s vs copy {worst.get('copy_gbps', 0):.0f} GB/s")
+    return _target(name, 0.9, "min", worst["ratio_to_copy"], detail)
+
+
+def _ring_vs_nccl(document, missing: str) -> Dict:
+    name = "ring / NCCL time at ≥ 64 MiB (2 ranks, fp32 and bf16)"
+    key = ("collective", "size", "type", "redop", "placement")
+    nccl = {tuple(r.get(k) for k in key): r for r in _rows(document)
+            if r.get("kind") == "sweep" and r.get("candidate") == OURS and r.get("status") == "ok"}
+    pairs = []
+    for r in _rows(document):
+        if (r.get("kind") == "sweep" and r.get("candidate") == RING and r.get("status") == "ok"
+                and (r.get("size") or 0) >= 64 * MIB):
+            base = nccl.get(tuple(r.get(k) for k in key))
+            if base and base.get("time_us"):
+                pairs.append((r["time_us"] / base["time_us"], r))
+    if not pairs:
+        return _target(name, 1.1, "max", None, why_not=missing)
+    ratio, worst = max(pairs, key=lambda p: p[0])
+    detail = (f"worst of {len(pairs)}: {worst['collective']} {worst['type']} {worst['size'] // MIB} MiB "
+              f"{worst.get('placement', '')}".rstrip())
+    return _target(name, 1.1, "max", ratio, detail)
+
+
+def _faults(faults: Optional[Dict], missing: str) -> List[Dict]:
+    faults = faults or {}
+    found = []
+    overhead = faults.get("watchdog_overhead") or {}
+    per = {label: o.get("watchdog_us") for label, o in overhead.items()
+           if isinstance(o, dict) and o.get("watchdog_us") is not None}
+    found.append(_target("watchdog overhead per collective (µs)", 2.0, "max",
+                         max(per.values()) if per else None,
+                         ", ".join(f"{k} {v:+.2f}" for k, v in per.items()), missing))
+    modes = faults.get("modes") or {}
+
+    def worst(field):
+        values = {m: f.get(field) for m, f in modes.items() if isinstance(f, dict) and f.get(field) is not None}
+        if not values:
+            return None, ""
+        return max(values.values()), ", ".join(f"{m} {v:.3f}" for m, v in values.items())
+
+    value, detail = worst("abort_latency_s")
+    found.append(_target("abort latency: abort() → stuck collective released (s)", 2.0, "max", value,
+                         detail, missing))
+    value, detail = worst("hung_error_past_timeout_s")
+    timeout = next((f.get("hung_timeout_s") for f in modes.values() if isinstance(f, dict)), None)
+    found.append(_target("hung peer → error, seconds past the group timeout", 5.0, "max",
+                         value, f"{detail} (timeout {timeout} s)", missing))
+    value, detail = worst("killed_error_past_timeout_s")
+    timeout = next((f.get("killed_timeout_s") for f in modes.values() if isinstance(f, dict)), None)
+    killed = [f.get("killed_detected_by") for f in modes.values() if isinstance(f, dict) and f.get("killed_detected_by")]
+    found.append(_target("killed peer → error, seconds past the group timeout (negative: NCCL noticed first)",
+                         5.0, "max", value, f"{detail} (timeout {timeout} s; detected by {', '.join(killed)})",
+                         missing))
+    return found
+
+
+def evaluate_targets(work_dir: str, out_dir: str, ddp_diff: Optional[float], why: Dict[str, str]) -> List[Dict]:
+    """Every target, judged from the run files in ``work_dir`` / ``out_dir``. ``why`` maps a
+    source ("scenarios-1rank", "scenarios-2ranks", "sweep-large", "faults", "demo") to why
+    it has no figures (its step failed, was skipped or not selected)."""
+    def why_not(source):
+        return why.get(source) or f"no figures ({source} produced none)"
+
+    scen1 = load_json(os.path.join(work_dir, "scenarios-1rank.json"))
+    scen2 = load_json(os.path.join(work_dir, "scenarios-2ranks.json"))
+    large = load_json(os.path.join(work_dir, "sweep-large.json"))
+    faults = load_json(os.path.join(out_dir, "faults.json"))
+    targets = [
+        _host_ratio(scen1, 1, why_not("scenarios-1rank")),
+        _host_ratio(scen2, 2, why_not("scenarios-2ranks")),
+        _coalesced(scen1, 1, why_not("scenarios-1rank")),
+        _coalesced(scen2, 2, why_not("scenarios-2ranks")),
+        _kernel(scen1, why_not("scenarios-1rank")),
+        _ring_vs_nccl(large, why_not("sweep-large")),
+    ]
+    targets += _faults(faults, why_not("faults"))
+    targets.append(_target("DDP largest parameter difference vs torch nccl (fp32)", 1e-6, "max", ddp_diff,
+                           "make demo (examples/train_ddp.py --compare nccl)", why_not("demo")))
+    return targets
