@@ -8,7 +8,6 @@ import datetime
 import os
 import subprocess
 import sys
-import threading
 import types
 
 import pytest
@@ -19,6 +18,9 @@ import cupycoll
 from cupycoll import _types, compat
 from cupycoll.errors import CupycollValueError
 from installed import cupycoll_entry_points
+from mp import run_ranks
+from workers import gloo_compat_worker
+from workers.gloo_compat_worker import rank_input
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,42 +90,21 @@ def test_async_requested():
 # ------------------------------------------------------------------- gloo alltoall
 
 
-def _gloo_pair(fn):
-    """Run ``fn(group, rank)`` on the two ranks of a gloo group built in two threads."""
-    store = dist.HashStore()
-    results, failures = [None, None], []
-
-    def rank_main(rank):
-        try:
-            group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
-            try:
-                results[rank] = fn(group, rank)
-            finally:
-                # gloo torn down at interpreter exit can abort the process (torch 2.4)
-                compat.shutdown(group)
-                del group
-        except Exception as exc:  # noqa: BLE001 - reported below
-            failures.append(exc)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if failures:
-        raise failures[0]
-    return results
+@pytest.fixture(scope="module")
+def gloo_cases(tmp_path_factory):
+    """What each rank of a two-process gloo pair got in each case of
+    tests/workers/gloo_compat_worker.py: ``case -> [rank 0's, rank 1's]``."""
+    out = tmp_path_factory.mktemp("gloo-compat")
+    run_ranks("gloo_compat_worker.py", 2, args=[str(out)], timeout=180)
+    per_rank = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    return {name: [per_rank[rank][name] for rank in range(2)] for name in per_rank[0]}
 
 
-def _exchange(uneven):
-    def exchange(group, rank):
-        # rank r sends r*10 + p to peer p, shaped (p + 1, 2) when uneven, else (2, 2)
-        inputs = [torch.full((p + 1 if uneven else 2, 2), float(rank * 10 + p)) for p in range(2)]
-        outputs = [torch.zeros(rank + 1 if uneven else 2, 2) for _ in range(2)]
-        work = compat.gloo_alltoall(group, outputs, inputs, dist.AllToAllOptions())
-        assert work.wait()
-        return outputs
-    return exchange
+def _values(gloo_cases, case):
+    got = gloo_cases[case]
+    errors = [r["error"] for r in got if "error" in r]
+    assert not errors, f"{case}: {errors}"
+    return [r["value"] for r in got]
 
 
 def _check_exchange(results, uneven):
@@ -132,28 +113,20 @@ def _check_exchange(results, uneven):
             assert torch.equal(out, torch.full((rank + 1 if uneven else 2, 2), float(peer * 10 + rank)))
 
 
-def test_gloo_alltoall():
-    _check_exchange(_gloo_pair(_exchange(uneven=False)), uneven=False)
+def test_gloo_alltoall(gloo_cases):
+    _check_exchange(_values(gloo_cases, "alltoall"), uneven=False)
 
 
 @pytest.mark.parametrize("uneven", [False, True])
-def test_gloo_alltoall_fallback(monkeypatch, uneven):
+def test_gloo_alltoall_fallback(gloo_cases, uneven):
     # the alltoall_base route, exercised on every torch (it is the only route before 2.12);
     # unlike gloo's own alltoall (2.12+) it also takes tensors of different sizes, as NCCL does
-    monkeypatch.setattr(compat, "GLOO_HAS_ALLTOALL", False)
-    _check_exchange(_gloo_pair(_exchange(uneven)), uneven)
+    case = "alltoall_fallback_uneven" if uneven else "alltoall_fallback_even"
+    _check_exchange(_values(gloo_cases, case), uneven)
 
 
-def test_gloo_lacks_alltoall_before_2_12():
-    def plain(group, rank):
-        try:
-            group.alltoall([torch.zeros(1), torch.zeros(1)], [torch.ones(1), torch.ones(1)],
-                           dist.AllToAllOptions()).wait()
-        except RuntimeError as exc:
-            return str(exc)
-        return None
-
-    errors = _gloo_pair(plain)
+def test_gloo_lacks_alltoall_before_2_12(gloo_cases):
+    errors = _values(gloo_cases, "plain_alltoall")
     if compat.GLOO_HAS_ALLTOALL:
         assert errors == [None, None]
     else:
@@ -165,41 +138,26 @@ def test_gloo_lacks_alltoall_before_2_12():
 OPS = {"SUM": torch.add, "MAX": torch.maximum, "MIN": torch.minimum, "PRODUCT": torch.mul}
 
 
-def _rank_input(rank):
-    return torch.tensor([[1.0, 5.0, 2.0], [3.0, 2.0, 4.0]])[rank].repeat_interleave(2)  # 6 values
-
-
-def _reduce_scatter(op, raw=False):
-    def run(group, rank):
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = getattr(dist.ReduceOp, op)
-        out = torch.zeros(3)
-        if raw:
-            group._reduce_scatter_base(out, _rank_input(rank), opts).wait()
-        else:
-            compat.gloo_reduce_scatter_tensor(group, out, _rank_input(rank), opts).wait()
-        return out
-    return run
-
-
 def _expected(op, rank):
-    return OPS[op](_rank_input(0), _rank_input(1))[rank * 3:(rank + 1) * 3]
+    return OPS[op](rank_input(0), rank_input(1))[rank * 3:(rank + 1) * 3]
+
+
+def test_gloo_cases_cover_every_op():
+    assert set(OPS) == set(gloo_compat_worker.OPS)
 
 
 @pytest.mark.parametrize("fallback", [False, True])
 @pytest.mark.parametrize("op", list(OPS))
-def test_gloo_reduce_scatter_tensor_honours_the_op(monkeypatch, op, fallback):
-    if fallback:  # the all-reduce route, exercised on every torch
-        monkeypatch.setattr(compat, "GLOO_REDUCE_SCATTER_HONOURS_OP", False)
-    results = _gloo_pair(_reduce_scatter(op))
+def test_gloo_reduce_scatter_tensor_honours_the_op(gloo_cases, op, fallback):
+    # the fallback (the all-reduce route) is exercised on every torch
+    results = _values(gloo_cases, f"reduce_scatter_{'fallback_' if fallback else ''}{op}")
     for rank in range(2):
         assert torch.equal(results[rank], _expected(op, rank)), (op, rank, results[rank])
 
 
-def test_gloo_reduce_scatter_tensor_fallback_averages(monkeypatch):
+def test_gloo_reduce_scatter_tensor_fallback_averages(gloo_cases):
     # gloo's all-reduce has no AVG: the fallback sums and divides
-    monkeypatch.setattr(compat, "GLOO_REDUCE_SCATTER_HONOURS_OP", False)
-    results = _gloo_pair(_reduce_scatter("AVG"))
+    results = _values(gloo_cases, "reduce_scatter_fallback_AVG")
     for rank in range(2):
         assert torch.equal(results[rank], _expected("SUM", rank) / 2), (rank, results[rank])
 
@@ -237,8 +195,8 @@ def test_gloo_fallbacks_fail_when_gloo_fails(monkeypatch):
         work.wait()
 
 
-def test_gloo_reduce_scatter_base_by_version():
-    got = _gloo_pair(_reduce_scatter("MAX", raw=True))
+def test_gloo_reduce_scatter_base_by_version(gloo_cases):
+    got = _values(gloo_cases, "reduce_scatter_base_MAX")
     if compat.GLOO_REDUCE_SCATTER_HONOURS_OP:
         assert all(torch.equal(got[r], _expected("MAX", r)) for r in range(2))
     elif compat.TORCH < (2, 5):  # seen on 2.4: a sum, whatever the op
