@@ -17,6 +17,9 @@ from typing import Callable, List
 import torch
 import torch.distributed as dist
 
+import cupycoll
+from cupycoll import ring
+
 from . import catalog, metrics
 
 # Where the torch.distributed call has each form; the others have no such call.
@@ -28,6 +31,7 @@ PLACEMENTS = {
 # torch 2.13 renamed the tensor-in/tensor-out forms (the old names warn there).
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+DEFAULT_TIMEOUT_S = 1800.0  # every group's timeout when -T is 0
 
 
 # -- candidates -------------------------------------------------------------------------
@@ -60,26 +64,15 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def algorithm_selection(cupycoll_module) -> str:
-    if callable(getattr(cupycoll_module, "algorithm", None)):
-        return "cupycoll.algorithm() context on one cupycoll group"
-    return "one cupycoll group per algorithm (cupycoll.Options(algorithm=...))"
-
-
-def build_candidates(names: List[str], cupycoll_module, timeout=None) -> List[Candidate]:
-    """Create the groups in one fixed order (every rank must create the same groups)."""
+def build_candidates(names: List[str], timeout=None) -> List[Candidate]:
+    """Create the groups in one fixed order (every rank must create the same groups).
+    cupycoll's algorithms share the default group, each under ``cupycoll.algorithm(...)``."""
     picked = []
-    use_context = callable(getattr(cupycoll_module, "algorithm", None))
     for name in names:
         spec = catalog.CANDIDATES[name]
         if spec.library == "cupycoll":
-            if use_context:
-                group = dist.group.WORLD
-                scope = (lambda alg=spec.algorithm: cupycoll_module.algorithm(alg))
-            else:
-                group = dist.new_group(backend="cupycoll", timeout=timeout,
-                                       pg_options=cupycoll_module.Options(algorithm=spec.algorithm))
-                scope = contextlib.nullcontext
+            group = dist.group.WORLD
+            scope = (lambda alg=spec.algorithm: cupycoll.algorithm(alg))
         else:
             group = dist.new_group(backend=spec.algorithm, timeout=timeout)
             scope = contextlib.nullcontext
@@ -88,15 +81,11 @@ def build_candidates(names: List[str], cupycoll_module, timeout=None) -> List[Ca
 
 
 def ring_unsupported(candidate: str, dtype_name: str, op: str) -> str:
-    """Why the ring cannot reduce this pair ("" if it can, or if cupycoll cannot say).
+    """Why the ring cannot reduce this pair ("" if it can).
 
     Asked up front because under ``algorithm("ring")`` an unsupported pair might quietly
     run on NCCL, and the table would then credit the ring with NCCL's numbers."""
     if candidate != "cupycoll:ring":
-        return ""
-    try:
-        from cupycoll import ring
-    except Exception:  # noqa: BLE001 - an older cupycoll: let the call decide
         return ""
     name = catalog.DTYPES[dtype_name][0]
     ring_op = {"prod": "product"}.get(op, op)
@@ -160,6 +149,4 @@ def make_call(collective: str, bufs: Buffers, group, op: str, root: int, rank: i
 
 def group_timeout(cfg) -> datetime.timedelta:
     """-T: every group's timeout, so a collective that hangs fails the run (0: 30 min)."""
-    from .cli import DEFAULT_TIMEOUT_S
-
     return datetime.timedelta(seconds=cfg.coll_timeout or DEFAULT_TIMEOUT_S)

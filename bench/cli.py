@@ -33,7 +33,6 @@ from . import catalog, launch, sizes
 
 PROG = "cupycoll-bench"
 FORMATS = ("side-by-side", "nccl-tests")
-DEFAULT_TIMEOUT_S = 1800.0  # -T 0
 
 
 def version_text() -> str:

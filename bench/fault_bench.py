@@ -63,14 +63,14 @@ def watchdog_overhead(iterations: int = 5000) -> dict:
     import torch.distributed as dist
 
     import cupycoll
-    from cupycoll.process_group import ProcessGroupCupycoll
+    from cupycoll.backend import CudaBackend
 
     torch.cuda.set_device(0)
     dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
     group = dist.group.WORLD
     x = torch.ones(1, device="cuda")
-    tracked_track = ProcessGroupCupycoll._track
+    tracked_track = CudaBackend._track
 
     def untracked(self, issues, stream, async_op):
         for issue in issues:
@@ -82,11 +82,11 @@ def watchdog_overhead(iterations: int = 5000) -> dict:
         _host_us(call, 500)  # warm-up
         rounds = {"tracked": [], "untracked": []}
         for _ in range(5):  # alternate, so that drift hits both alike
-            ProcessGroupCupycoll._track = tracked_track
+            CudaBackend._track = tracked_track
             rounds["tracked"].append(_host_us(call, iterations // 5))
-            ProcessGroupCupycoll._track = untracked
+            CudaBackend._track = untracked
             rounds["untracked"].append(_host_us(call, iterations // 5))
-        ProcessGroupCupycoll._track = tracked_track
+        CudaBackend._track = tracked_track
         tracked, bare = statistics.median(rounds["tracked"]), statistics.median(rounds["untracked"])
         results[label] = {"tracked_us": tracked, "untracked_us": bare, "watchdog_us": tracked - bare}
     del group

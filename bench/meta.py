@@ -15,10 +15,11 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+import cupycoll
 from cupycoll import nccl_bindings
 
 from . import launch, output
-from .calls import algorithm_selection, group_timeout
+from .calls import group_timeout
 from .timing import Timer
 
 COMMIT_ENV = "CUPYCOLL_BENCH_GIT_COMMIT"  # the commit to record where git cannot tell
@@ -57,7 +58,7 @@ def _driver_version() -> str:
     return "unknown"
 
 
-def collect_meta(ctx, cupycoll_module) -> Dict:
+def collect_meta(ctx) -> Dict:
     cfg = ctx.config
     me = {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
           "device": str(ctx.device), "device_name": "cpu",
@@ -81,8 +82,8 @@ def collect_meta(ctx, cupycoll_module) -> Dict:
         "driver_version": _driver_version() if ctx.device.type == "cuda" else "n/a",
         "torch": torch.__version__, "torch_cuda": torch.version.cuda or "none",
         "torch_nccl": "n/a", "cupy": "not installed", "cupy_nccl": "n/a",
-        "cupycoll": getattr(cupycoll_module, "__version__", "unknown"),
-        "algorithm_selection": algorithm_selection(cupycoll_module),
+        "cupycoll": cupycoll.__version__,
+        "algorithm_selection": "cupycoll.algorithm() context on one cupycoll group",
         "candidates": [c.name for c in ctx.candidates], "baseline": cfg.baseline,
         "timer": ctx.timer.description,
         "host_time": "median over -n calls of perf_counter around one call (no synchronization), "

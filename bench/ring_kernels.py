@@ -21,23 +21,10 @@ import argparse
 import statistics
 from typing import Dict, List, Optional, Sequence
 
+from .sizes import SizeError, format_bytes, parse_size
+
 DEFAULT_SIZES = (1 << 20, 1 << 24, 1 << 28, 1 << 30)  # bytes of input elements
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def _parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("IB")
-    if text and text[-1] in _UNITS:
-        return int(float(text[:-1]) * _UNITS[text[-1]])
-    return int(text)
-
-
-def _human(nbytes: int) -> str:
-    for unit in ("G", "M", "K"):
-        if nbytes >= _UNITS[unit] and nbytes % _UNITS[unit] == 0:
-            return f"{nbytes // _UNITS[unit]} {unit}iB"
-    return f"{nbytes} B"
 
 
 def _median_seconds(cupy, stream, body, iterations: int, warmup: int) -> float:
@@ -102,7 +89,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, dtypes: Sequence[str] = DEFAULT_DT
                                  "seconds": seconds, "bytes_moved": moved, "gbps": gbps,
                                  "copy_gbps": copy_gbps, "ratio_to_copy": gbps / copy_gbps})
                     if verbose:
-                        print(f"{dtype:>9} {_human(size):>8} {kind:>18} {seconds * 1e6:10.1f} us "
+                        print(f"{dtype:>9} {format_bytes(size):>8} {kind:>18} {seconds * 1e6:10.1f} us "
                               f"{gbps:8.1f} GB/s  copy {copy_gbps:8.1f} GB/s  "
                               f"{100 * gbps / copy_gbps:5.1f}%", flush=True)
                 del local, partial, final, copy_src, copy_dst
@@ -112,14 +99,17 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, dtypes: Sequence[str] = DEFAULT_DT
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(prog="ring_kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=",".join(_human(s).replace(" ", "") for s in DEFAULT_SIZES),
+    parser.add_argument("--sizes", default=",".join(format_bytes(s).replace(" ", "") for s in DEFAULT_SIZES),
                         help="comma-separated input sizes in bytes (suffixes K, M, G)")
     parser.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES))
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", type=int, default=0)
     args = parser.parse_args(argv)
-    sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    try:
+        sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",") if s.strip()]
+    except SizeError as exc:
+        parser.error(str(exc))
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     print(f"{'dtype':>9} {'size':>8} {'kernel':>18} {'median':>13} {'effective':>13}  "
           f"{'d2d copy':>15}  of copy")

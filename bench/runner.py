@@ -3,8 +3,7 @@
 Every rank builds one default group ``"cpu:gloo,cuda:cupycoll"``, a torch nccl group
 (``new_group(backend="nccl")``) and a plain gloo group used only to coordinate (barriers,
 summing the per-rank measurements). cupycoll's two algorithms run on the cupycoll group
-inside ``cupycoll.algorithm("nccl" | "ring")``; with a cupycoll that lacks that context
-manager, each gets its own group created with ``cupycoll.Options(algorithm=...)`` instead.
+inside ``cupycoll.algorithm("nccl" | "ring")``.
 
 For each point (collective, type, op, size, placement) the candidates run one after the
 other on the same buffers, so drift hits them alike. For each candidate: one checked call
@@ -14,16 +13,17 @@ them and a final synchronize instead), then ``-n`` calls timed one by one on the
 ``perf_counter`` and no synchronization (host time per call, median). ``-m N`` makes each
 timed iteration N calls in one coalescing block, ``-z 1`` synchronizes after every call.
 The ranks' times are combined as ``-a`` says (default: mean) and #wrong summed over the
-gloo group; every rank ends with the same rows, and rank 0 prints and writes them.
+gloo group; a candidate that fails on any rank is a status row on every rank
+(:meth:`rank.Rank.agree`). Every rank ends with the same rows, and rank 0 prints and
+writes them.
 
-Left out: argument parsing (cli), starting processes (launch), the calls and buffers
-(calls), clocks (timing), metadata (meta), the scenarios (scenarios), formatting (output),
-plotting (plot), result checking (checks).
+Left out: argument parsing (cli), starting processes (launch), the rank's coordination
+(rank), the calls and buffers (calls), clocks (timing), metadata (meta), the scenarios
+(scenarios), formatting (output), plotting (plot), result checking (checks).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import sys
@@ -33,107 +33,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import catalog, checks, launch, metrics, output
-from .calls import (PLACEMENTS, Buffers, Candidate, build_candidates, group_timeout, make_buffers,  # noqa: F401
+import cupycoll  # noqa: F401 - registers the "cupycoll" backend for init_process_group
+
+from . import catalog, checks, launch, metrics, output, scenarios
+from .calls import (PLACEMENTS, Buffers, Candidate, build_candidates, group_timeout, make_buffers,
                     make_call, ring_unsupported, torch_dtype)
 from .meta import collect_meta, describe_time
+from .rank import Rank
 from .timing import Progress, Timer
-
-# Exceptions that mean "this candidate does not do that" rather than "it broke".
-_UNSUPPORTED = (NotImplementedError, TypeError, ValueError)
-
-
-@dataclasses.dataclass
-class Rank:
-    config: object
-    rank: int
-    world: int
-    device: torch.device
-    transport: str
-    coord: object                 # plain gloo group: barriers and summaries
-    candidates: List[Candidate]
-    timer: Timer
-    progress: Optional[Progress] = None
-    rows: List[Dict] = dataclasses.field(default_factory=list)
-    meta: Dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
-
-    def say(self, line: str) -> None:
-        if self.leader:
-            (self.progress.write if self.progress else print)(line)
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.coord)
-
-    def total(self, values: List[float]) -> List[float]:
-        """Sum over ranks (float64, through gloo)."""
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.coord)
-        return t.tolist()
-
-    def combine(self, values: List[float], mode: int) -> List[float]:
-        """Per-rank times combined as nccl-tests' -a: 0 rank 0's, 1 mean, 2 min, 3 max."""
-        t = torch.tensor(values, dtype=torch.float64)
-        if mode == 0:
-            dist.broadcast(t, src=0, group=self.coord)
-        elif mode == 1:
-            dist.all_reduce(t, group=self.coord)
-            t /= self.world
-        else:
-            op = dist.ReduceOp.MIN if mode == 2 else dist.ReduceOp.MAX
-            dist.all_reduce(t, op=op, group=self.coord)
-        return t.tolist()
-
-    def most(self, values: List[float]) -> List[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.coord)
-        return t.tolist()
-
-    def save(self) -> None:
-        """Write the files asked for (rank 0); called after every collective and scenario,
-        so a run that dies later still leaves what it measured."""
-        if not self.leader:
-            return
-        if self.config.json:
-            output.write_json(self.config.json, self.meta, self.rows)
-        if self.config.csv:
-            output.write_csv(self.config.csv, self.meta, self.rows)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:160]
-
-
-def agree(ctx: Rank, exc: Optional[BaseException]):
-    """Did the step fail on any rank? Returns (status, note) or None when it worked everywhere."""
-    unsupported = exc is not None and _is_unsupported(exc)
-    codes = ctx.most([0.0 if exc is None else (1.0 if unsupported else 2.0)])
-    if codes[0] == 0:
-        return None
-    status = "n/a" if codes[0] == 1 else "error"
-    note = _first_line(exc) if exc is not None else "failed on another rank"
-    return status, note
-
-
-def _is_unsupported(exc: BaseException) -> bool:
-    try:
-        import cupycoll
-
-        if isinstance(exc, (cupycoll.CupycollTypeError, cupycoll.CupycollValueError)):
-            return True
-    except ImportError:
-        pass
-    if isinstance(exc, RuntimeError):
-        # torch's own way of saying a backend lacks a feature.
-        text = str(exc).lower()
-        return any(phrase in text for phrase in (
-            "does not implement", "not implemented for", "not supported", "unsupported",
-            "unconvertible"))
-    return isinstance(exc, _UNSUPPORTED)
 
 
 # -- one measurement ------------------------------------------------------------------
@@ -189,9 +96,9 @@ def measure(ctx: Rank, cand: Candidate, collective: str, bufs: Buffers, dtype_na
                 ctx.timer.sync()
     except Exception as exc:  # noqa: BLE001 - reported in the table, the sweep goes on
         failure = exc
-    verdict = agree(ctx, failure)
-    if verdict is not None:
-        return {"status": verdict[0], "note": verdict[1]}
+    failed = ctx.agree(failure)
+    if failed is not None:
+        return failed
 
     with cand.scope():
         for _ in range(cfg.warmup):
@@ -327,8 +234,6 @@ def rank_main(cfg, plan: Optional[launch.Plan]) -> int:
     else:
         device = torch.device("cpu")
 
-    import cupycoll  # registers the "cupycoll" backend
-
     timeout = group_timeout(cfg)
     # No device_id: a bound default group would make new_group(backend="nccl") try to split
     # from cupycoll's communicator, which is not a ProcessGroupNCCL.
@@ -336,16 +241,14 @@ def rank_main(cfg, plan: Optional[launch.Plan]) -> int:
                             world_size=world, timeout=timeout)
     # Coordination waits for the slowest rank's whole measurement: never shorter than 30 min.
     coord = dist.new_group(backend="gloo", timeout=max(timeout, datetime.timedelta(minutes=30)))
-    candidates = build_candidates(cfg.candidates, cupycoll, timeout)
+    candidates = build_candidates(cfg.candidates, timeout)
     timer = Timer(device)
     timer.description = describe_time(cfg, timer)
     ctx = Rank(cfg, rank, world, device, transport, coord, candidates, timer)
-    ctx.meta = collect_meta(ctx, cupycoll)
+    ctx.meta = collect_meta(ctx)
     for line in output.describe_meta(ctx.meta):
         ctx.say(line)
     ctx.save()
-
-    from . import scenarios
 
     total = _count_points(cfg, world, len(candidates)) + scenarios.count_steps(cfg, candidates)
     ctx.progress = Progress(cfg.progress, total, ctx.leader)

@@ -14,23 +14,25 @@ coalesced GPU time within 5 % of the flattened all_reduce (<= 1.05x); each print
 or MISS, never dropped.
 
 ``overhead`` times one-element all_reduce calls (sync and async) for every candidate.
-``kernel`` calls ``ring_kernels.run()`` (bench/ring_kernels.py, owned elsewhere) on rank 0
-when that module exists.
+``kernel`` runs :func:`ring_kernels.run` (the ring's reduction kernels against a
+device-to-device copy) on rank 0 and shares its rows with every rank.
 
-Left out: the sweep (runner), formatting (output).
+A case that fails on any rank is a status row on every rank (:meth:`rank.Rank.agree`, the
+protocol the sweep uses too).
+
+Left out: the sweep (runner), the rank's coordination (rank), formatting (output).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import catalog, metrics, output
-from .runner import agree
+from .rank import Rank
 
 CUPYCOLL = "cupycoll:nccl"
 TARGETS = (
@@ -55,12 +57,12 @@ def count_steps(cfg, candidates) -> int:
     return steps
 
 
-def run(ctx, name: str) -> List[Dict]:
+def run(ctx: Rank, name: str) -> List[Dict]:
     return {"coalescing": coalescing, "overhead": overhead, "kernel": kernel}[name](ctx)
 
 
 # -- measuring one case ---------------------------------------------------------------
-def _measure(ctx, cand, iteration: Callable[[], object], iters: int, warmup: int,
+def _measure(ctx: Rank, cand, iteration: Callable[[], object], iters: int, warmup: int,
              finish: Optional[Callable[[object], None]] = None) -> Dict:
     """GPU and CPU microseconds per iteration (medians, mean of ranks) of ``iteration``.
 
@@ -92,9 +94,9 @@ def _measure(ctx, cand, iteration: Callable[[], object], iters: int, warmup: int
         failure = None
     except Exception as exc:  # noqa: BLE001 - reported as a row
         failure = exc
-    verdict = agree(ctx, failure)
-    if verdict is not None:
-        return {"status": verdict[0], "note": verdict[1]}
+    failed = ctx.agree(failure)
+    if failed is not None:
+        return failed
     sums = ctx.total([metrics.median(gpu), metrics.median(cpu)])
     return {"status": "ok", "gpu_us": sums[0] / ctx.world, "cpu_us": sums[1] / ctx.world,
             "iterations": iters}
@@ -133,7 +135,7 @@ def _coalescing(group, device, async_ops: bool):
         raise
 
 
-def coalescing(ctx) -> List[Dict]:
+def coalescing(ctx: Rank) -> List[Dict]:
     cfg = ctx.config
     cands = [c for c in ctx.candidates if c.name in (CUPYCOLL, cfg.baseline)]
     if not cands:
@@ -229,7 +231,7 @@ def _targets(rows: List[Dict], baseline: str) -> List[Dict]:
 
 
 # -- overhead -------------------------------------------------------------------------
-def overhead(ctx) -> List[Dict]:
+def overhead(ctx: Rank) -> List[Dict]:
     cfg = ctx.config
     rows = []
     for index in range(2):
@@ -251,8 +253,8 @@ def overhead(ctx) -> List[Dict]:
 
 
 # -- ring kernels ---------------------------------------------------------------------
-def kernel(ctx) -> List[Dict]:
-    """Rank 0 runs bench/ring_kernels.py's run() (or main([])) if it exists."""
+def kernel(ctx: Rank) -> List[Dict]:
+    """Rank 0 runs :func:`ring_kernels.run`; every rank returns its rows."""
     rows: List[Dict] = []
     if ctx.leader:
         rows = _kernel_rows(ctx)
@@ -264,55 +266,32 @@ def kernel(ctx) -> List[Dict]:
     return everyone[0]
 
 
-def _kernel_rows(ctx) -> List[Dict]:
+def _kernel_rows(ctx: Rank) -> List[Dict]:
     base = {"kind": "scenario", "scenario": "kernel", "candidate": "cupycoll:ring", "world_size": 1}
     if ctx.device.type != "cuda":
         ctx.say("# scenario kernel: n/a (the ring kernels need a GPU)")
         return [dict(base, case="ring kernels", status="n/a", note="the ring kernels need a GPU")]
-    try:
-        from . import ring_kernels
-    except ImportError as exc:
-        ctx.say(f"# scenario kernel: bench/ring_kernels.py is not available ({exc}); skipped")
-        return [dict(base, case="ring kernels", status="n/a", note=f"ring_kernels not importable: {exc}")]
+    from . import ring_kernels  # rank 0 on a GPU only
+
     cfg = ctx.config
     try:
-        if callable(getattr(ring_kernels, "run", None)):
-            params = inspect.signature(ring_kernels.run).parameters
-            offered = {"device": ctx.device.index, "verbose": False, "iterations": cfg.scenario_iters,
-                       "warmup": cfg.warmup}
-            result = ring_kernels.run(**{k: v for k, v in offered.items() if k in params})
-        elif callable(getattr(ring_kernels, "main", None)):
-            result = ring_kernels.main([])
-        else:
-            return [dict(base, case="ring kernels", status="n/a", note="ring_kernels has neither run() nor main()")]
+        result = ring_kernels.run(device=ctx.device.index, verbose=False, iterations=cfg.scenario_iters,
+                                  warmup=cfg.warmup)
     except Exception as exc:  # noqa: BLE001 - reported as a row
         ctx.say(f"# scenario kernel: ring_kernels failed: {exc}")
         return [dict(base, case="ring kernels", status="error", note=str(exc)[:200])]
-    # run() returns {"device": ..., "rows": [{"dtype", "size_bytes", "kernel", "seconds",
-    # "gbps", "copy_gbps", "ratio_to_copy", ...}]}; anything else is kept as it is.
-    device = result.get("device") if isinstance(result, dict) else None
-    found = result.get("rows") if isinstance(result, dict) and isinstance(result.get("rows"), list) else result
-    if isinstance(found, dict):
-        found = [found]
-    if not isinstance(found, list) or not all(isinstance(r, dict) for r in found):
-        return [dict(base, case="ring kernels", status="ok", note=f"ring_kernels returned {result!r}"[:200])]
+    device = result["device"]
     rows = []
     ctx.say("#")
-    ctx.say(f"# scenario kernel: ring reduction kernels vs a device-to-device copy on {device or ctx.device}")
+    ctx.say(f"# scenario kernel: ring reduction kernels vs a device-to-device copy on {device}")
     ctx.say(f"# {'case':<44} {'GPU us':>10} {'GB/s':>9} {'copy GB/s':>10} {'of copy':>8}")
-    for r in found:
-        row = dict(base, status="ok")
-        row.update({k: v for k, v in r.items() if k not in ("kind", "scenario", "status")})
-        size = r.get("size_bytes")
-        row["case"] = " ".join(str(x) for x in (r.get("kernel"), r.get("dtype"),
-                                                 output.format_bytes(size) if size else None) if x)
-        if isinstance(r.get("seconds"), (int, float)):
-            row["gpu_us"] = r["seconds"] * 1e6
-        if device:
-            row["device"] = device
+    for r in result["rows"]:
+        row = dict(base, status="ok", **r)
+        row["case"] = f"{r['kernel']} {r['dtype']} {output.format_bytes(r['size_bytes'])}"
+        row["gpu_us"] = r["seconds"] * 1e6
+        row["device"] = device
         rows.append(row)
-        ratio = r.get("ratio_to_copy")
-        ctx.say(f"  {row['case']:<44} {output.fmt_num(row.get('gpu_us'), 10, 1)} {output.fmt_num(r.get('gbps'), 9, 1)} "
-                f"{output.fmt_num(r.get('copy_gbps'), 10, 1)} "
-                f"{'-' if ratio is None else f'{100 * ratio:.1f}%':>8}")
+        share = f"{100 * r['ratio_to_copy']:.1f}%"
+        ctx.say(f"  {row['case']:<44} {output.fmt_num(row['gpu_us'], 10, 1)} {output.fmt_num(r['gbps'], 9, 1)} "
+                f"{output.fmt_num(r['copy_gbps'], 10, 1)} {share:>8}")
     return rows

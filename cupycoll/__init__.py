@@ -3,14 +3,18 @@
 ``import cupycoll`` registers the backend name ``"cupycoll"`` for CUDA devices, so that
 ``torch.distributed.init_process_group("cuda:cupycoll")`` (or ``"cupycoll"``, or
 ``"cpu:gloo,cuda:cupycoll"``) builds a :class:`ProcessGroupCupycoll`. Importing the package
-does not import CuPy: that happens at the first CUDA collective.
+does not import CuPy (that happens at the first CUDA collective), nor the process-group
+module: ``ProcessGroupCupycoll`` and ``abort_all`` load it on first access (PEP 562), so the
+``torch.backends`` entry point, which runs during ``import torch``, stays cheap.
 """
 
 from __future__ import annotations
 
+import importlib
+
 from ._registration import register
 from ._version import __version__
-from .config import ENVIRONMENT, Options, algorithm
+from .config import BACKEND_NAME, ENVIRONMENT, Options, algorithm
 from .errors import (
     CollectiveTimeoutError,
     CommunicatorAbortedError,
@@ -21,8 +25,22 @@ from .errors import (
     NcclError,
     NoCudaDeviceError,
 )
-from .process_group import BACKEND_NAME, ProcessGroupCupycoll, abort_all
 from .work import CudaWork
+
+_LAZY = {"ProcessGroupCupycoll": "process_group", "abort_all": "process_group"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups do not come back here
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "BACKEND_NAME",

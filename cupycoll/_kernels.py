@@ -3,7 +3,7 @@ compiler options and template instantiations each pair compiles to.
 
 Both the runtime (:mod:`cupycoll.ring`, through ``cupy.RawModule``) and the CPU tests
 (straight through NVRTC, no GPU needed) build from :func:`module_spec`, so the tests
-compile exactly what runs. The numpy simulator in :mod:`cupycoll.ring_schedule` reads the
+compile exactly what runs. The numpy simulator in :mod:`cupycoll.ring_simulator` reads the
 same tables, so it computes what the kernels compute.
 
 dtypes and ops are torch-style lower-case names (``"bfloat16"``, ``"premul_sum"``).

@@ -4,7 +4,8 @@ Two ways in: ``import cupycoll`` calls :func:`register`, and torch's ``torch.bac
 entry point calls :func:`autoload` while ``import torch`` runs, so that
 ``init_process_group("cuda:cupycoll")`` works with no explicit import. The entry point must
 be cheap and must never raise (an exception there breaks ``import torch``): it imports
-neither CuPy nor the process-group module; the creator imports that on first use.
+neither CuPy nor the process-group module (``cupycoll/__init__.py`` imports that lazily,
+and the creator below on first use).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import logging
 
 logger = logging.getLogger("cupycoll")
-
-BACKEND_NAME = "cupycoll"
 
 
 def _create_process_group(dist_backend_opts, pg_options):
@@ -33,6 +32,10 @@ def _create_process_group(dist_backend_opts, pg_options):
 def register() -> None:
     """Register "cupycoll" for device type "cuda" (extended API); idempotent."""
     from torch.distributed import Backend
+
+    # Imported here, not above: ``import cupycoll`` before torch imports torch from inside
+    # cupycoll.config, and torch then runs this entry point while that import is under way.
+    from .config import BACKEND_NAME
 
     if BACKEND_NAME.upper() in Backend._plugins:
         return

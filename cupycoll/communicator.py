@@ -16,8 +16,11 @@ Two modes, invisible to the caller:
   That includes creation itself: :meth:`Communicator.begin` returns before the peers have
   connected and :meth:`Communicator.wait_ready` polls.
 
-Inside :func:`nccl_group` a nonblocking call is not polled on its own: NCCL settles the
-whole group at ``ncclGroupEnd``, after which each communicator of the group is polled.
+NCCL groups: :meth:`Communicator.group` is ncclGroupStart/End of the library the
+communicator already holds (the library is resolved once, when the communicator is built;
+an empty group costs about a microsecond). Inside a group a nonblocking call is not polled
+on its own: NCCL settles the whole group at ``ncclGroupEnd``, after which each communicator
+of the group is polled.
 
 Deliberately left out: validation of user input (done once, above, with names the user
 knows), scheduling policy (which stream, when to group), the watchdog (it lives above and
@@ -73,11 +76,11 @@ def _open_group():
 
 
 @contextlib.contextmanager
-def nccl_group(nccl_library: Optional[str] = None):
-    """ncclGroupStart/End around the body; End runs even when the body raises.
+def nccl_group(lib: nccl_bindings.NcclLibrary):
+    """ncclGroupStart/End of ``lib`` around the body; End runs even when the body raises.
 
-    Nonblocking communicators used in the body are polled once the outermost group ends."""
-    lib = _library(nccl_library)
+    Nonblocking communicators used in the body are polled once the outermost group ends.
+    Callers use :meth:`Communicator.group`, which passes the library it holds."""
     state = _open_group()
     lib.ncclGroupStart()
     state["depth"] += 1
@@ -168,20 +171,17 @@ class Communicator:
                                        rank, ctypes.byref(config))
         return cls(device, rank, size, nccl_library, handle=handle.value, timeout=timeout)
 
-    @classmethod
-    def create(cls, unique_id: bytes, rank: int, size: int, device: int, nccl_library=None,
-               nonblocking: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> "Communicator":
-        """:meth:`begin` then :meth:`wait_ready`."""
-        comm = cls.begin(unique_id, rank, size, device, nccl_library, nonblocking, timeout)
-        comm.wait_ready()
-        return comm
-
     def wait_ready(self, timeout: Optional[float] = None) -> None:
         """Poll a nonblocking communicator until its creation settles (no-op when blocking).
         On timeout the communicator is aborted and CollectiveTimeoutError raised."""
         if self.state == "initializing":
             self._poll("ncclCommInitRankConfig", timeout)
             self.state = "ok"
+
+    def group(self):
+        """An NCCL group (ncclGroupStart/End) on this communicator's library: NCCL calls in
+        the body, on this or any other communicator, are launched together at the end."""
+        return nccl_group(self._lib)
 
     @staticmethod
     def can_split() -> bool:

@@ -55,7 +55,12 @@ recorder for them to configure.
 
 from __future__ import annotations
 
-import contextlib
+# The name torch.distributed knows the backend by. Set before any import: importing torch
+# (through .errors) runs cupycoll's torch.backends entry point, which reads it while this
+# module is still being imported.
+BACKEND_NAME = "cupycoll"
+
+import contextlib  # noqa: E402 - after BACKEND_NAME, see above
 import dataclasses
 import datetime
 import os

@@ -181,20 +181,12 @@ FUNCTIONS = (
     Function("ncclCommInitRank", ncclResult_t, (_p(ncclComm_t), ctypes.c_int, ncclUniqueId, ctypes.c_int)),
     # ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId,
     #                                     int rank, ncclConfig_t* config);   (2.14)
-    Function(
-        "ncclCommInitRankConfig",
-        ncclResult_t,
-        (_p(ncclComm_t), ctypes.c_int, ncclUniqueId, ctypes.c_int, _p(ncclConfig_t)),
-        optional=True,
-    ),
+    Function("ncclCommInitRankConfig", ncclResult_t,
+             (_p(ncclComm_t), ctypes.c_int, ncclUniqueId, ctypes.c_int, _p(ncclConfig_t)), optional=True),
     # ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
     #                            ncclConfig_t* config);   (2.18)
-    Function(
-        "ncclCommSplit",
-        ncclResult_t,
-        (ncclComm_t, ctypes.c_int, ctypes.c_int, _p(ncclComm_t), _p(ncclConfig_t)),
-        optional=True,
-    ),
+    Function("ncclCommSplit", ncclResult_t,
+             (ncclComm_t, ctypes.c_int, ctypes.c_int, _p(ncclComm_t), _p(ncclConfig_t)), optional=True),
     # ncclResult_t ncclCommFinalize(ncclComm_t comm);   (2.14)
     Function("ncclCommFinalize", ncclResult_t, (ncclComm_t,), optional=True),
     # ncclResult_t ncclCommDestroy(ncclComm_t comm);
@@ -211,66 +203,41 @@ FUNCTIONS = (
     Function("ncclCommUserRank", ncclResult_t, (ncclComm_t, _p(ctypes.c_int))),
     # ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
     #     ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
-    Function(
-        "ncclAllReduce",
-        ncclResult_t,
-        (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t),
-    ),
+    Function("ncclAllReduce", ncclResult_t,
+             (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t)),
     # ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count,
     #     ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream);
-    Function(
-        "ncclBroadcast",
-        ncclResult_t,
-        (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t),
-    ),
+    Function("ncclBroadcast", ncclResult_t,
+             (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t)),
     # ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count,
     #     ncclDataType_t datatype, ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream);
-    Function(
-        "ncclReduce",
-        ncclResult_t,
-        (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ncclRedOp_t, ctypes.c_int, ncclComm_t,
-         cudaStream_t),
-    ),
+    Function("ncclReduce", ncclResult_t,
+             (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ncclRedOp_t, ctypes.c_int, ncclComm_t,
+              cudaStream_t)),
     # ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount,
     #     ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream);
-    Function(
-        "ncclAllGather",
-        ncclResult_t,
-        (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ncclComm_t, cudaStream_t),
-    ),
+    Function("ncclAllGather", ncclResult_t,
+             (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ncclComm_t, cudaStream_t)),
     # ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
     #     ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
-    Function(
-        "ncclReduceScatter",
-        ncclResult_t,
-        (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t),
-    ),
+    Function("ncclReduceScatter", ncclResult_t,
+             (buffer_t, buffer_t, ctypes.c_size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t)),
     # ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype,
     #     int peer, ncclComm_t comm, cudaStream_t stream);
-    Function(
-        "ncclSend",
-        ncclResult_t,
-        (buffer_t, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t),
-    ),
+    Function("ncclSend", ncclResult_t,
+             (buffer_t, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t)),
     # ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype,
     #     int peer, ncclComm_t comm, cudaStream_t stream);
-    Function(
-        "ncclRecv",
-        ncclResult_t,
-        (buffer_t, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t),
-    ),
+    Function("ncclRecv", ncclResult_t,
+             (buffer_t, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t)),
     # ncclResult_t ncclGroupStart();
     Function("ncclGroupStart", ncclResult_t, ()),
     # ncclResult_t ncclGroupEnd();
     Function("ncclGroupEnd", ncclResult_t, ()),
     # ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar, ncclDataType_t datatype,
     #     ncclScalarResidence_t residence, ncclComm_t comm);   (2.11)
-    Function(
-        "ncclRedOpCreatePreMulSum",
-        ncclResult_t,
-        (_p(ncclRedOp_t), buffer_t, ncclDataType_t, ncclScalarResidence_t, ncclComm_t),
-        optional=True,
-    ),
+    Function("ncclRedOpCreatePreMulSum", ncclResult_t,
+             (_p(ncclRedOp_t), buffer_t, ncclDataType_t, ncclScalarResidence_t, ncclComm_t), optional=True),
     # ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm);   (2.11)
     Function("ncclRedOpDestroy", ncclResult_t, (ncclRedOp_t, ncclComm_t), optional=True),
 )
@@ -428,15 +395,22 @@ class NcclLibrary:
         return ncclUniqueId.from_buffer_copy(data)
 
 
-_libraries: dict = {}
+_libraries: dict = {}  # resolved path -> NcclLibrary: one per file, however it was named
+_requested: dict = {}  # path as asked for (None: the default) -> NcclLibrary
 _lock = threading.Lock()
 
 
 def load(path: Optional[str] = None) -> NcclLibrary:
-    """The process-wide :class:`NcclLibrary` for ``find_library(path)``."""
+    """The process-wide :class:`NcclLibrary` for ``find_library(path)``. A path asked for
+    before (``None`` included) is not resolved again: resolving reads the process's mapped
+    libraries and the pip package, hundreds of microseconds each time."""
+    library = _requested.get(path)
+    if library is not None:
+        return library
     with _lock:
         resolved = find_library(path)
         library = _libraries.get(resolved)
         if library is None:
             library = _libraries[resolved] = NcclLibrary(resolved)
+        _requested[path] = library
         return library

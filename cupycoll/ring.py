@@ -3,8 +3,8 @@
 NCCL's reductions add fp16/bf16 in fp16/bf16 at every hop, have no bitwise ops, and give
 results that depend on the algorithm NCCL picks. The ring here accumulates fp16/bf16 in
 fp32 and rounds once, offers BAND/BOR/BXOR, and is bitwise reproducible: every element is
-reduced in an order fixed by the schedule (:mod:`cupycoll.ring_schedule`, whose numpy
-simulator runs the same plans on the CPU), and all-reduce copies each finished chunk from
+reduced in an order fixed by the schedule (:mod:`cupycoll.ring_schedule`; :mod:`cupycoll.ring_simulator`
+runs the same plans on the CPU), and all-reduce copies each finished chunk from
 its owner, so every rank holds the same bits.
 
 Public API (pointers, counts, dtype/op names and the stream are plain values, as in
@@ -36,9 +36,9 @@ slots of fp32/element partials, ``scratch_bytes`` in all) and a side stream for 
 transfers once, at construction. Calls on one Ring are serialised on the GPU (they share
 the scratch), whatever streams they are given.
 
-Deliberately left out: choosing between NCCL and the ring (the process group's job),
+Deliberately left out: choosing between NCCL and the ring (:mod:`cupycoll.collectives`),
 torch tensors, and teardown in ``__del__`` (:meth:`Ring.close` is explicit). The ring
-must not be called inside an open NCCL group (``nccl_group()``): its kernels would be
+must not be called inside an open NCCL group (``Communicator.group()``): its kernels would be
 enqueued before the group's transfers.
 """
 
@@ -51,7 +51,6 @@ import numpy
 
 from . import _cuda, compat, nccl_bindings
 from ._kernels import ELEMENTS, OPS, check, compile_module, supports
-from .communicator import nccl_group
 from .config import DEFAULT_RING_SCRATCH_BYTES
 from .errors import CommunicatorAbortedError, CupycollTypeError, CupycollValueError
 from .ring_schedule import (
@@ -230,7 +229,7 @@ class Ring:
                               factor, factor_ptr, divisor)
 
             def exchange(send_ptr, send_bytes, recv_ptr, recv_bytes) -> None:
-                with nccl_group():
+                with comm.group():
                     if send_bytes:
                         comm.send(send_ptr, send_bytes, _NCCL_BYTES, right, side.ptr)
                     if recv_bytes:

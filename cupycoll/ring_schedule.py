@@ -1,8 +1,8 @@
-"""The ring algorithm's schedule, as plain data, and a numpy simulator that runs it.
+"""The ring algorithm's schedule, as plain data: chunks, slices, per-rank plans, stream order.
 
 :mod:`cupycoll.ring` executes the plans built here on the GPU, action by action, in list
-order; the simulator executes the very same plans with numpy, one array per rank, so the
-CPU tests of this module test the schedule the GPU runs.
+order; :mod:`cupycoll.ring_simulator` executes the very same plans with numpy, one array
+per rank, so the CPU tests of the schedule test what the GPU runs.
 
 The schedule
 ------------
@@ -30,8 +30,10 @@ lanes of ``SLOTS`` slots of ``slice_elems`` accumulators: rounds alternate betwe
 so that one lane's transfer overlaps the other's reduction, and within a lane step ``s``
 receives into slot ``s % 2`` while sending from slot ``(s + 1) % 2``.
 
-Deliberately left out: CuPy, torch, streams and pointers (see :mod:`cupycoll.ring`). The
-simulator models values only, not timing.
+Deliberately left out: arithmetic on values (the numpy model of the kernels is
+:mod:`cupycoll.ring_simulator`; this module imports no numpy), CuPy, torch, real streams
+and pointers (see :mod:`cupycoll.ring`). Streams appear only as the two names that
+:func:`issue` orders commands on.
 """
 
 from __future__ import annotations
@@ -39,9 +41,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence, Tuple, Union
 
-import numpy as np
-
-from ._kernels import ELEMENTS, check, op_struct, stages_first_contribution
+from ._kernels import check, stages_first_contribution
 from .errors import CupycollValueError
 
 LANES = 2
@@ -272,7 +272,6 @@ def _send_slot(step: int) -> int:
     return (step + 1) % SLOTS
 
 
-
 # ------------------------------------------------------------------------ stream order
 
 CALLER = "caller"  # the stream the collective was called with: kernels run there
@@ -348,218 +347,3 @@ def issue(plan: Sequence[Action]) -> List[Command]:
     if side_used:
         commands += [Record(SIDE, ("side done",)), Wait(CALLER, ("side done",))]
     return commands
-
-
-# ------------------------------------------------------------------------------ simulator
-
-class ScheduleError(RuntimeError):
-    """The ranks' plans disagree (a sender and its receiver name different slices)."""
-
-
-def numpy_dtype_name(array: np.ndarray) -> str:
-    """The dtype name of a numpy array, as this module names dtypes (bf16 has no numpy
-    type: pass ``dtype="bfloat16"`` with uint16 bit patterns)."""
-    name = "bool" if array.dtype == np.bool_ else array.dtype.name
-    if name not in ELEMENTS or name == "bfloat16":
-        raise CupycollValueError(f"numpy dtype {array.dtype} has no ring element")
-    return name
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16) widened exactly to float32."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(values: np.ndarray) -> np.ndarray:
-    """float32 rounded to bf16 bit patterns, nearest-even, NaN kept quiet (as the kernel)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    with np.errstate(over="ignore"):
-        rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16
-    quiet = (bits >> 16) | 0x0040
-    return np.where(nan, quiet, rounded).astype(np.uint16)
-
-
-class _Arithmetic:
-    """The kernels' element arithmetic (ring_common.cuh / ring_reduce.cu) in numpy."""
-
-    def __init__(self, dtype: str, op: str, premul: Optional[float], divisor: int):
-        check(dtype, op)
-        self.dtype = dtype
-        self.element = ELEMENTS[dtype]
-        self.op = op_struct(dtype, op)
-        self.acc = np.dtype(self.element.acc)
-        self.premul = op == "premul_sum"
-        if self.premul and premul is None:
-            raise CupycollValueError("premul_sum needs a factor")
-        self.factor = self.acc.type(premul) if self.premul else None
-        self.average = self.op == "OpAvg"
-        self.divisor = divisor
-
-    def own(self, local: np.ndarray) -> np.ndarray:
-        if self.dtype == "bfloat16":
-            value = bf16_to_f32(local)
-        else:
-            value = np.asarray(local).astype(self.acc)
-        if self.premul:
-            value = value * self.factor
-        return value
-
-    def combine(self, own: np.ndarray, incoming: np.ndarray) -> np.ndarray:
-        a, b = own, incoming
-        with np.errstate(over="ignore", invalid="ignore"):
-            if self.op in ("OpSum", "OpAvg", "OpPremulSum"):
-                return (a + b).astype(self.acc)
-            if self.op == "OpProd":
-                return (a * b).astype(self.acc)
-            if self.op == "OpMin":
-                return np.where((b < a) | (b != b), b, a)
-            if self.op == "OpMax":
-                return np.where((b > a) | (b != b), b, a)
-        if self.op == "OpBand":
-            return a & b
-        if self.op == "OpBor":
-            return a | b
-        if self.op == "OpBxor":
-            return a ^ b
-        raise CupycollValueError(f"no numpy model of {self.op}")
-
-    def finish(self, acc: np.ndarray) -> np.ndarray:
-        if self.average:
-            if self.element.family == "float":
-                acc = (acc / self.acc.type(self.divisor)).astype(self.acc)
-            else:  # C division truncates toward zero; numpy's // floors
-                wide = acc.astype(np.int64)
-                quotient = wide // self.divisor
-                quotient += ((wide % self.divisor) != 0) & (wide < 0)
-                acc = quotient.astype(self.acc)
-        if self.dtype == "bfloat16":
-            return f32_to_bf16(acc)
-        return acc.astype(self.element.storage)
-
-
-def _as_inputs(inputs: Sequence[np.ndarray], dtype: Optional[str]):
-    arrays = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
-    if not arrays:
-        raise CupycollValueError("the simulator needs at least one rank")
-    name = dtype or numpy_dtype_name(arrays[0])
-    storage = np.dtype(ELEMENTS[name].storage) if name in ELEMENTS else None
-    for x in arrays:
-        if storage is None or x.dtype.itemsize != storage.itemsize or len(x) != len(arrays[0]):
-            raise CupycollValueError("every rank's input must have the same length and dtype")
-    # Copies: an in-place simulation writes into them.
-    return name, [x.view(storage).copy() for x in arrays]
-
-
-def _run(plans: List[List[Action]], locals_: List[np.ndarray], outputs: List[np.ndarray],
-         arithmetic: _Arithmetic, slice_elems: int) -> None:
-    world = len(plans)
-    if len({len(plan) for plan in plans}) != 1:
-        raise ScheduleError("ranks have plans of different lengths")
-    scratch = [{(lane, slot): np.zeros(slice_elems, arithmetic.acc)
-                for lane in range(LANES) for slot in range(SLOTS)} for _ in range(world)]
-    for index in range(len(plans[0])):
-        actions = [plan[index] for plan in plans]
-        kinds = {type(a) for a in actions}
-        if len(kinds) != 1:
-            raise ScheduleError(f"action {index}: ranks disagree on its kind ({kinds})")
-        if isinstance(actions[0], (Exchange, Forward)):
-            _deliver(index, actions, locals_, outputs, scratch)
-            continue
-        for rank, action in enumerate(actions):
-            local, out, mine = locals_[rank], outputs[rank], scratch[rank]
-            if isinstance(action, Stage):
-                n = action.stop - action.start
-                mine[action.lane, action.slot][:n] = arithmetic.own(local[action.start:action.stop])
-            elif isinstance(action, Reduce):
-                n = action.stop - action.start
-                slot = mine[action.lane, action.slot]
-                value = arithmetic.combine(arithmetic.own(local[action.start:action.stop]), slot[:n])
-                if action.final:
-                    out[action.out_start:action.out_start + n] = arithmetic.finish(value)
-                else:
-                    slot[:n] = value
-            elif isinstance(action, Alone):
-                if action.transform:
-                    out[action.start:action.stop] = arithmetic.finish(
-                        arithmetic.own(local[action.start:action.stop]))
-                else:
-                    out[action.start:action.stop] = local[action.start:action.stop]
-
-
-def _deliver(index, actions, locals_, outputs, scratch) -> None:
-    """Every rank sends, then every rank receives what its left neighbour sent."""
-    world = len(actions)
-    messages = []
-    for rank, action in enumerate(actions):
-        if isinstance(action, Exchange):
-            if action.send_slot is None:
-                data = locals_[rank][action.send_start:action.send_stop]
-            else:
-                n = action.send_stop - action.send_start
-                data = scratch[rank][action.lane, action.send_slot][:n]
-        else:
-            data = outputs[rank][action.send_start:action.send_stop]
-        messages.append(((action.send_chunk, action.send_start, action.send_stop), data.copy()))
-    for rank, action in enumerate(actions):
-        (chunk, start, stop), data = messages[left_of(rank, world)]
-        if (chunk, start, stop) != (action.recv_chunk, action.recv_start, action.recv_stop):
-            raise ScheduleError(
-                f"action {index}: rank {rank} expects chunk {action.recv_chunk} "
-                f"[{action.recv_start}, {action.recv_stop}) but its left neighbour sends "
-                f"chunk {chunk} [{start}, {stop})")
-        if isinstance(action, Exchange):
-            scratch[rank][action.lane, action.recv_slot][:stop - start] = data
-        else:
-            outputs[rank][start:stop] = data
-
-
-def _restore(name: str, outputs: List[np.ndarray]) -> List[np.ndarray]:
-    return [out.view(np.bool_) if name == "bool" else out for out in outputs]
-
-
-def simulate_all_reduce(inputs: Sequence[np.ndarray], op: str, slice_elems: int = 1 << 16,
-                        dtype: Optional[str] = None, premul: Optional[float] = None,
-                        in_place: bool = False) -> List[np.ndarray]:
-    """Run the all-reduce schedule with numpy: ``inputs[r]`` is rank r's flat input;
-    returns each rank's output. ``dtype`` defaults to the arrays' (pass ``"bfloat16"``
-    with uint16 bit patterns); ``premul`` is PREMUL_SUM's factor (in the accumulation
-    type, as a Python float reaches the kernels). ``in_place``: the output is the input
-    buffer, so a schedule that overwrote data it still needs would show it."""
-    name, locals_ = _as_inputs(inputs, dtype)
-    world, count = len(locals_), len(locals_[0])
-    arithmetic = _Arithmetic(name, op, premul, world)
-    plans = [all_reduce_plan(r, world, count, slice_elems, name, op) for r in range(world)]
-    if in_place:
-        outputs = locals_
-    else:
-        # Filled with a byte pattern, not zeros, so an element never written shows.
-        dtype_ = locals_[0].dtype
-        outputs = [np.full(count * dtype_.itemsize, 0x5A, np.uint8).view(dtype_)
-                   for _ in range(world)]
-    _run(plans, locals_, outputs, arithmetic, slice_elems)
-    return _restore(name, outputs)
-
-
-def simulate_reduce_scatter(inputs: Sequence[np.ndarray], op: str, slice_elems: int = 1 << 16,
-                            dtype: Optional[str] = None, premul: Optional[float] = None,
-                            in_place: bool = False) -> List[np.ndarray]:
-    """Run the reduce-scatter schedule with numpy: ``inputs[r]`` holds ``world`` blocks;
-    rank r's output is the reduction of block r. ``in_place``: the output is block r of
-    the input itself (NCCL's in-place reduce-scatter)."""
-    name, locals_ = _as_inputs(inputs, dtype)
-    world, count = len(locals_), len(locals_[0])
-    if count % world:
-        raise CupycollValueError(f"reduce-scatter input of {count} elements is not {world} blocks")
-    recvcount = count // world
-    arithmetic = _Arithmetic(name, op, premul, world)
-    plans = [reduce_scatter_full_plan(r, world, recvcount, slice_elems, name, op)
-             for r in range(world)]
-    if in_place:
-        outputs = [local[r * recvcount:(r + 1) * recvcount] for r, local in enumerate(locals_)]
-    else:
-        dtype_ = locals_[0].dtype
-        outputs = [np.full(recvcount * dtype_.itemsize, 0x5A, np.uint8).view(dtype_)
-                   for _ in range(world)]
-    _run(plans, locals_, outputs, arithmetic, slice_elems)
-    return _restore(name, [out.copy() for out in outputs])

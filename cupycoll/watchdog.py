@@ -61,6 +61,22 @@ class Watch:
         work._issued_at = time.monotonic()
         self.inflight.append(work)
 
+    def drain(self, timeout: float) -> bool:
+        """Wait (polling events, never syncing) until every tracked Work is done; False on a
+        fault or when ``timeout`` seconds pass first. For a clean shutdown."""
+        deadline = time.monotonic() + timeout
+        inflight = self.inflight
+        while inflight:
+            if self.fault is not None:
+                return False
+            if inflight[0]._query_done():
+                inflight.popleft()
+                continue
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return self.fault is None
+
     def poll(self, now: Optional[float] = None) -> Optional[CupycollError]:
         """One watchdog pass over this group; returns the fault it found (and handled)."""
         if self.fault is not None:

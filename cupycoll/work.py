@@ -7,8 +7,9 @@ queries a CUDA event, and ``get_future()`` returns a CUDA-aware ``torch.futures.
 holding the outputs, usable by DDP communication hooks.
 
 A Work may be *pending*: its NCCL call is queued (batched point-to-point, or inside a
-coalescing block) and not yet issued. Touching it (wait, is_completed, get_future) asks the
-group to issue the queue first, so a waited Work never hangs on an unissued call.
+coalescing block) and not yet issued. Such a Work is built with ``flush``, the backend's
+way to issue its queue; touching the Work (wait, is_completed, get_future) calls it first,
+so a waited Work never hangs on an unissued call.
 
 Every issued Work carries a completion event and is tracked by its group's watchdog
 (:mod:`cupycoll.watchdog`), which fails it with the fault (timeout, NCCL async error,
@@ -52,7 +53,17 @@ class CudaWork(dist.Work):
         self._keepalive = None
         self._error: Optional[BaseException] = None
 
-    # -- called by the group ---------------------------------------------------------
+    @classmethod
+    def covering(cls, works: List["CudaWork"], blocking_wait: bool = False) -> "CudaWork":
+        """One Work for the issued Works of a coalescing block (one NCCL group, one stream
+        and event): its outputs are theirs, in order, and it keeps their tensors."""
+        first = works[0]
+        work = cls("coalesced", first.device, [t for w in works for t in w.result()],
+                   seq=works[-1].seq, blocking_wait=blocking_wait)
+        work._issued(first._stream, first._event, [w._keepalive for w in works])
+        return work
+
+    # -- called by the backend -------------------------------------------------------
     def _issued(self, stream, event, keepalive=None) -> None:
         """The NCCL call was enqueued on ``stream``; ``event`` (may be None) follows it."""
         self._flush = None
@@ -175,6 +186,13 @@ class CudaWork(dist.Work):
 
     def get_future_result(self):
         return self.get_future()
+
+
+def empty_work() -> dist.Work:
+    """A completed Work with no outputs (an empty coalescing block)."""
+    future = torch.futures.Future()
+    future.set_result([])
+    return torch._C._distributed_c10d._create_work_from_future(future)
 
 
 class FutureWork(dist.Work):

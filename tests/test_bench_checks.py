@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import catalog, checks, metrics, runner  # noqa: E402
+from bench import calls, catalog, checks, metrics  # noqa: E402
 
 ROOT_RANK = 1
 
@@ -76,7 +76,7 @@ def _simulate(collective, op, world, bufs, dtype, root):
 
 CASES = []
 for _collective in catalog.COLLECTIVES:
-    for _placement in runner.PLACEMENTS[_collective]:
+    for _placement in calls.PLACEMENTS[_collective]:
         _ops = (["sum", "prod", "max", "min", "avg", "mulsum", "band", "bxor"]
                 if _collective in catalog.REDUCING else ["none"])
         for _op in _ops:
@@ -91,11 +91,11 @@ for _collective in catalog.COLLECTIVES:
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("collective,placement,op,dtype_name", CASES)
 def test_check_agrees_with_simulation(collective, placement, op, dtype_name, world):
-    dtype = runner.torch_dtype(dtype_name)
+    dtype = calls.torch_dtype(dtype_name)
     typesize = catalog.DTYPES[dtype_name][1]
     lay = metrics.layout(collective, 96 * world * typesize, typesize, world)
     root = ROOT_RANK
-    bufs = [runner.make_buffers(collective, lay, dtype, torch.device("cpu"), placement, r) for r in range(world)]
+    bufs = [calls.make_buffers(collective, lay, dtype, torch.device("cpu"), placement, r) for r in range(world)]
     for r, b in enumerate(bufs):
         checks.prepare(collective, op, r, world, root, b)
     # before the collective, every rank with a defined output sees wrong elements
@@ -117,7 +117,7 @@ def test_check_catches_a_misplaced_chunk():
     block 0 is caught, even though each block is a correct reduction of something."""
     world, dtype = 4, torch.float32
     lay = metrics.layout("reduce_scatter", 4096, 4, world)
-    bufs = [runner.make_buffers("reduce_scatter", lay, dtype, torch.device("cpu"), "out-of-place", r)
+    bufs = [calls.make_buffers("reduce_scatter", lay, dtype, torch.device("cpu"), "out-of-place", r)
             for r in range(world)]
     for r, b in enumerate(bufs):
         checks.prepare("reduce_scatter", "sum", r, world, 0, b)
@@ -132,7 +132,7 @@ def test_check_works_in_slices(monkeypatch):
     monkeypatch.setattr(checks, "CHUNK", 7)
     world, dtype = 2, torch.float16
     lay = metrics.layout("all_reduce", 200, 2, world)
-    bufs = [runner.make_buffers("all_reduce", lay, dtype, torch.device("cpu"), "in-place", r) for r in range(world)]
+    bufs = [calls.make_buffers("all_reduce", lay, dtype, torch.device("cpu"), "in-place", r) for r in range(world)]
     for r, b in enumerate(bufs):
         checks.prepare("all_reduce", "sum", r, world, 0, b)
     total = bufs[0].send + bufs[1].send

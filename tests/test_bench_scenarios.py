@@ -76,7 +76,7 @@ def test_scenario_lines_print_every_target():
 
 
 class _Ctx:
-    """Just enough of runner.Rank for the kernel scenario's rank-0 part."""
+    """Just enough of rank.Rank for the kernel scenario's rank-0 part."""
 
     def __init__(self):
         self.device = torch.device("cuda", 0)  # never touched: the fake module does the work
@@ -115,7 +115,7 @@ def test_kernel_scenario_reads_ring_kernels_run(monkeypatch):
 def test_kernel_scenario_failure_is_a_row(monkeypatch):
     fake = types.ModuleType("bench.ring_kernels")
 
-    def run(device=0):
+    def run(sizes=(1,), dtypes=("float32",), iterations=20, warmup=3, device=0, verbose=True):
         raise RuntimeError("no NVRTC")
 
     fake.run = run

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import _types, compat
+from cupycoll import _args, compat
 from cupycoll.errors import CupycollValueError
 from installed import cupycoll_entry_points
 from mp import run_ranks
@@ -55,12 +55,12 @@ def test_premul_factor_absent():
     assert compat.premul_factor(dist.ReduceOp(dist.ReduceOp.SUM)) is None
     assert compat.premul_factor(dist.ReduceOp.PREMUL_SUM) is None  # a bare RedOpType
     with pytest.raises(CupycollValueError, match="_make_nccl_premul_sum"):
-        _types.reduction(torch.float32, dist.ReduceOp.PREMUL_SUM, False)
+        _args.reduction(torch.float32, dist.ReduceOp.PREMUL_SUM, False)
 
 
 def test_premul_factor_reaches_the_nccl_mapping():
     # The torch 2.11 failure: a valid op was rejected as "without a factor".
-    red = _types.reduction(torch.float32, dist._make_nccl_premul_sum(0.5), False)
+    red = _args.reduction(torch.float32, dist._make_nccl_premul_sum(0.5), False)
     assert red.premul_factor == 0.5
 
 

@@ -95,10 +95,10 @@ def test_blocking_wait_setting_reaches_the_works(monkeypatch):
     try:
         assert group.settings.blocking_wait is True
         # A send to a peer is queued, not issued: the Work exists without a GPU.
-        work = group._submit("send", torch.device("cuda", 0), [], launch=None, peer=0)
+        work = group._cuda.submit("send", torch.device("cuda", 0), [], launch=None, peer=0)
         assert work._blocking_wait is True
     finally:
-        group._queue.clear()
+        group._cuda.calls.drop()
         dist.destroy_process_group()
 
 
@@ -243,6 +243,41 @@ def test_entry_point_is_cheap_and_registers():
     assert off.stdout.split() == ["False", "False"]
 
 
+def test_import_torch_does_not_import_the_process_group():
+    # the entry point runs during ``import torch``: it must not pay for the process group
+    code = ("import sys, torch, cupycoll; print('cupycoll.process_group' in sys.modules); "
+            "cupycoll.ProcessGroupCupycoll; print('cupycoll.process_group' in sys.modules)")
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]  # loaded on first access (PEP 562)
+
+
+def test_the_cuda_backend_is_what_torch_expects():
+    dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        backend = group._get_backend(torch.device("cuda"))
+        assert backend is group._cuda and backend.name() == cupycoll.BACKEND_NAME
+        assert backend.supports_coalescing is False and backend.supports_time_estimate is False
+        assert callable(backend.eager_connect_single_device) and callable(backend.perform_nocolor_split)
+        assert cupycoll.BACKEND_NAME is config.BACKEND_NAME is cupycoll.process_group.BACKEND_NAME
+    finally:
+        dist.destroy_process_group()
+
+
+def test_eager_connect_binds_the_group_torch_keeps(monkeypatch):
+    # torch sets bound_device_id on the ProcessGroup it built, then keeps ours instead: the
+    # backend's eager connect must bind ours, or subgroups are never split from it
+    from standins import CpuAsCudaGroup
+
+    cuda0 = torch.device("cuda", 0)
+    group = CpuAsCudaGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
+    connected = []
+    monkeypatch.setattr(group._cuda, "comm_for", connected.append)
+    group._get_backend(cuda0).eager_connect_single_device(cuda0)
+    assert group.bound_device_id == cuda0 and connected == [cuda0]
+
+
 def test_import_cupycoll_does_not_import_cupy():
     result = _python("import sys, cupycoll; print('cupy' in sys.modules)", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert result.returncode == 0, result.stderr
@@ -278,10 +313,10 @@ def test_destroyed_group_is_freed_without_the_cycle_collector():
 
 def test_splitting_is_offered_only_to_new_cupycoll_groups():
     # torch reads supports_splitting while creating any subgroup of a bound default group;
-    # a new nccl group must not get our handle as its split source.
-    from cupycoll.process_group import _CudaBackendHandle
+    # a new nccl group must not get our backend as its split source.
+    from cupycoll.backend import CudaBackend
 
-    handle = _CudaBackendHandle.__new__(_CudaBackendHandle)
+    handle = CudaBackend.__new__(CudaBackend)
 
     def _new_process_group_helper(backend):  # the name torch's helper has
         return handle.supports_splitting

@@ -5,6 +5,7 @@ nonblocking polling loop. Stand-ins replace CUDA events and NCCL communicators; 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 import weakref
 
 import pytest
@@ -20,9 +22,12 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 import cupycoll
+from cupycoll import bootstrap as bootstrap_module
 from cupycoll import communicator as communicator_module
+from cupycoll import config
 from cupycoll import nccl_bindings as nb
-from cupycoll import process_group as pg_module
+from cupycoll.backend import CudaBackend
+from cupycoll.bootstrap import StoreBootstrap
 from cupycoll.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 from cupycoll.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
@@ -186,15 +191,26 @@ def make_group(rank=0, size=2, timeout=5.0, store=None):
                           datetime.timedelta(seconds=timeout))
 
 
+def make_backend(rank=0, size=2, timeout=5.0, store=None):
+    """A CUDA backend on its own: the bootstrap needs no ProcessGroup."""
+    settings = config.resolve(None, datetime.timedelta(seconds=timeout))
+    return CudaBackend(store if store is not None else dist.HashStore(), rank, size, settings,
+                       name=lambda: "bootstrap")
+
+
+def make_bootstrap(rank=0, timeout=5.0, store=None):
+    return StoreBootstrap(store if store is not None else dist.HashStore(), rank, timeout)
+
+
 def test_a_fault_aborts_the_communicators_and_every_later_call_raises():
     group = make_group()
     comm = FakeComm()
-    group._comm = comm
+    group._cuda.comm = comm
     work, _ = issued_work(seq=4)
-    group._watch.track(work)
+    group._cuda._watch.track(work)
     fault = CollectiveTimeoutError("all_reduce #4 did not complete")
-    group._watch.handle(fault)
-    assert comm.aborted.is_set() and group._state == "aborted"
+    group._cuda._watch.handle(fault)
+    assert comm.aborted.is_set() and group._cuda.state == "aborted"
     assert work.exception() is fault
     with pytest.raises(CommunicatorAbortedError, match="was aborted: all_reduce #4 did not complete"):
         group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
@@ -205,9 +221,9 @@ def test_a_fault_aborts_the_communicators_and_every_later_call_raises():
 def test_abort_from_another_thread_fails_the_works_in_flight():
     group = make_group()
     comm = FakeComm()
-    group._comm = comm
+    group._cuda.comm = comm
     work, _ = issued_work()
-    group._watch.track(work)
+    group._cuda._watch.track(work)
     thread = threading.Thread(target=group.abort)
     thread.start()
     thread.join(5)
@@ -220,34 +236,34 @@ def test_abort_all_reaches_every_live_group():
     groups = [make_group(), make_group()]
     comms = [FakeComm(), FakeComm()]
     for group, comm in zip(groups, comms):
-        group._comm = comm
+        group._cuda.comm = comm
     assert cupycoll.abort_all() >= 2
     assert all(c.aborted.is_set() for c in comms)
-    assert all(g._state == "aborted" for g in groups)
+    assert all(g._cuda.state == "aborted" for g in groups)
 
 
 def test_a_rank_that_never_sends_the_unique_id_times_out():
-    group = make_group(rank=1, timeout=0.3)
+    bootstrap = make_bootstrap(rank=1, timeout=0.3)
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="ncclUniqueId of 'comm'"):
-        group._exchange_unique_id("comm", creator=False, members=2)
+        bootstrap.unique_id("comm", creator=False, members=2)
     assert time.monotonic() - start < 3
 
 
 def test_a_rank_that_never_joins_makes_creation_time_out(monkeypatch):
-    monkeypatch.setattr(pg_module, "new_unique_id", lambda: b"\1" * 128)
-    group = make_group(rank=0, size=3, timeout=0.3)
+    monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\1" * 128)
+    bootstrap = make_bootstrap(rank=0, timeout=0.3)
     with pytest.raises(CollectiveTimeoutError, match=r"all 3 ranks to join .* \(1 arrived\)"):
-        group._exchange_unique_id("comm", creator=True, members=3)
+        bootstrap.unique_id("comm", creator=True, members=3)
 
 
 def test_ranks_that_all_join_get_the_same_unique_id(monkeypatch):
-    monkeypatch.setattr(pg_module, "new_unique_id", lambda: b"\7" * 128)
+    monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\7" * 128)
     store = dist.HashStore()
-    groups = [make_group(rank=r, size=3, store=store) for r in range(3)]
+    bootstraps = {r: make_bootstrap(rank=r, store=store) for r in range(3)}
     results = {}
-    threads = [threading.Thread(target=lambda g=g: results.setdefault(
-        g._rank, g._exchange_unique_id("comm", g._rank == 0, 3))) for g in groups]
+    threads = [threading.Thread(target=lambda r=r, b=b: results.setdefault(
+        r, b.unique_id("comm", r == 0, 3))) for r, b in bootstraps.items()]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -256,12 +272,12 @@ def test_ranks_that_all_join_get_the_same_unique_id(monkeypatch):
 
 
 def test_abort_ends_a_wait_for_peers_during_init():
-    group = make_group(rank=1, timeout=60)
+    backend = make_backend(rank=1, timeout=60)
     errors = []
 
     def create():
         try:
-            group._exchange_unique_id("comm", creator=False, members=2)
+            backend._bootstrap.unique_id("comm", creator=False, members=2)
         except CupycollError as exc:
             errors.append(exc)
 
@@ -269,7 +285,7 @@ def test_abort_ends_a_wait_for_peers_during_init():
     thread.start()
     time.sleep(0.2)
     start = time.monotonic()
-    group.abort()
+    backend.abort()
     thread.join(5)
     assert not thread.is_alive() and time.monotonic() - start < 2
     assert isinstance(errors[0], CommunicatorAbortedError)
@@ -289,17 +305,17 @@ def test_abort_reaches_a_communicator_still_connecting(monkeypatch):
 
     def create():
         try:
-            group._create_comm(b"\0" * 128, 0, 2, 0)
+            group._cuda._create_comm(b"\0" * 128, 0, 2, 0)
         except CupycollError as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=create)
     thread.start()
-    assert eventually(lambda: group._pending_comms == [pending])
+    assert eventually(lambda: group._cuda._pending_comms == [pending])
     group.abort()
     thread.join(5)
     assert pending.aborted.is_set() and isinstance(errors[0], CommunicatorAbortedError)
-    assert group._pending_comms == []
+    assert group._cuda._pending_comms == []
 
 
 # -- nonblocking polling (the communicator's loop, with a scripted NCCL) -----------------
@@ -410,13 +426,13 @@ def test_calls_inside_a_group_are_polled_when_the_outermost_group_ends(monkeypat
             events.append("end")
             return nb.ncclInProgress
 
-    monkeypatch.setattr(communicator_module, "_library", lambda path=None: GroupLibrary())
     first, second = polling_comm([nb.ncclSuccess]), polling_comm([nb.ncclSuccess])
     for comm in (first, second):
+        comm._lib = GroupLibrary()
         comm._poll = lambda function, timeout=None, comm=comm: events.append(("poll", comm, function))
-    with communicator_module.nccl_group():
+    with first.group():
         first._settle("ncclSend", nb.ncclSuccess)
-        with communicator_module.nccl_group():
+        with second.group():
             second._settle("ncclRecv", nb.ncclSuccess)
             first._settle("ncclRecv", nb.ncclSuccess)
         assert events == ["start", "start", "end"]  # the inner end settles nothing
@@ -425,3 +441,33 @@ def test_calls_inside_a_group_are_polled_when_the_outermost_group_ends(monkeypat
     # outside a group, a call that returned ncclInProgress is polled at once
     first._settle("ncclAllReduce", nb.ncclInProgress)
     assert events[-1] == ("poll", first, "ncclAllReduce")
+
+
+def test_an_nccl_group_never_looks_the_library_up_again(monkeypatch):
+    # A group is ncclGroupStart/End of the library the communicator already holds; finding
+    # the library again (mapped libraries, the pip package, dlopen) cost ~200 us per group.
+    pytest.importorskip("cupy.cuda.nccl")
+
+    class Stream:
+        ptr = 0
+
+        def __init__(self, non_blocking=False):
+            pass
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(),
+                                                            Stream=Stream))
+    monkeypatch.setattr(communicator_module._cuda, "cupy_module", lambda: cupy)
+    comm = Communicator(0, 0, 1, cupy_comm=object())  # blocking mode: no NCCL comm is touched
+    lookups = []
+
+    def find_library(path=None):
+        lookups.append(path)
+        raise AssertionError("the NCCL library was looked up again")
+
+    monkeypatch.setattr(nb, "find_library", find_library)
+    for _ in range(3):
+        with comm.group():  # ncclGroupStart/End need no GPU
+            with comm.group():
+                pass
+    assert lookups == []
+    assert nb.load(None) is comm._lib  # a path asked for before is not resolved again

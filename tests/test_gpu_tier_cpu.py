@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import mp
-from cupycoll import _types
+from cupycoll import _args, _cuda
+from cupycoll import bootstrap as bootstrap_module
 from cupycoll import nccl_bindings as nb
-from cupycoll import process_group as pg_module
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
 from gpu.tier import COMMAND_LIMIT_S, GPU_TIER, GPU_TIER_BUDGETS_S, GPU_TIER_ESTIMATES_S, pytest_command
 from standins import CUDA, CpuAsCudaGroup
@@ -184,14 +184,14 @@ def test_reduce_runs_no_max_on_complex_which_cupycoll_rejects():
     assert api_plan.reduce_ops_for(torch.complex64) == (R.SUM,)
     assert api_plan.reduce_ops_for(torch.float32) == (R.SUM, R.MAX)
     with pytest.raises(CupycollValueError, match="MAX is not defined for dtype torch.complex64"):
-        _types.reduction(torch.complex64, R.MAX, True)
+        _args.reduction(torch.complex64, R.MAX, True)
 
 
 def test_ring_exchanges_are_skipped_at_one_rank_where_they_would_send_to_self():
     assert not api_plan.self_p2p_cases_apply(1) and api_plan.self_p2p_cases_apply(2)
     group = CpuAsCudaGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
     with pytest.raises(CupycollValueError, match="own rank"):
-        group._check_peer(0)
+        group.send([torch.ones(1)], 0)
 
 
 @pytest.mark.parametrize("family, dtype, reason", [
@@ -266,46 +266,45 @@ def test_comparison_leaves_out_cases_the_reference_got_wrong():
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
-def test_fp8_avg_on_one_rank_is_issued_as_sum(dtype):
+def test_fp8_avg_on_one_rank_is_issued_as_sum(dtype, monkeypatch):
     # NCCL's one-rank path has no fp8 pre-multiply on the host: ncclInvalidArgument
-    red = _types.reduction(dtype, R.AVG, True)
+    red = _args.reduction(dtype, R.AVG, True)
     assert red.op == nb.ncclAvg
-    assert _types.for_group_size(red, dtype, 1).op == nb.ncclSum
-    assert _types.for_group_size(red, dtype, 2).op == nb.ncclAvg
-    other = _types.reduction(torch.float16, R.AVG, True)
-    assert _types.for_group_size(other, torch.float16, 1) is other
+    assert _args.for_group_size(red, dtype, 1).op == nb.ncclSum
+    assert _args.for_group_size(red, dtype, 2).op == nb.ncclAvg
+    other = _args.reduction(torch.float16, R.AVG, True)
+    assert _args.for_group_size(other, torch.float16, 1) is other
+    monkeypatch.setattr(_cuda, "fp8_supported", lambda: True)
     for size, op in ((1, nb.ncclSum), (3, nb.ncclAvg)):
-        group = CpuAsCudaGroup(dist.HashStore(), 0, size, datetime.timedelta(seconds=5))
-        group._fp8 = True
         # torch.ones(dtype=fp8) has no CPU fill kernel on torch 2.4; a conversion has
-        assert group._reduction(torch.ones(2).to(dtype), R.AVG, "all_reduce").op == op
+        assert _args.reduction_plan(torch.ones(2).to(dtype), R.AVG, "auto", size).op == op
 
 
 def test_a_communicator_creation_that_times_out_faults_the_group(monkeypatch):
     # a retry would re-count arrivals from a half-filled incarnation (ranks disagree on
     # which unique id to use); the group must be dead instead, failing fast
-    monkeypatch.setattr(pg_module, "new_unique_id", lambda: b"\1" * 128)
+    monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\1" * 128)
     store = dist.HashStore()
     group = CpuAsCudaGroup(store, 0, 3, datetime.timedelta(seconds=0.3))
     with pytest.raises(CollectiveTimeoutError, match="all 3 ranks to join"):
-        group._comm_for(CUDA)
-    assert group._state == "aborted"
+        group._cuda.comm_for(CUDA)
+    assert group._cuda.state == "aborted"
     joined = store.add("cupycoll/comm/joined", 0)
     start = time.monotonic()
     with pytest.raises(CommunicatorAbortedError, match="timed out") as info:
-        group._comm_for(CUDA)
+        group._cuda.comm_for(CUDA)
     assert time.monotonic() - start < 0.1 and isinstance(info.value.__cause__, CollectiveTimeoutError)
     assert store.add("cupycoll/comm/joined", 0) == joined  # no second arrival counted
 
 
 def test_a_pair_communicator_creation_that_times_out_faults_the_group(monkeypatch):
-    monkeypatch.setattr(pg_module, "new_unique_id", lambda: b"\1" * 128)
+    monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\1" * 128)
     group = CpuAsCudaGroup(dist.HashStore(), 1, 3, datetime.timedelta(seconds=0.3))
-    group._device = CUDA
+    group._cuda.device = CUDA
     with pytest.raises(CollectiveTimeoutError):
-        group._p2p_comm(2)
+        group._cuda.p2p_comm(2)
     with pytest.raises(CommunicatorAbortedError):
-        group._p2p_comm(0)
+        group._cuda.p2p_comm(0)
 
 
 # -- the tier's split (tests/gpu/tier.py) ----------------------------------------------------

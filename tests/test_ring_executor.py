@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import cupycoll._cuda
-from cupycoll import nccl_bindings, ring, ring_schedule as rs
+from cupycoll import nccl_bindings, ring, ring_schedule as rs, ring_simulator as sim
 from cupycoll._kernels import ELEMENTS, KINDS, all_pairs
 from cupycoll.errors import CommunicatorAbortedError, CupycollTypeError, CupycollValueError
 
@@ -123,10 +123,10 @@ class FakeKernel:
         if self.op == "premul_sum":
             if int(factor_ptr):
                 raw = heap.view(int(factor_ptr), storage.itemsize).view(storage)
-                premul = rs.bf16_to_f32(raw)[0] if self.dtype == "bfloat16" else raw.astype(acc)[0]
+                premul = sim.bf16_to_f32(raw)[0] if self.dtype == "bfloat16" else raw.astype(acc)[0]
             else:
                 premul = factor
-        arithmetic = rs._Arithmetic(self.dtype, self.op, premul, int(divisor))
+        arithmetic = sim._Arithmetic(self.dtype, self.op, premul, int(divisor))
         mine = heap.view(int(local), n * storage.itemsize).view(storage)
         value = arithmetic.own(mine)
         if self.kind in ("ring_reduce", "ring_reduce_final"):
@@ -160,7 +160,7 @@ class FakeComm:
 def fake_gpu(monkeypatch):
     launches = []
     monkeypatch.setattr(cupycoll._cuda, "cupy_module", fake_cupy)
-    monkeypatch.setattr(ring, "nccl_group", contextlib.nullcontext)
+    monkeypatch.setattr(FakeComm, "group", lambda self: contextlib.nullcontext(), raising=False)
     monkeypatch.setattr(ring, "compile_module",
                         lambda device, dtype, op: {k: FakeKernel(k, dtype, op, launches) for k in KINDS})
     return launches
@@ -196,7 +196,7 @@ def run_world(kind, inputs, dtype, op, scratch_bytes, in_place=False, premul=Non
                 if premul_on_device:
                     ptr = heap.alloc(storage.itemsize)
                     factor = np.array([premul], np.float32)
-                    factor = rs.f32_to_bf16(factor) if dtype == "bfloat16" else factor.astype(storage)
+                    factor = sim.f32_to_bf16(factor) if dtype == "bfloat16" else factor.astype(storage)
                     heap.view(ptr, storage.itemsize)[:] = factor.view(np.uint8)
                     kwargs["premul_ptr"] = ptr
                 else:
@@ -226,7 +226,7 @@ def _inputs(world, count, dtype, seed=0):
     if dtype == "bool":
         return [rng.integers(0, 2, count).astype(bool) for _ in range(world)]
     if dtype == "bfloat16":
-        return [rs.f32_to_bf16(rng.standard_normal(count).astype(np.float32)) for _ in range(world)]
+        return [sim.f32_to_bf16(rng.standard_normal(count).astype(np.float32)) for _ in range(world)]
     if ELEMENTS[dtype].family == "float":
         return [rng.standard_normal(count).astype(dtype) for _ in range(world)]
     info = np.iinfo(dtype)
@@ -248,7 +248,7 @@ def test_all_reduce_equals_the_simulator_bitwise(fake_gpu, world, in_place):
         for count in (1, 7, 1001):
             inputs = _inputs(world, count, dtype, seed=count)
             outs, _ = run_world("all_reduce", inputs, dtype, op, SCRATCH, in_place, premul)
-            expected = rs.simulate_all_reduce(inputs, op, dtype=dtype, premul=premul)
+            expected = sim.simulate_all_reduce(inputs, op, dtype=dtype, premul=premul)
             for rank in range(world):
                 assert _same_bits(outs[rank], expected[rank]), (dtype, op, count, rank)
 
@@ -261,7 +261,7 @@ def test_reduce_scatter_equals_the_simulator_bitwise(fake_gpu, world, in_place):
         for recvcount in (1, 5, 300):
             inputs = _inputs(world, recvcount * world, dtype, seed=recvcount)
             outs, _ = run_world("reduce_scatter", inputs, dtype, op, SCRATCH, in_place, premul)
-            expected = rs.simulate_reduce_scatter(inputs, op, dtype=dtype, premul=premul)
+            expected = sim.simulate_reduce_scatter(inputs, op, dtype=dtype, premul=premul)
             for rank in range(world):
                 assert _same_bits(outs[rank], expected[rank]), (dtype, op, recvcount, rank)
 
@@ -270,7 +270,7 @@ def test_reduce_scatter_equals_the_simulator_bitwise(fake_gpu, world, in_place):
 def test_premul_factor_from_device_memory(fake_gpu, dtype):
     inputs = _inputs(3, 100, dtype)
     outs, _ = run_world("all_reduce", inputs, dtype, "premul_sum", SCRATCH, premul=0.375, premul_on_device=True)
-    expected = rs.simulate_all_reduce(inputs, "premul_sum", dtype=dtype, premul=0.375)  # exact in every dtype
+    expected = sim.simulate_all_reduce(inputs, "premul_sum", dtype=dtype, premul=0.375)  # exact in every dtype
     for out in outs:
         assert _same_bits(out, expected[0])
 
@@ -287,7 +287,7 @@ def test_fp16_partials_travel_as_fp32_and_results_as_fp16(fake_gpu):
 def test_misaligned_buffers(fake_gpu):
     inputs = _inputs(3, 999, "int8")
     outs, _ = run_world("all_reduce", inputs, "int8", "bxor", SCRATCH, misalign=3)
-    expected = rs.simulate_all_reduce(inputs, "bxor")
+    expected = sim.simulate_all_reduce(inputs, "bxor")
     assert all(_same_bits(o, expected[0]) for o in outs)
 
 

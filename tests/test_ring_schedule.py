@@ -1,4 +1,5 @@
-"""CPU tier: the ring schedule (cupycoll.ring_schedule), run by its numpy simulator.
+"""CPU tier: the ring schedule (cupycoll.ring_schedule), run by its numpy simulator
+(cupycoll.ring_simulator).
 
 The GPU executes the same plans (:func:`cupycoll.ring.plan_for` builds them through the
 same functions) and the same stream commands (:func:`issue`), so what is proven here about
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from cupycoll import ring, ring_schedule as rs
+from cupycoll import ring, ring_schedule as rs, ring_simulator as sim
 from cupycoll._kernels import ELEMENTS, all_pairs
 from cupycoll.errors import CupycollValueError
 
@@ -31,14 +32,14 @@ def _values(rank, n, dtype, rng=None):
     if dtype == "bool":
         return base % 2 == 0
     if dtype == "bfloat16":
-        return rs.f32_to_bf16(base.astype(np.float32))
+        return sim.f32_to_bf16(base.astype(np.float32))
     return base.astype(dtype)
 
 
 def _reference(inputs, dtype, op, premul=None):
     world = len(inputs)
     if dtype == "bfloat16":
-        xs = [rs.bf16_to_f32(x).astype(np.float64) for x in inputs]
+        xs = [sim.bf16_to_f32(x).astype(np.float64) for x in inputs]
     elif dtype in ("float16", "float32", "float64"):
         xs = [x.astype(np.float64) for x in inputs]
     else:
@@ -70,7 +71,7 @@ def _reference(inputs, dtype, op, premul=None):
         else:  # C's truncating division, on the wrapped sum
             out = np.trunc(out.astype(np.float64) / world).astype(out.dtype)
     if dtype == "bfloat16":
-        return rs.f32_to_bf16(out.astype(np.float32))
+        return sim.f32_to_bf16(out.astype(np.float32))
     return out.astype(dtype)
 
 
@@ -119,6 +120,20 @@ def test_slice_elems_fits_the_scratch():
         assert rs.LANES * rs.SLOTS * elems * acc <= 4 << 20
     with pytest.raises(CupycollValueError, match="too small"):
         rs.slice_elems_for(100, 8)
+
+
+def test_the_schedule_is_plain_data():
+    """ring_schedule imports the standard library and cupycoll only: numpy is the
+    simulator's (ring_simulator), not the schedule's."""
+    import ast
+    import pathlib
+
+    tree = ast.parse(pathlib.Path(rs.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert imported <= {"__future__", "dataclasses", "typing"}, imported
 
 
 # ----------------------------------------------------------------------------- step order
@@ -197,7 +212,7 @@ def test_simulated_all_reduce_matches_reference(dtype, op):
             inputs = [_values(r, count, dtype) for r in range(world)]
             expected = _reference(inputs, dtype, op, premul)
             for in_place in (False, True):
-                outs = rs.simulate_all_reduce(inputs, op, slice_elems=16, dtype=dtype,
+                outs = sim.simulate_all_reduce(inputs, op, slice_elems=16, dtype=dtype,
                                               premul=premul, in_place=in_place)
                 for rank, out in enumerate(outs):
                     _assert_same_bits(out, np.asarray(expected).astype(out.dtype),
@@ -212,7 +227,7 @@ def test_simulated_reduce_scatter_matches_reference(dtype, op):
             inputs = [_values(r, world * recvcount, dtype) for r in range(world)]
             expected = np.asarray(_reference(inputs, dtype, op, premul))
             for in_place in (False, True):
-                outs = rs.simulate_reduce_scatter(inputs, op, slice_elems=16, dtype=dtype,
+                outs = sim.simulate_reduce_scatter(inputs, op, slice_elems=16, dtype=dtype,
                                                   premul=premul, in_place=in_place)
                 for rank, out in enumerate(outs):
                     block = expected[rank * recvcount:(rank + 1) * recvcount].astype(out.dtype)
@@ -224,12 +239,12 @@ def test_many_slices_and_waves(world):
     rng = np.random.default_rng(world)
     count = 5000
     inputs = [rng.integers(-1000, 1000, count).astype(np.int64) for _ in range(world)]
-    outs = rs.simulate_all_reduce(inputs, "sum", slice_elems=16)  # ~100 rounds, 50 waves
+    outs = sim.simulate_all_reduce(inputs, "sum", slice_elems=16)  # ~100 rounds, 50 waves
     for out in outs:
         _assert_same_bits(out, np.sum(inputs, axis=0), f"world {world}")
     per = count // world
     xs = [x[:per * world].astype(np.int32) for x in inputs]
-    outs = rs.simulate_reduce_scatter(xs, "bxor", slice_elems=32)
+    outs = sim.simulate_reduce_scatter(xs, "bxor", slice_elems=32)
     full = functools.reduce(np.bitwise_xor, xs)
     for rank, out in enumerate(outs):
         _assert_same_bits(out, full[rank * per:(rank + 1) * per], f"rank {rank}")
@@ -237,19 +252,19 @@ def test_many_slices_and_waves(world):
 
 def test_integer_avg_truncates_like_c():
     inputs = [np.array([-7, 7, -1, 5, -128], np.int64), np.zeros(5, np.int64), np.zeros(5, np.int64)]
-    out = rs.simulate_all_reduce(inputs, "avg")[0]
+    out = sim.simulate_all_reduce(inputs, "avg")[0]
     assert out.tolist() == [-2, 2, 0, 1, -42]
     wrapped = [np.array([100], np.int8), np.array([100], np.int8)]  # 200 wraps to -56
-    assert rs.simulate_all_reduce(wrapped, "avg")[0].tolist() == [-28]
+    assert sim.simulate_all_reduce(wrapped, "avg")[0].tolist() == [-28]
 
 
 def test_float_min_max_propagate_nan():
     a = np.array([np.nan, 1.0, 2.0], np.float32)
     b = np.array([0.0, np.nan, -1.0], np.float32)
     for op in ("min", "max"):
-        out = rs.simulate_all_reduce([a, b], op)[0]
+        out = sim.simulate_all_reduce([a, b], op)[0]
         assert np.isnan(out[0]) and np.isnan(out[1])
-    assert rs.simulate_all_reduce([a, b], "min")[0][2] == -1.0
+    assert sim.simulate_all_reduce([a, b], "min")[0][2] == -1.0
 
 
 @pytest.mark.parametrize("world", (2, 3, 4, 8))
@@ -257,7 +272,7 @@ def test_fp16_accumulates_in_fp32_and_rounds_once(world):
     # 2048 + 1 + 1 ... : fp16 spacing at 2048 is 2, so adding 1 per hop in fp16 never
     # moves; fp32 partials keep every 1 and round once at the end.
     inputs = [np.full(40, 2048 if r == 0 else 1, np.float16) for r in range(world)]
-    out = rs.simulate_all_reduce(inputs, "sum")[0]
+    out = sim.simulate_all_reduce(inputs, "sum")[0]
     assert out.dtype == np.float16
     assert (out == np.float16(2048 + world - 1)).all()
 
@@ -267,7 +282,7 @@ def test_fp16_accumulates_in_fp32_and_rounds_once(world):
     xs = [(rng.uniform(0.0625, 4, 1001) * rng.choice([-1, 1], 1001)).astype(np.float16)
           for _ in range(world)]
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
-    for out in rs.simulate_all_reduce(xs, "sum", slice_elems=64):
+    for out in sim.simulate_all_reduce(xs, "sum", slice_elems=64):
         _assert_same_bits(out, exact.astype(np.float16), "fp16 once-rounded")
 
 
@@ -276,9 +291,9 @@ def test_bf16_accumulates_in_fp32_and_rounds_once(world):
     rng = np.random.default_rng(world)
     xs32 = [(rng.uniform(0.0625, 4, 777) * rng.choice([-1, 1], 777)).astype(np.float32) for _ in range(world)]
     xs = [torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16) for x in xs32]
-    exact = np.sum([rs.bf16_to_f32(x).astype(np.float64) for x in xs], axis=0)
+    exact = np.sum([sim.bf16_to_f32(x).astype(np.float64) for x in xs], axis=0)
     expected = torch.from_numpy(exact.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
-    outs = rs.simulate_all_reduce(xs, "sum", dtype="bfloat16")
+    outs = sim.simulate_all_reduce(xs, "sum", dtype="bfloat16")
     for out in outs:
         assert np.array_equal(out.view(np.int16), expected)
 
@@ -288,7 +303,7 @@ def test_results_identical_on_every_rank_for_random_floats(world):
     rng = np.random.default_rng(world)
     for dtype in ("float16", "float32", "float64"):
         xs = [rng.standard_normal(1001).astype(dtype) for _ in range(world)]
-        outs = rs.simulate_all_reduce(xs, "sum", slice_elems=32)
+        outs = sim.simulate_all_reduce(xs, "sum", slice_elems=32)
         for out in outs[1:]:
             _assert_same_bits(out, outs[0], dtype)
         np.testing.assert_allclose(outs[0].astype(np.float64),
@@ -299,14 +314,14 @@ def test_results_identical_on_every_rank_for_random_floats(world):
 def test_result_does_not_depend_on_the_slice_size():
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal(3001).astype(np.float32) for _ in range(4)]
-    base = rs.simulate_all_reduce(xs, "sum", slice_elems=16)[0]
+    base = sim.simulate_all_reduce(xs, "sum", slice_elems=16)[0]
     for slice_elems in (32, 48, 1024, 1 << 16):
-        _assert_same_bits(rs.simulate_all_reduce(xs, "sum", slice_elems=slice_elems)[0], base, str(slice_elems))
+        _assert_same_bits(sim.simulate_all_reduce(xs, "sum", slice_elems=slice_elems)[0], base, str(slice_elems))
 
 
 def test_premul_factor_is_applied_per_rank_in_the_accumulator():
     xs = [np.full(20, 3, np.float16) for _ in range(3)]
-    out = rs.simulate_all_reduce(xs, "premul_sum", premul=1 / 3)[0]
+    out = sim.simulate_all_reduce(xs, "premul_sum", premul=1 / 3)[0]
     # fp32: 3 * fp32(1/3) = 1.0000000298 (rounded product), times three ranks -> ~3.0
     assert (out == np.float16(3.0)).all()
 
@@ -321,13 +336,13 @@ def test_bf16_conversion_matches_torch():
                   0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7F8000], np.uint32),
     ])
     values = bits.view(np.float32)
-    ours = rs.f32_to_bf16(values)
+    ours = sim.f32_to_bf16(values)
     theirs = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     finite = ~np.isnan(values)
     assert np.array_equal(ours[finite], theirs[finite])
-    nan_out = rs.bf16_to_f32(ours[~finite])
+    nan_out = sim.bf16_to_f32(ours[~finite])
     assert np.isnan(nan_out).all()
-    back = rs.bf16_to_f32(theirs[finite])
+    back = sim.bf16_to_f32(theirs[finite])
     assert np.array_equal(back, torch.from_numpy(theirs[finite].view(np.int16)).view(torch.bfloat16).float().numpy())
 
 

@@ -2,7 +2,7 @@
 tensors through cupycoll's ring kernels, checked against local references.
 
 Every rank can compute every rank's inputs (a function of rank and case), so each result is
-checked twice, locally: bitwise against cupycoll.ring_schedule's numpy simulator (the ring
+checked twice, locally: bitwise against cupycoll.ring_simulator's numpy model (the ring
 computes exactly what it computes), and against a plain torch reduction (exact for integers
 and bool, loosely for floating point, where the ring's order differs from torch's).
 
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import ring_schedule as rs
 from cupycoll._kernels import supports
+from cupycoll.ring_simulator import simulate_all_reduce, simulate_reduce_scatter
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -155,9 +155,9 @@ def sweep(s: Suite, device, ring_scope, sizes):
                         x = ins[RANK].to(device)
                         with ring_scope():
                             dist.all_reduce(x, op=torch_op(op, t, device, tensor_factor))
-                        sim = rs.simulate_all_reduce([to_numpy(i, dtype) for i in ins], op,
-                                                     slice_elems=1 << 20, dtype=dtype,
-                                                     premul=PREMUL_FACTOR if op == "premul_sum" else None)
+                        sim = simulate_all_reduce([to_numpy(i, dtype) for i in ins], op,
+                                                  slice_elems=1 << 20, dtype=dtype,
+                                                  premul=PREMUL_FACTOR if op == "premul_sum" else None)
                         compare(s, name, x, sim[RANK], torch_reference(ins, dtype, op), dtype)
                     s.run(f"all_reduce/{tag}", all_reduce_case)
 
@@ -167,9 +167,9 @@ def sweep(s: Suite, device, ring_scope, sizes):
                         with ring_scope():
                             dist.reduce_scatter_tensor(out, ins[RANK].to(device),
                                                        op=torch_op(op, t, device, tensor_factor))
-                        sim = rs.simulate_reduce_scatter([to_numpy(i, dtype) for i in ins], op,
-                                                         slice_elems=1 << 20, dtype=dtype,
-                                                         premul=PREMUL_FACTOR if op == "premul_sum" else None)
+                        sim = simulate_reduce_scatter([to_numpy(i, dtype) for i in ins], op,
+                                                      slice_elems=1 << 20, dtype=dtype,
+                                                      premul=PREMUL_FACTOR if op == "premul_sum" else None)
                         full = torch_reference(ins, dtype, op)
                         compare(s, name, out, sim[RANK], full[RANK * n:(RANK + 1) * n], dtype)
                     s.run(f"reduce_scatter/{tag}", reduce_scatter_case)
@@ -183,7 +183,7 @@ def sweep(s: Suite, device, ring_scope, sizes):
         out = buf[RANK * n:(RANK + 1) * n]
         with ring_scope():
             dist.reduce_scatter_tensor(out, buf)
-        sim = rs.simulate_reduce_scatter([to_numpy(i, "float16") for i in ins], "sum")
+        sim = simulate_reduce_scatter([to_numpy(i, "float16") for i in ins], "sum")
         if not bits_equal(to_numpy(out, "float16"), sim[RANK]):
             s.fail(name, "in-place reduce_scatter differs from the simulator")
     s.run("reduce_scatter/in_place", in_place_out_of_place)

@@ -1,6 +1,6 @@
 """The CUDA call queue as pure logic: when point-to-point and coalesced calls are issued,
-and as which NCCL groups. A stand-in group records each batch ``_enqueue`` would issue as one
-NCCL group (the GPU tier issues the same batches for real)."""
+and as which NCCL groups. A stand-in backend records each batch ``_enqueue`` would issue as
+one NCCL group (the GPU tier issues the same batches for real)."""
 
 from __future__ import annotations
 
@@ -13,23 +13,35 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from cupycoll.bootstrap import StoreBootstrap
+from cupycoll.call_queue import Issue
 from cupycoll.errors import CupycollError, CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
-from standins import CUDA, CpuAsCudaGroup
+from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup
 
 
-class QueueGroup(CpuAsCudaGroup):
+class QueueBackend(CpuAsCudaBackend):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches = []
+
     def _enqueue(self, issues):
         self.batches.append([i.work.op_name for i in issues])
         for issue in issues:
             issue.work._issued(None, None)
 
 
+class QueueGroup(CpuAsCudaGroup):
+    backend_class = QueueBackend
+
+    @property
+    def batches(self):
+        return self._cuda.batches
+
+
 @pytest.fixture
 def group():
-    g = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
-    g.batches = []
-    return g
+    return QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
 
 
 def x(n=4):
@@ -87,7 +99,7 @@ def test_bad_input_inside_coalesced_call_issues_nothing(group):
     bad = torch.ones(4, 4).t()
     with pytest.raises(CupycollValueError, match="not contiguous"):
         group.allreduce_coalesced([x(), bad], c10d.AllreduceCoalescedOptions())
-    assert group.batches == [] and group._queue == [] and group._coalescing is None
+    assert group.batches == [] and group._cuda.calls.pending == [] and group._cuda.calls.block is None
     group.allreduce([x()], c10d.AllreduceOptions())
     assert group.batches == [["all_reduce"]]
 
@@ -111,7 +123,7 @@ def test_end_without_start_is_an_error(group):
 def test_abort_drops_the_queue_and_refuses_work(group):
     group.send([x()], 1, 0)
     group.abort()
-    assert group._queue == []
+    assert group._cuda.calls.pending == []
     with pytest.raises(Exception, match="aborted"):
         group.allreduce([x()], c10d.AllreduceOptions())
 
@@ -127,8 +139,8 @@ def test_unique_id_exchange_is_fresh_per_incarnation():
 
     def rank(r, incarnation, delay):
         time.sleep(delay)
-        g = QueueGroup(store, r, 2, datetime.timedelta(seconds=10))
-        seen[(incarnation, r)] = g._exchange_unique_id("comm", r == 0, 2)
+        bootstrap = StoreBootstrap(store, r, timeout_s=10)  # no process group needed
+        seen[(incarnation, r)] = bootstrap.unique_id("comm", r == 0, 2)
 
     for incarnation in range(2):
         # the non-creator asks first: it must wait for this incarnation's id, not take the last
@@ -150,14 +162,14 @@ def test_works_of_a_batch_that_failed_to_issue_raise(group):
     def broken(issues):
         raise RuntimeError("ncclGroupEnd failed")
 
-    group._enqueue = broken
+    group._cuda._enqueue = broken
     with pytest.raises(RuntimeError, match="ncclGroupEnd failed"):
         recv.wait()
     with pytest.raises(Exception, match="send was never issued: ncclGroupEnd failed"):
         send.wait()
     error = send.exception()
     assert isinstance(error, CupycollError) and isinstance(error.__cause__, RuntimeError)
-    assert send.is_completed() and not send.is_success() and group._queue == []
+    assert send.is_completed() and not send.is_success() and group._cuda.calls.pending == []
     with pytest.raises(CupycollError, match="never issued"):
         send.get_future().wait()
 
@@ -175,7 +187,7 @@ def test_exception_in_the_managers_body_leaves_the_group_usable(group):
     with pytest.raises(CupycollError, match="abandoned"):
         queued.wait()
     assert group.batches == [["all_reduce"]]  # issued alone, at once
-    assert group._coalescing is None
+    assert group._cuda.calls.block is None
     work.wait()
     # and the next manager works normally
     with dist._coalescing_manager(group=group, device=CUDA):
@@ -186,7 +198,6 @@ def test_exception_in_the_managers_body_leaves_the_group_usable(group):
 
 def test_a_call_on_another_group_inside_a_manager_is_an_error(group):
     other = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
-    other.batches = []
     other.setGroupName("other")
     group.setGroupName("first")
     with dist._coalescing_manager(group=group, device=CUDA):
@@ -205,31 +216,28 @@ def test_cpu_tensors_inside_a_cuda_block_are_an_error(group):
             return ProcessGroupCupycoll._is_cuda(self, tensors, op_name)
 
     routing = Routing(None, 0, 3, datetime.timedelta(seconds=5))
-    routing.batches = []
     routing._start_coalescing(CUDA)
     with pytest.raises(CupycollValueError, match="CPU tensors inside a coalescing block of CUDA calls"):
         routing.allreduce([x()], c10d.AllreduceOptions())
     routing._end_coalescing(CUDA)
 
 
-def test_ring_calls_run_after_the_nccl_group_of_their_batch(group, monkeypatch):
+def test_ring_calls_run_after_the_nccl_group_of_their_batch(group):
     # The ring issues NCCL groups of its own and kernels: never inside another group.
-    from cupycoll import process_group as pg_module
-
     order = []
 
-    @contextlib.contextmanager
-    def recording_group(library=None):
-        order.append("start")
-        yield
-        order.append("end")
+    class GroupComm:
+        @contextlib.contextmanager
+        def group(self):  # the NCCL group is the communicator's
+            order.append("start")
+            yield
+            order.append("end")
 
-    monkeypatch.setattr(pg_module, "nccl_group", recording_group)
-    group._comm = object()
-    issues = [pg_module._Issue(None, lambda comm, s, name=name: order.append(name), None, None, False,
-                               own_group=name.startswith("ring"))
+    group._cuda.comm = GroupComm()
+    issues = [Issue(None, lambda comm, s, name=name: order.append(name), None, None, False,
+                    own_group=name.startswith("ring"))
               for name in ("send", "ring-1", "all_reduce", "ring-2")]
-    group._launch_all(issues, None, 0)
+    group._cuda._launch_all(issues, None, 0)
     assert order == ["start", "send", "all_reduce", "end", "ring-1", "ring-2"]
 
 
@@ -246,5 +254,5 @@ def test_after_a_raising_manager_torchs_fast_path_works_again(group):
                 raise KeyError("user error")
         except KeyError:
             pass
-    assert group not in state and group._coalescing is None
+    assert group not in state and group._cuda.calls.block is None
     assert group.batches == []

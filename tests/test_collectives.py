@@ -4,6 +4,7 @@ recording communicator stands in for NCCL (the GPU tier runs the same calls for 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import sys
@@ -15,9 +16,11 @@ from torch._C import _distributed_c10d as c10d
 
 import cupycoll
 from cupycoll import _cuda, nccl_bindings as nb
+from cupycoll.backend import CudaBackend
 from cupycoll.errors import (CupycollError, CupycollTypeError, CupycollValueError,
                              MissingDependencyError, NoCudaDeviceError)
 from cupycoll.process_group import ProcessGroupCupycoll
+from standins import CpuAsCudaGroup
 
 R = dist.ReduceOp
 
@@ -38,22 +41,17 @@ class RecordingComm:
             return lambda scalar, dtype, on_device: (self.calls.append((verb, scalar, dtype, on_device)), 99)[1]
         raise AttributeError(verb)
 
+    def group(self):
+        # an NCCL group through the communicator: no library is looked up, nothing recorded
+        return contextlib.nullcontext()
 
-class LogicGroup(ProcessGroupCupycoll):
-    """CPU tensors take the NCCL path; nothing reaches NCCL or gloo."""
 
-    def _build_cpu_group(self, store, rank, size, timeout):
-        return None
+class RecordingBackend(CudaBackend):
+    """The real device checks (a CPU tensor is on cpu); each submitted call is launched at
+    once on a recording communicator instead of being issued."""
 
-    def _is_cuda(self, tensors, op_name):
-        self._classify(tensors, op_name)  # the real mixing/type checks, CPU tensors stand in
-        return True
-
-    def _fp8_available(self):
-        return True
-
-    def _submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-                peer=None, blocking_wait=False, own_group=False):
+    def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
+               peer=None, blocking_wait=False, own_group=False):
         comm = RecordingComm()
         if peer is None:
             launch(comm, 1234)
@@ -65,10 +63,17 @@ class LogicGroup(ProcessGroupCupycoll):
         return comm.calls
 
 
+class LogicGroup(CpuAsCudaGroup):
+    """CPU tensors take the NCCL path; nothing reaches NCCL or gloo."""
+
+    backend_class = RecordingBackend
+
+
 @pytest.fixture
-def group():
+def group(monkeypatch):
+    monkeypatch.setattr(_cuda, "fp8_supported", lambda: True)  # asked for fp8 tensors only
     g = LogicGroup(None, 0, 2, datetime.timedelta(seconds=5))
-    g.submitted = []
+    g.submitted = g._cuda.submitted = []
     return g
 
 
@@ -166,6 +171,18 @@ def test_gather_root_receives_from_all(group):
                      ("send", x.data_ptr(), 8, 1, 0)]
 
 
+def test_grouped_calls_need_neither_cupy_nor_a_library_lookup(group, monkeypatch):
+    # all_to_all, gather and scatter run as one NCCL group of the communicator's own library
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(nb, "find_library", lambda path=None: pytest.fail("NCCL was looked up"))
+    o = dist.ScatterOptions()
+    o.rootRank = 1
+    x = t(2)
+    assert group.scatter([x], [], o) == [("recv", x.data_ptr(), 8, 1, 1)]
+    calls = group.alltoall([t(1), t(1)], [t(1), t(1)], dist.AllToAllOptions())
+    assert [c[0] for c in calls] == ["send", "recv", "send", "recv"]
+
+
 # ---- bad input ------------------------------------------------------------------------
 def test_non_contiguous(group):
     x = torch.zeros(4, 4).t()
@@ -173,7 +190,7 @@ def test_non_contiguous(group):
 
 
 def test_other_device(group):
-    group._device = torch.device("cuda", 1)
+    group._cuda.device = torch.device("cuda", 1)
     with pytest.raises(CupycollValueError, match=r"is on cpu but this group's communicator is on cuda:1"):
         group.allreduce([t(2)], ar_opts())
     assert group.submitted == []
@@ -234,7 +251,7 @@ class RecordingRing:
 @pytest.fixture
 def ring_group(group):
     group.ring_calls = []
-    group._ring = lambda comm: RecordingRing(group.ring_calls)
+    group._cuda.ring = lambda comm: RecordingRing(group.ring_calls)
     return group
 
 
@@ -263,7 +280,7 @@ def test_ring_by_option_and_by_context(ring_group):
         ("all_reduce", "bfloat16", "sum"), ("reduce_scatter", "float16", "avg"),
         ("all_reduce", "float32", "premul_sum")]
     assert ring_group.ring_calls[-1][3] == {"premul": 0.5, "premul_ptr": None}
-    ring_group.settings = dataclasses.replace(ring_group.settings, algorithm="ring")
+    ring_group._cuda.settings = dataclasses.replace(ring_group._cuda.settings, algorithm="ring")
     ring_group.allreduce([t(2, dtype=torch.int8)], ar_opts(R.MAX))
     assert ring_group.ring_calls[-1][:3] == ("all_reduce", "int8", "max")
     with cupycoll.algorithm("nccl"):  # the per-call override beats the group's option
@@ -339,7 +356,7 @@ def test_no_cuda_device(real_group):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     with pytest.raises(NoCudaDeviceError, match="no CUDA device"):
-        real_group._comm_for(torch.device("cuda", 0))
+        real_group._cuda.comm_for(torch.device("cuda", 0))
     x = torch.ones(3)  # CPU work still goes through
     real_group.allreduce([x], ar_opts()).wait()
     assert torch.equal(x, torch.ones(3))

@@ -1,0 +1,95 @@
+"""Host cost of one empty NCCL group: ``python -m bench.group_cost [--iterations N]``.
+
+Prints microseconds per empty group opened through :meth:`cupycoll.communicator.Communicator.group`
+next to the raw ctypes ``ncclGroupStart(); ncclGroupEnd()`` pair of the same library, and
+their ratio. Every coalescing block, point-to-point batch, all_to_all / gather / scatter and
+ring exchange opens one such group, so this is per-call overhead the GPU never sees.
+
+Runs on a CPU-only machine: ncclGroupStart/End need no GPU, and the communicator is built
+in blocking mode around no NCCL communicator (only its library and group are used).
+
+Deliberately left out: groups with calls inside (that is NCCL's time, measured by the
+collective benchmarks) and nonblocking communicators (their groups add one poll per member).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+import types
+from typing import Callable, List, Optional
+
+
+def _per_call_us(call: Callable[[], None], iterations: int, repeats: int = 7) -> float:
+    """Median over ``repeats`` runs of the mean time of one ``call``, in microseconds."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            call()
+        samples.append((time.perf_counter() - start) / iterations * 1e6)
+    return statistics.median(samples)
+
+
+def _communicator(nccl_library: Optional[str]):
+    """A blocking-mode Communicator with no NCCL communicator and no device: enough for
+    group(), which only needs the library the communicator holds."""
+    from cupycoll import _cuda, communicator
+
+    class _Stream:
+        ptr = 0
+
+        def __init__(self, non_blocking: bool = False):
+            pass
+
+    cupy_without_device = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(), Stream=_Stream))
+    real = _cuda.cupy_module
+    _cuda.cupy_module = lambda: cupy_without_device
+    try:
+        return communicator.Communicator(0, 0, 1, nccl_library, cupy_comm=object())
+    finally:
+        _cuda.cupy_module = real
+
+
+def measure(iterations: int = 20000, nccl_library: Optional[str] = None) -> dict:
+    comm = _communicator(nccl_library)
+    lib = comm._lib
+
+    def raw() -> None:
+        lib.ncclGroupStart()
+        lib.ncclGroupEnd()
+
+    def through_communicator() -> None:
+        with comm.group():
+            pass
+
+    for call in (raw, through_communicator):
+        _per_call_us(call, iterations // 10, repeats=1)  # warm-up
+    raw_us = _per_call_us(raw, iterations)
+    group_us = _per_call_us(through_communicator, iterations)
+    return {"library": lib.path, "nccl_version": ".".join(map(str, lib.version_tuple())),
+            "iterations": iterations, "raw_us": raw_us, "group_us": group_us,
+            "ratio": group_us / raw_us if raw_us else float("inf")}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.group_cost", description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=20000, help="groups per timed run (default 20000)")
+    parser.add_argument("--nccl-library", default=None, help="libnccl.so.2 to use (default: as cupycoll finds it)")
+    args = parser.parse_args(argv)
+    if args.iterations < 1:
+        parser.error("--iterations must be >= 1")
+    result = measure(args.iterations, args.nccl_library)
+    print(f"NCCL {result['nccl_version']} ({result['library']}), {result['iterations']} empty groups per run")
+    print(f"  raw ncclGroupStart/End      {result['raw_us']:8.3f} us per group")
+    print(f"  Communicator.group()        {result['group_us']:8.3f} us per group")
+    print(f"  ratio                       {result['ratio']:8.2f} x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""The CUDA half of a cupycoll group: what ``pg._get_backend(torch.device("cuda"))`` returns.
+
+A :class:`CudaBackend` owns everything a group needs to run NCCL:
+
+* **communicators**: one per group on one device, created lazily at the first CUDA call
+  (or eagerly, when torch calls :meth:`~CudaBackend.eager_connect_single_device` for
+  ``init_process_group(device_id=...)``), from a unique id shared through the store
+  (:mod:`cupycoll.bootstrap`) or split from a bound parent's; two-rank pair communicators
+  for point-to-point calls made before the group's own exists;
+* **the queue**: point-to-point calls wait in it and are issued together, as one NCCL
+  group, when one of their Works is touched or any other CUDA call is made. torch (2.7+)
+  hands a Python group the ops of ``batch_isend_irecv`` one by one, and issued one by one
+  NCCL send/recv deadlock in patterns like a ring exchange. An open coalescing block queues
+  every CUDA call until it closes, the same way;
+* **streams**, as recent ProcessGroupNCCL: a synchronous call (``async_op=False``) runs on
+  the caller's current stream with no side stream and no event; an asynchronous one on the
+  communicator's internal stream after it waits for the current stream, and its tensors
+  stay referenced until the GPU is done with them;
+* **faults**: every issued Work is tracked by the process's watchdog
+  (:mod:`cupycoll.watchdog`). A collective that outlives the timeout, or an NCCL async
+  error, aborts the communicators and fails the Works; every later call raises
+  CommunicatorAbortedError. :meth:`~CudaBackend.abort` works from any thread, also while a
+  communicator is being created (store waits poll; nonblocking communicators can be
+  aborted mid-init); :meth:`~CudaBackend.shutdown` finalizes when healthy, aborts when not;
+* **rings**: cupycoll's ring algorithm (:mod:`cupycoll.ring`), one per communicator.
+
+The backend knows its group only through callbacks it holds weakly (``name`` for messages,
+``on_abort`` to shut the group's gloo half down, ``on_bind`` to set its ``bound_device_id``),
+so torch may keep this object without keeping the group alive, and no reference cycle forms.
+
+Deliberately left out: torch's routing and its coalescing-manager protocol (the group's,
+:mod:`cupycoll.process_group`), what each collective launches (:mod:`cupycoll.collectives`),
+and recovery (a faulted group stays dead; build a new one, see docs/design.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+import weakref
+import zlib
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import config
+from .bootstrap import StoreBootstrap
+from .communicator import Communicator
+from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, CupycollValueError,
+                     NcclError)
+from .call_queue import CallQueue, Issue
+from .watchdog import WATCHDOG, Watch
+from .work import CudaWork
+
+
+def _nothing() -> None:
+    return None
+
+
+def _weak(callback: Callable) -> Callable:
+    """``callback`` without a strong reference to its object when it is a bound method
+    (after the object is gone, calling it does nothing)."""
+    if not inspect.ismethod(callback):
+        return callback
+    ref = weakref.WeakMethod(callback)
+
+    def call(*args):
+        method = ref()
+        return None if method is None else method(*args)
+    return call
+
+
+def split_color(ranks: Sequence[int]) -> int:
+    """The ncclCommSplit color of the subgroup of ``ranks``: identical on every member,
+    distinct (with high probability) across groups."""
+    return zlib.crc32(",".join(map(str, sorted(ranks))).encode()) & 0x7FFFFFFF
+
+
+class CudaBackend:
+    """Communicators, queue, streams, watchdog tracking, rings and abort of one group."""
+
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def __init__(self, store, rank: int, size: int, settings: config.Settings,
+                 global_ranks: Optional[Sequence[int]] = None, group_id: str = "",
+                 name: Callable[[], str] = lambda: "", on_abort: Callable[[], None] = _nothing,
+                 on_bind: Callable[[torch.device], None] = lambda device: None):
+        self.rank = rank
+        self.size = size
+        self.settings = settings
+        self.global_ranks = list(global_ranks or range(size))
+        self._name = _weak(name)
+        self._on_abort = _weak(on_abort)
+        self._on_bind = _weak(on_bind)
+        self.device: Optional[torch.device] = None
+        self.comm: Optional[Communicator] = None
+        self.state = "ok"  # "ok" | "shut down" | "aborted"
+        self.fault: Optional[BaseException] = None
+        self._comm_stream = None  # torch view of the communicator's internal stream
+        self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
+        self._pending_comms: List[Communicator] = []  # being created: abort() must reach them
+        self._rings: Dict[int, object] = {}  # id(communicator) -> cupycoll.ring.Ring
+        timeout = settings.timeout.total_seconds()
+        # Callbacks into this object are weak: a cycle would keep destroyed groups (and their
+        # gloo threads) alive until interpreter exit, where tearing gloo down aborts the process.
+        this = weakref.ref(self)
+        self._bootstrap = StoreBootstrap(store, rank, timeout, self._name, _weak(self.check_usable))
+        self._watch = Watch(group_id or "default", timeout, settings.watchdog_interval,
+                            lambda: this().communicators() if this() is not None else [],
+                            lambda fault: this() is not None and this()._on_fault(fault),
+                            settings.on_timeout)
+        self._watched = False
+        self.calls = CallQueue(lambda issues: this()._enqueue(issues), _weak(self.check_usable),
+                               self._watch.track, self._name, self.global_ranks, settings.blocking_wait)
+
+    # -- torch's Backend face ----------------------------------------------------------
+    @property
+    def supports_splitting(self) -> bool:
+        # torch asks this while creating *any* subgroup of a bound default group, whatever
+        # the new group's backend: splitting must only be offered for cupycoll groups, or a
+        # new_group(backend="nccl") would get this backend as ProcessGroupNCCL's split_from,
+        # and its non-members would split our communicator while its members never do.
+        return _creating_cupycoll_cuda_group()
+
+    def eager_connect_single_device(self, device) -> None:
+        """Eager init (``device_id``): bind the group to ``device`` and connect now. torch
+        set ``bound_device_id`` on the ProcessGroup it built before our creator replaced it,
+        so the group torch keeps is bound here (``on_bind``)."""
+        device = torch.device(device)
+        self._on_bind(device)
+        self.comm_for(device)
+
+    def perform_nocolor_split(self, device) -> None:
+        # torch calls this on ranks left out of a new subgroup, with the default group's
+        # bound device; it must mirror the members' split exactly: the same predicate.
+        if self.splits_children(device):
+            self.comm.split(-1, self.rank)
+
+    def name(self) -> str:
+        return config.BACKEND_NAME
+
+    # -- state and device ----------------------------------------------------------------
+    def check_usable(self) -> None:
+        if self.state != "ok":
+            reason = f": {self.fault}" if self.fault is not None else ""
+            raise CommunicatorAbortedError(
+                f"process group {self._name()!r} was {self.state}{reason}") from self.fault
+
+    def check_device(self, tensor: torch.Tensor, what: str) -> torch.device:
+        device = tensor.device
+        if self.device is not None and device != self.device:
+            raise CupycollValueError(
+                f"{what} is on {device} but this group's communicator is on {self.device}")
+        if not tensor.is_contiguous():
+            raise CupycollValueError(
+                f"{what} is not contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()})")
+        return device
+
+    def _adopt_device(self, device: torch.device) -> None:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+
+    # -- communicators -----------------------------------------------------------------
+    def splits_children(self, bound_device) -> bool:
+        """Do subgroups get their communicators by splitting this one? Only when the group
+        is bound to a device (``bound_device``: torch's ``pg.bound_device_id``)."""
+        return (self.settings.comm_split and self.comm is not None and bound_device is not None
+                and Communicator.can_split())
+
+    def split_from(self, parent: "CudaBackend") -> None:
+        """This group's communicator, split from ``parent``'s (collective over the parent)."""
+        self.comm = parent.comm.split(split_color(self.global_ranks), self.rank)
+        self._adopt_device(parent.device)
+
+    def comm_for(self, device: torch.device) -> Communicator:
+        """The group's communicator, created on ``device`` on first use.
+
+        A creation that fails faults the group, as a timed-out collective does. A retry
+        cannot work: the store's arrival count now sits between two incarnations, so each
+        rank would number the retry differently (and in blocking mode one would wait in
+        ncclCommInitRank, unabortable, for peers that never come)."""
+        self.check_usable()
+        if self.comm is None:
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            try:
+                unique_id = self._bootstrap.unique_id("comm", self.rank == 0, self.size)
+                self.comm = self._create_comm(unique_id, self.rank, self.size, device.index)
+            except (CollectiveTimeoutError, NcclError) as exc:
+                self._creation_failed(exc)
+                raise
+            self._adopt_device(device)
+        return self.comm
+
+    def p2p_comm(self, peer: int) -> Communicator:
+        """The communicator for a point-to-point call with ``peer``: the group's own when it
+        exists, otherwise one of just the two ranks (so a send between two ranks never needs
+        the others), created on first use."""
+        if self.comm is not None:
+            return self.comm
+        comm = self._p2p_comms.get(peer)
+        if comm is None:
+            low, high = sorted((self.rank, peer))
+            try:
+                unique_id = self._bootstrap.unique_id(f"p2p/{low}-{high}", self.rank == low, 2)
+                comm = self._create_comm(unique_id, int(self.rank == high), 2, self.device.index)
+            except (CollectiveTimeoutError, NcclError) as exc:
+                self._creation_failed(exc)
+                raise
+            self._p2p_comms[peer] = comm
+        return comm
+
+    def _creation_failed(self, exc: BaseException) -> None:
+        if self.state == "ok":
+            self._on_fault(exc)
+
+    def _create_comm(self, unique_id: bytes, rank: int, size: int, device: int) -> Communicator:
+        """Create a communicator where abort() can reach it while it connects."""
+        comm = Communicator.begin(unique_id, rank, size, device, self.settings.nccl_library,
+                                  self.settings.nonblocking, self.settings.timeout.total_seconds())
+        self._pending_comms.append(comm)
+        try:
+            if self.state != "ok":  # aborted while NCCL was starting
+                comm.abort()
+            self.check_usable()
+            comm.wait_ready()
+        finally:
+            self._pending_comms.remove(comm)
+        return comm
+
+    def communicators(self) -> List[Communicator]:
+        comms = list(self._p2p_comms.values())
+        if self.comm is not None:
+            comms.append(self.comm)
+        return comms
+
+    def ring(self, comm: Communicator):
+        """The ring (scratch memory, side stream) of ``comm``, made on first use."""
+        ring = self._rings.get(id(comm))
+        if ring is None:
+            from .ring import Ring  # CuPy and numpy: only the ring path pays for them
+
+            ring = self._rings[id(comm)] = Ring(comm, self.settings.ring_scratch_bytes)
+        return ring
+
+    # -- issuing -------------------------------------------------------------------------
+    def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
+               peer=None, blocking_wait=False, own_group=False) -> CudaWork:
+        """Issue (or queue) one CUDA call and return its Work. Everything is validated.
+        ``launch(comm, stream_ptr)`` (``launch(comm, stream_ptr, comm_peer)`` for a
+        point-to-point call) makes the NCCL calls; ``finish()`` follows its NCCL group."""
+        if self.device is None:
+            self.device = device  # the first CUDA call picks the group's device
+        return self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op, peer,
+                                 blocking_wait or self.settings.blocking_wait, own_group)
+
+    def flush(self) -> None:
+        """Issue the queued calls now (unless a coalescing block is open)."""
+        self.calls.flush()
+
+    def _enqueue(self, issues: List[Issue]) -> None:
+        device = self.device
+        if len(issues) == 1 and issues[0].peer is None:  # the hot path: one collective
+            comms = None
+            if self.comm is None:
+                self.comm_for(device)
+        else:
+            if any(i.peer is None for i in issues):
+                self.comm_for(device)
+            # Pair communicators are created in one global order (by peer), so creating
+            # them can never wait in a cycle.
+            comms = {peer: self.p2p_comm(peer) for peer in sorted({i.peer for i in issues} - {None})}
+        current = torch.cuda.current_stream(device)
+        async_op = any(i.async_op for i in issues)
+        if async_op:
+            stream = self._internal_stream(self.comm or comms[min(comms)])
+            stream.wait_stream(current)
+        else:
+            stream = current
+        if async_op or current.device_index != torch.cuda.current_device():
+            # Make ``stream`` (and its device) current for what launch/finish allocate.
+            with torch.cuda.stream(stream):
+                self._launch_all(issues, comms, stream.cuda_stream)
+        else:
+            self._launch_all(issues, comms, stream.cuda_stream)
+        self._track(issues, stream, async_op)
+
+    def _launch_all(self, issues: List[Issue], comms, stream_ptr: int) -> None:
+        if len(issues) == 1:
+            self._launch(issues[0], comms, stream_ptr)
+        else:
+            # One NCCL group for the batch; every communicator of the group has the same library.
+            with (self.comm or comms[min(comms)]).group():
+                for issue in issues:
+                    if not issue.own_group:
+                        self._launch(issue, comms, stream_ptr)
+            # Ring calls follow the group on the same stream, in the same order on every rank.
+            for issue in issues:
+                if issue.own_group:
+                    self._launch(issue, comms, stream_ptr)
+        for issue in issues:
+            if issue.finish is not None:
+                issue.finish()
+
+    def _launch(self, issue: Issue, comms, stream_ptr: int) -> None:
+        if issue.peer is None:
+            issue.launch(self.comm, stream_ptr)
+            return
+        comm = comms[issue.peer]
+        # On a two-rank pair communicator the peer is whichever of the two we are not.
+        issue.launch(comm, stream_ptr, issue.peer if comm is self.comm else 1 - comm.rank)
+
+    def _track(self, issues: List[Issue], stream, async_op: bool) -> None:
+        """Give the issued calls a completion event and hand them to the watchdog (which only
+        queries the event, never syncs). Async calls keep their tensors until it fires."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        if not self._watched:
+            WATCHDOG.watch(self._watch)
+            self._watched = True
+        track = self._watch.track
+        for issue in issues:
+            issue.work._issued(stream, event, issue.keepalive if async_op else None)
+            track(issue.work)
+
+    def _internal_stream(self, comm: Communicator):
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.ExternalStream(comm.stream, device=self.device)
+        return self._comm_stream
+
+    # -- lifetime ------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finalize and destroy the communicators once their work is done (healthy), or
+        abort them when the group has faulted or its work does not finish within the
+        timeout. Unusable afterwards."""
+        if self.state != "ok":
+            return
+        try:
+            self.calls.flush()
+        except CupycollError:
+            pass  # the Works of that batch carry the error; shut down regardless
+        timeout = self.settings.timeout.total_seconds()
+        if not self._watch.drain(timeout):
+            self.abort()
+            return
+        self.state = "shut down"
+        self._stop_watching()
+        self._close_rings()
+        for comm in self.communicators():
+            try:
+                comm.shutdown(timeout)
+            except CupycollError as exc:
+                warnings.warn(f"cupycoll: shutting down {comm} failed ({exc}); it was aborted",
+                              RuntimeWarning, stacklevel=3)
+                comm.abort()
+
+    def abort(self, reason: Optional[BaseException] = None) -> None:
+        """Abort the communicators at once, without waiting for peers or the GPU: a
+        collective stuck on the GPU is ended, and so is a communicator still connecting.
+        Fails every Work in flight with ``reason``, then calls the group's ``on_abort``.
+        Callable from any thread; never waits on peers."""
+        if self.state == "aborted":
+            return
+        if reason is None:
+            reason = CommunicatorAbortedError(f"process group {self._name()!r} was aborted")
+        self.state = "aborted"
+        self.calls.drop()
+        self._stop_watching()
+        for comm in list(self._pending_comms) + self.communicators():
+            try:
+                comm.abort()
+            except CupycollError as exc:
+                warnings.warn(f"cupycoll: aborting {comm} failed: {exc}", RuntimeWarning, stacklevel=3)
+        # Only now, with the kernels ended, may the Works' tensors and scratch be released.
+        self._watch.fail_all(reason)
+        self._close_rings()
+        self._on_abort()
+
+    def _on_fault(self, fault: BaseException) -> None:
+        """The watchdog found a timeout or an async NCCL error (runs on its thread)."""
+        self.fault = fault
+        self.abort(fault)
+
+    def _close_rings(self) -> None:
+        rings, self._rings = list(self._rings.values()), {}
+        for ring in rings:
+            try:
+                ring.close()
+            except Exception as exc:  # noqa: BLE001 - teardown goes on
+                warnings.warn(f"cupycoll: closing a ring failed: {exc}", RuntimeWarning, stacklevel=3)
+
+    def _stop_watching(self) -> None:
+        if self._watched:
+            WATCHDOG.unwatch(self._watch)
+            self._watched = False
+
+
+def _creating_cupycoll_cuda_group() -> bool:
+    """Is torch's ``_new_process_group_helper`` (up the stack) building a group whose CUDA
+    backend is cupycoll? True when called from anywhere else."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_new_process_group_helper":
+            backend = frame.f_locals.get("backend")
+            try:
+                mapping = dist.distributed_c10d.BackendConfig(backend).get_device_backend_map()
+            except Exception:  # noqa: BLE001 - an unparsable backend is not ours
+                return False
+            return str(mapping.get("cuda", "")).lower() == config.BACKEND_NAME
+        frame = frame.f_back
+    return True

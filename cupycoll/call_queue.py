@@ -1,0 +1,194 @@
+"""The CUDA calls of one group that are not issued yet, and its open coalescing block.
+
+A :class:`CallQueue` decides *when* calls reach NCCL, never *how* (its owner,
+:class:`~cupycoll.backend.CudaBackend`, enqueues a batch given to its ``enqueue``
+callback as one NCCL group):
+
+* a collective is issued at once, after whatever is queued;
+* a point-to-point call waits, and its Work carries the queue's :meth:`~CallQueue.flush`,
+  so touching the Work (or making any other call) issues the batch;
+* between ``_start_coalescing`` and ``_end_coalescing`` every call waits for the block's
+  end, and one Work covers the block.
+
+torch's ``_coalescing_manager`` never calls ``_end_coalescing`` when its body raises. A
+block left open that way is discarded (its Works fail, a RuntimeWarning says so) as soon
+as that is known: when the manager's generator is closed or freed (``manager_ref``), or when
+the next block opens. A thread has at most one open block, of one group; a call on another
+group inside it is an error rather than a silent second batch.
+
+Deliberately left out: communicators, streams and events (the backend's), and detecting
+torch's manager on the stack (the group's hooks hand in ``manager_ref``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+from typing import Callable, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from .errors import CupycollError, CupycollValueError
+from .work import CudaWork, empty_work
+
+# The queue whose block is open in this thread (at most one: a manager coalesces one group).
+_open_block_owner = threading.local()
+
+
+def _block_owner() -> Optional["CallQueue"]:
+    return _open_block_owner.__dict__.get("queue")
+
+
+class Issue:
+    """One NCCL call (or a few, e.g. an all-to-all) waiting to be enqueued."""
+
+    __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer", "own_group")
+
+    def __init__(self, work, launch, finish, keepalive, async_op, peer=None, own_group=False):
+        self.work = work
+        self.launch = launch  # launch(comm_for_peer, stream_ptr): the NCCL calls
+        self.finish = finish  # finish(): copies that must follow the NCCL group, or None
+        self.keepalive = keepalive
+        self.async_op = async_op
+        self.peer = peer  # point-to-point peer (group rank), None for collectives
+        # The ring algorithm: NCCL groups of its own plus kernels, so never inside another group.
+        self.own_group = own_group
+
+
+class CallQueue:
+    """Queued calls and the open coalescing block of one group."""
+
+    def __init__(self, enqueue: Callable[[List[Issue]], None], check_usable: Callable[[], None],
+                 track: Callable[[CudaWork], None], name: Callable[[], str],
+                 global_ranks: Sequence[int], blocking_wait: bool = False):
+        self._enqueue = enqueue  # issue a batch as one NCCL group
+        self._check_usable = check_usable
+        self._track = track  # hand a Work to the watchdog
+        self._name = name
+        self._global_ranks = list(global_ranks)
+        self._blocking_wait = blocking_wait
+        self.pending: List[Issue] = []
+        self.block: Optional[List[CudaWork]] = None  # Works of the open block
+        self.block_manager = None  # weakref to the manager generator of the open block
+        self._seq = 0
+
+    # -- calls -------------------------------------------------------------------------
+    def submit(self, op_name, device, outputs, launch, finish, keepalive, async_op, peer,
+               blocking_wait, own_group) -> CudaWork:
+        if _block_owner() is not None:
+            self.check_block_scope(op_name)
+        self._seq += 1
+        queued = self.block is not None or peer is not None
+        work = CudaWork(op_name, device, outputs, flush=self.flush if queued else None, seq=self._seq,
+                        blocking_wait=blocking_wait,
+                        peers=None if peer is None else [self._global_ranks[peer]])
+        issue = Issue(work, launch, finish, keepalive, async_op, peer, own_group)
+        if queued:
+            self.pending.append(issue)
+            if self.block is not None:
+                self.block.append(work)
+            return work
+        self.flush()
+        self._enqueue([issue])
+        return work
+
+    def flush(self) -> None:
+        """Issue every queued call as one NCCL group (not while a coalescing block is open:
+        its calls wait for the block's end, as torch's own collectives do inside one)."""
+        if self.block is not None:
+            self.drop_stale_block()
+        if not self.pending or self.block is not None:
+            return
+        queue, self.pending = self.pending, []
+        try:
+            self._enqueue(queue)
+        except BaseException as exc:
+            for issue in queue:
+                issue.work._failed(exc)
+            raise
+
+    def drop(self) -> None:
+        """Forget every queued call (the group was aborted: its Works fail with the abort)."""
+        self.pending = []
+
+    # -- the coalescing block ------------------------------------------------------------
+    def open_block(self, manager_ref=None) -> None:
+        """Queue every call from now on until :meth:`close_block`; ``manager_ref``: a weak
+        reference to the torch coalescing manager opening the block, if one is."""
+        self._check_usable()
+        if self.block is not None:
+            # the block left open by a manager whose body raised is dropped, never issued
+            self.discard_raised_block(stacklevel=5)
+        owner = _block_owner()
+        if owner is not None and owner is not self:
+            owner.check_block_scope("_start_coalescing", other=self)
+        self.flush()
+        self.block = []
+        self.block_manager = manager_ref
+        _open_block_owner.queue = self
+
+    def close_block(self) -> dist.Work:
+        """Issue the block's calls as one NCCL group; one Work covers them all."""
+        works = self.block
+        self._release_block()
+        if works is None:
+            raise CupycollValueError("_end_coalescing without _start_coalescing")
+        if not works:
+            return empty_work()
+        self.flush()
+        work = CudaWork.covering(works, blocking_wait=self._blocking_wait)
+        self._track(work)
+        return work
+
+    def _release_block(self) -> None:
+        self.block = None
+        self.block_manager = None
+        if _block_owner() is self:
+            _open_block_owner.queue = None
+
+    def abandon_block(self) -> None:
+        """An exception inside a coalescing block: drop what it queued, stay usable."""
+        queued = self.block or []
+        self._release_block()
+        dropped = {id(w) for w in queued}
+        self.pending = [i for i in self.pending if id(i.work) not in dropped]
+        error = CupycollError("its coalescing block was abandoned (the manager's body raised)")
+        for work in queued:
+            work._fail(error)
+
+    def block_is_stale(self) -> bool:
+        """Did the ``_coalescing_manager`` that opened our block end without closing it?"""
+        if self.block is None or self.block_manager is None:
+            return False
+        generator = self.block_manager()
+        return generator is None or inspect.getgeneratorstate(generator) == inspect.GEN_CLOSED
+
+    def drop_stale_block(self) -> bool:
+        if not self.block_is_stale():
+            return False
+        self.discard_raised_block(stacklevel=5)
+        return True
+
+    def discard_raised_block(self, stacklevel: int) -> None:
+        warnings.warn("cupycoll: a coalescing block left open (the manager's body raised) was "
+                      "discarded; the calls it had queued were never issued", RuntimeWarning,
+                      stacklevel=stacklevel)
+        self.abandon_block()
+
+    def check_block_scope(self, op_name: str, other: "CallQueue" = None) -> None:
+        """Called when the thread has an open block: it must be this group's own."""
+        owner = _block_owner()
+        if owner is None:
+            return
+        if owner.drop_stale_block() or owner.block is None:
+            if _block_owner() is owner:
+                _open_block_owner.queue = None
+            return
+        if owner is self:
+            return
+        target = other if other is not None else self
+        raise CupycollValueError(
+            f"{op_name} on group {target._name()!r} inside a coalescing block of group "
+            f"{owner._name()!r}: a coalescing manager batches the calls of one group; "
+            "close it first or use one manager per group")

@@ -1,0 +1,292 @@
+"""Each collective's CUDA body: check the arguments, choose NCCL or the ring, build the
+``launch(comm, stream)`` that makes the NCCL calls, and submit it to the backend.
+
+Every function takes the group's :class:`~cupycoll.backend.CudaBackend` and the torch
+arguments as the ProcessGroup method got them (already routed to CUDA), and returns the
+call's :class:`~cupycoll.work.CudaWork`. Launches take raw pointers captured here, so a
+queued call launches later exactly what was checked now; collectives that only move data
+move bytes (``ncclUint8``).
+
+Deliberately left out: routing CPU tensors to gloo and torch's coalescing protocol (the
+group's), when and on which stream a launch runs (the backend's), and the dtype/op tables
+(:mod:`cupycoll._args`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import _args, compat, config
+from ._args import NCCL_BYTE, RingReduction, nbytes
+from .errors import CupycollValueError
+from .work import CudaWork
+
+_async_requested = compat.async_requested
+
+
+def _plan(cuda, tensor: torch.Tensor, reduce_op):
+    """NCCL or the ring for this reduction (the per-call override beats the group's option)."""
+    algorithm = config.algorithm_override() or cuda.settings.algorithm
+    return _args.reduction_plan(tensor, reduce_op, algorithm, cuda.size)
+
+
+def _ring_launch(cuda, plan: RingReduction, method: str, send_ptr, recv_ptr, count) -> Callable:
+    def launch(comm, stream):
+        getattr(cuda.ring(comm), method)(send_ptr, recv_ptr, count, plan.dtype, plan.op, stream,
+                                         premul=plan.premul, premul_ptr=plan.premul_ptr)
+    return launch
+
+
+def _reduce_launch(red: _args.Reduction, dtype: torch.dtype, call: Callable) -> Callable:
+    """A launch(comm, stream) that runs ``call(comm, nccl_op, stream)`` with the NCCL op,
+    creating and destroying the PREMUL_SUM op around it when needed."""
+    if red.premul_factor is None:
+        return lambda comm, stream: call(comm, red.op, stream)
+    factor = red.premul_factor
+
+    def launch(comm, stream):
+        if isinstance(factor, torch.Tensor):
+            op = comm.create_premul_sum(factor.data_ptr(), red.dtype, on_device=True)
+        else:
+            op = comm.create_premul_sum(_args.premul_scalar_bytes(factor, dtype), red.dtype, on_device=False)
+        try:
+            call(comm, op, stream)
+        finally:
+            comm.destroy_op(op)
+    return launch
+
+
+def _grouped(launch: Callable) -> Callable:
+    """Several NCCL calls that must run as one NCCL group even when issued alone."""
+    def grouped(comm, stream):
+        with comm.group():
+            launch(comm, stream)
+    return grouped
+
+
+def _check_many(cuda, tensors, reference: torch.Tensor, what: str) -> None:
+    """A list with one tensor per rank, each like ``reference`` (device, numel, dtype)."""
+    for index, tensor in enumerate(tensors):
+        cuda.check_device(tensor, f"{what}[{index}]")
+        _args.check_numel(tensor, reference.numel(), f"{what}[{index}]")
+    _args.check_same_dtype(tensors, reference, what)
+
+
+def all_reduce(cuda, tensors, opts) -> CudaWork:
+    tensor = _args.single(tensors, "all_reduce")
+    device = cuda.check_device(tensor, "all_reduce tensor")
+    plan = _plan(cuda, tensor, opts.reduceOp)
+    ptr = tensor.data_ptr()
+    if isinstance(plan, RingReduction):
+        return cuda.submit("all_reduce", device, [tensor],
+                           _ring_launch(cuda, plan, "all_reduce", ptr, ptr, tensor.numel()),
+                           keepalive=tensor, async_op=_async_requested(opts), own_group=True)
+    count = tensor.numel() * plan.count_scale
+    launch = _reduce_launch(plan, tensor.dtype,
+                            lambda comm, op, s: comm.all_reduce(ptr, ptr, count, plan.dtype, op, s))
+    return cuda.submit("all_reduce", device, [tensor], launch, keepalive=tensor,
+                       async_op=_async_requested(opts))
+
+
+def broadcast(cuda, tensors, opts) -> CudaWork:
+    tensor = _args.single(tensors, "broadcast")
+    device = cuda.check_device(tensor, "broadcast tensor")
+    root = _args.check_root(opts.rootRank, cuda.size)
+    ptr, size = tensor.data_ptr(), nbytes(tensor)
+    return cuda.submit("broadcast", device, [tensor],
+                       lambda comm, s: comm.broadcast(ptr, ptr, size, NCCL_BYTE, root, s),
+                       keepalive=tensor, async_op=_async_requested(opts))
+
+
+def reduce(cuda, tensors, opts) -> CudaWork:
+    tensor = _args.single(tensors, "reduce")
+    device = cuda.check_device(tensor, "reduce tensor")
+    root = _args.check_root(opts.rootRank, cuda.size)
+    red = _args.reduction_plan(tensor, opts.reduceOp, "nccl", cuda.size)  # the ring has no reduce
+    ptr, count = tensor.data_ptr(), tensor.numel() * red.count_scale
+    launch = _reduce_launch(red, tensor.dtype,
+                            lambda comm, op, s: comm.reduce(ptr, ptr, count, red.dtype, op, root, s))
+    return cuda.submit("reduce", device, [tensor], launch, keepalive=tensor, async_op=_async_requested(opts))
+
+
+def all_gather(cuda, output_tensors, input_tensors, opts, op_name: str = "all_gather") -> CudaWork:
+    tensor = _args.single(input_tensors, f"{op_name} input")
+    outputs = _args.check_list(_args.single_list(output_tensors, f"{op_name} output"), f"{op_name} output",
+                               cuda.size)
+    device = cuda.check_device(tensor, f"{op_name} input")
+    _check_many(cuda, outputs, tensor, f"{op_name} output")
+    size, numel = nbytes(tensor), tensor.numel()
+    if all(t.data_ptr() == outputs[0].data_ptr() + i * size for i, t in enumerate(outputs)):
+        # the outputs are consecutive slices of one buffer: gather straight into it
+        in_ptr, out_ptr = tensor.data_ptr(), outputs[0].data_ptr()
+        return cuda.submit(op_name, device, outputs,
+                           lambda comm, s: comm.all_gather(in_ptr, out_ptr, size, NCCL_BYTE, s),
+                           keepalive=(tensor, outputs), async_op=_async_requested(opts))
+    staging = []
+
+    def launch(comm, s):
+        flat = torch.empty(cuda.size * numel, dtype=tensor.dtype, device=device)
+        staging.append(flat)
+        comm.all_gather(tensor.data_ptr(), flat.data_ptr(), size, NCCL_BYTE, s)
+
+    def finish():
+        flat = staging.pop()
+        for index, out in enumerate(outputs):
+            out.copy_(flat[index * numel:(index + 1) * numel].view_as(out))
+    return cuda.submit(op_name, device, outputs, launch, finish, keepalive=(tensor, outputs),
+                       async_op=_async_requested(opts))
+
+
+def all_gather_into_tensor(cuda, output, input, opts) -> CudaWork:
+    what = "all_gather_into_tensor"
+    device = cuda.check_device(input, f"{what} input")
+    cuda.check_device(output, f"{what} output")
+    _args.check_numel(output, input.numel() * cuda.size, f"{what} output")
+    _args.check_same_dtype([output], input, f"{what} output")
+    size, in_ptr, out_ptr = nbytes(input), input.data_ptr(), output.data_ptr()
+    return cuda.submit(what, device, [output],
+                       lambda comm, s: comm.all_gather(in_ptr, out_ptr, size, NCCL_BYTE, s),
+                       keepalive=(input, output), async_op=_async_requested(opts))
+
+
+def reduce_scatter(cuda, output_tensors, input_tensors, opts) -> CudaWork:
+    output = _args.single(output_tensors, "reduce_scatter output")
+    inputs = _args.check_list(_args.single_list(input_tensors, "reduce_scatter input"),
+                              "reduce_scatter input", cuda.size)
+    device = cuda.check_device(output, "reduce_scatter output")
+    _check_many(cuda, inputs, output, "reduce_scatter input")
+    plan = _plan(cuda, output, opts.reduceOp)
+    staged = [None]  # the inputs side by side, made when the call launches
+
+    def stage():
+        staged[0] = torch.cat([t.reshape(-1) for t in inputs])
+        return staged[0].data_ptr()
+
+    out_ptr = output.data_ptr()
+    if isinstance(plan, RingReduction):
+        def launch(comm, s):
+            cuda.ring(comm).reduce_scatter(stage(), out_ptr, output.numel(), plan.dtype, plan.op, s,
+                                           premul=plan.premul, premul_ptr=plan.premul_ptr)
+        return cuda.submit("reduce_scatter", device, [output], launch, keepalive=(output, inputs, staged),
+                           async_op=_async_requested(opts), own_group=True)
+    count = output.numel() * plan.count_scale
+    launch = _reduce_launch(plan, output.dtype,
+                            lambda comm, op, s: comm.reduce_scatter(stage(), out_ptr, count, plan.dtype, op, s))
+    return cuda.submit("reduce_scatter", device, [output], launch, keepalive=(output, inputs, staged),
+                       async_op=_async_requested(opts))
+
+
+def reduce_scatter_tensor(cuda, output, input, opts) -> CudaWork:
+    what = "reduce_scatter_tensor"
+    device = cuda.check_device(output, f"{what} output")
+    cuda.check_device(input, f"{what} input")
+    _args.check_numel(input, output.numel() * cuda.size, f"{what} input")
+    _args.check_same_dtype([input], output, f"{what} input")
+    plan = _plan(cuda, output, opts.reduceOp)
+    in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
+    if isinstance(plan, RingReduction):
+        return cuda.submit(what, device, [output],
+                           _ring_launch(cuda, plan, "reduce_scatter", in_ptr, out_ptr, output.numel()),
+                           keepalive=(input, output), async_op=_async_requested(opts), own_group=True)
+    count = output.numel() * plan.count_scale
+    launch = _reduce_launch(plan, output.dtype,
+                            lambda comm, op, s: comm.reduce_scatter(in_ptr, out_ptr, count, plan.dtype, op, s))
+    return cuda.submit(what, device, [output], launch, keepalive=(input, output),
+                       async_op=_async_requested(opts))
+
+
+def all_to_all(cuda, output_tensors, input_tensors, opts) -> CudaWork:
+    outputs = _args.check_list(output_tensors, "all_to_all output", cuda.size)
+    inputs = _args.check_list(input_tensors, "all_to_all input", cuda.size)
+    device = cuda.check_device(inputs[0], "all_to_all input[0]")
+    for name, tensors in (("output", outputs), ("input", inputs)):
+        for index, tensor in enumerate(tensors):
+            cuda.check_device(tensor, f"all_to_all {name}[{index}]")
+    _args.check_same_dtype(outputs + inputs, inputs[0], "all_to_all")
+    send = [(i.data_ptr(), nbytes(i)) for i in inputs]
+    recv = [(o.data_ptr(), nbytes(o)) for o in outputs]
+    return cuda.submit("all_to_all", device, outputs, _exchange_with_all(send, recv),
+                       keepalive=(inputs, outputs), async_op=_async_requested(opts))
+
+
+def all_to_all_single(cuda, output, input, output_split_sizes, input_split_sizes, opts) -> CudaWork:
+    device = cuda.check_device(input, "all_to_all_single input")
+    cuda.check_device(output, "all_to_all_single output")
+    _args.check_same_dtype([output], input, "all_to_all_single output")
+    in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
+    send = [(in_ptr + offset, size)
+            for offset, size in _args.split_bytes(input, input_split_sizes, cuda.size, "input")]
+    recv = [(out_ptr + offset, size)
+            for offset, size in _args.split_bytes(output, output_split_sizes, cuda.size, "output")]
+    return cuda.submit("all_to_all_single", device, [output], _exchange_with_all(send, recv),
+                       keepalive=(input, output), async_op=_async_requested(opts))
+
+
+def _exchange_with_all(send, recv) -> Callable:
+    """Send ``send[peer]`` to and receive ``recv[peer]`` from every peer: (ptr, bytes) each."""
+    def launch(comm, s):
+        for peer, ((send_ptr, send_bytes), (recv_ptr, recv_bytes)) in enumerate(zip(send, recv)):
+            comm.send(send_ptr, send_bytes, NCCL_BYTE, peer, s)
+            comm.recv(recv_ptr, recv_bytes, NCCL_BYTE, peer, s)
+    return _grouped(launch)
+
+
+def gather(cuda, output_tensors, input_tensors, opts) -> CudaWork:
+    return _rooted(cuda, "gather", input_tensors, output_tensors, opts, to_root=True)
+
+
+def scatter(cuda, output_tensors, input_tensors, opts) -> CudaWork:
+    return _rooted(cuda, "scatter", output_tensors, input_tensors, opts, to_root=False)
+
+
+def _rooted(cuda, op_name: str, own_tensors, root_lists, opts, to_root: bool) -> CudaWork:
+    """gather (``to_root``: every rank sends its tensor to the root, which receives one per
+    rank) or scatter (the root sends one per rank, every rank receives its tensor)."""
+    own, many = ("input", "output") if to_root else ("output", "input")
+    root = _args.check_root(opts.rootRank, cuda.size)
+    tensor = _args.single(own_tensors, f"{op_name} {own}")
+    device = cuda.check_device(tensor, f"{op_name} {own}")
+    if cuda.rank == root:
+        tensors = _args.check_list(_args.single_list(root_lists, f"{op_name} {many}"), f"{op_name} {many}",
+                                   cuda.size)
+        _check_many(cuda, tensors, tensor, f"{op_name} {many}")
+        chunks = [(t.data_ptr(), nbytes(t)) for t in tensors]
+    else:
+        if root_lists and any(len(lst) for lst in root_lists):
+            raise CupycollValueError(
+                f"{op_name}: rank {cuda.rank} is not the root ({root}) and must pass no {many}s")
+        tensors, chunks = [], []
+    ptr, size = tensor.data_ptr(), nbytes(tensor)
+
+    def launch(comm, s):
+        for peer, (chunk_ptr, chunk_bytes) in enumerate(chunks):
+            (comm.recv if to_root else comm.send)(chunk_ptr, chunk_bytes, NCCL_BYTE, peer, s)
+        (comm.send if to_root else comm.recv)(ptr, size, NCCL_BYTE, root, s)
+    outputs = tensors if to_root else [tensor]
+    return cuda.submit(op_name, device, outputs, _grouped(launch), keepalive=(tensor, tensors),
+                       async_op=_async_requested(opts))
+
+
+def point_to_point(cuda, op_name: str, tensors, peer: int) -> CudaWork:
+    """send or recv: queued until the batch is issued (see cupycoll.call_queue)."""
+    tensor = _args.single(tensors, op_name)
+    device = cuda.check_device(tensor, f"{op_name} tensor")
+    peer = _args.check_peer(peer, cuda.rank, cuda.size)
+    ptr, size = tensor.data_ptr(), nbytes(tensor)
+    if op_name == "send":
+        launch = lambda comm, s, comm_peer: comm.send(ptr, size, NCCL_BYTE, comm_peer, s)
+    else:
+        launch = lambda comm, s, comm_peer: comm.recv(ptr, size, NCCL_BYTE, comm_peer, s)
+    return cuda.submit(op_name, device, [tensor], launch, keepalive=tensor, peer=peer, async_op=True)
+
+
+def barrier(cuda, device: torch.device) -> CudaWork:
+    """Like ProcessGroupNCCL: a one-byte all-reduce whose wait() blocks the CPU."""
+    device = cuda.device or device
+    token = torch.zeros(1, dtype=torch.uint8, device=device)
+    ptr = token.data_ptr()
+    return cuda.submit("barrier", device, [token],
+                       lambda comm, s: comm.all_reduce(ptr, ptr, 1, NCCL_BYTE, 0, s),
+                       keepalive=token, async_op=True, blocking_wait=True)
