@@ -24,7 +24,9 @@ from .errors import (
     MissingDependencyError,
     NcclError,
     NoCudaDeviceError,
+    PeerFailedError,
 )
+from .recorder import dump_trace
 from .work import CudaWork
 
 _LAZY = {"ProcessGroupCupycoll": "process_group", "abort_all": "process_group"}
@@ -55,9 +57,11 @@ __all__ = [
     "NcclError",
     "NoCudaDeviceError",
     "Options",
+    "PeerFailedError",
     "ProcessGroupCupycoll",
     "abort_all",
     "algorithm",
+    "dump_trace",
     "register",
 ]
 

@@ -45,13 +45,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import config
+from . import config, lifecycle
 from .bootstrap import StoreBootstrap
 from .communicator import Communicator
-from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, CupycollValueError,
+from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError,
                      NcclError)
 from .call_queue import CallQueue, Issue
 from .watchdog import WATCHDOG, Watch
+from .recorder import E_ROUTE
 from .work import CudaWork
 
 
@@ -103,6 +104,11 @@ class CudaBackend:
         self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
         self._pending_comms: List[Communicator] = []  # being created: abort() must reach them
         self._rings: Dict[int, object] = {}  # id(communicator) -> cupycoll.ring.Ring
+        # The group's flight recorder (cupycoll.group_trace), and the entry of the call the
+        # group is routing here now (set just before, taken by submit).
+        self.trace = None
+        self.trace_entry: Optional[list] = None
+        self._submitting: Optional[list] = None
         timeout = settings.timeout.total_seconds()
         # Callbacks into this object are weak: a cycle would keep destroyed groups (and their
         # gloo threads) alive until interpreter exit, where tearing gloo down aborts the process.
@@ -115,6 +121,15 @@ class CudaBackend:
         self._watched = False
         self.calls = CallQueue(lambda issues: this()._enqueue(issues), _weak(self.check_usable),
                                self._watch.track, self._name, self.global_ranks, settings.blocking_wait)
+
+    def use_trace(self, trace) -> None:
+        """Keep ``trace`` (the group's :class:`~cupycoll.group_trace.GroupTrace`): calls are
+        marked issued here, completed by the watchdog, and a timeout is explained by it."""
+        self.trace = trace
+        mark = trace.recorder.mark
+        self._watch.on_done = lambda work: mark(getattr(work, "_trace_entry", None), "completed")
+        self._watch.explain_timeout = lambda work, timeout_s: trace.explain_timeout(
+            getattr(work, "_trace_entry", None), timeout_s)
 
     # -- torch's Backend face ----------------------------------------------------------
     @property
@@ -173,26 +188,20 @@ class CudaBackend:
 
     def split_from(self, parent: "CudaBackend") -> None:
         """This group's communicator, split from ``parent``'s (collective over the parent)."""
-        self.comm = parent.comm.split(split_color(self.global_ranks), self.rank)
+        self.comm = parent.comm.split(split_color(self.global_ranks), self.rank, _weak(self._fault_once))
         self._adopt_device(parent.device)
 
     def comm_for(self, device: torch.device) -> Communicator:
         """The group's communicator, created on ``device`` on first use.
 
-        A creation that fails faults the group, as a timed-out collective does. A retry
-        cannot work: the store's arrival count now sits between two incarnations, so each
-        rank would number the retry differently (and in blocking mode one would wait in
-        ncclCommInitRank, unabortable, for peers that never come)."""
+        A creation that fails after the store gate faults the group, as a timed-out
+        collective does (its peers failed or are stuck in the same creation)."""
         self.check_usable()
         if self.comm is None:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            try:
-                unique_id = self._bootstrap.unique_id("comm", self.rank == 0, self.size)
-                self.comm = self._create_comm(unique_id, self.rank, self.size, device.index)
-            except (CollectiveTimeoutError, NcclError) as exc:
-                self._creation_failed(exc)
-                raise
+            self.comm = self._connect("comm", self.rank == 0, self.size, self.rank, device.index)
+            self._recheck(self.comm)
             self._adopt_device(device)
         return self.comm
 
@@ -205,23 +214,39 @@ class CudaBackend:
         comm = self._p2p_comms.get(peer)
         if comm is None:
             low, high = sorted((self.rank, peer))
-            try:
-                unique_id = self._bootstrap.unique_id(f"p2p/{low}-{high}", self.rank == low, 2)
-                comm = self._create_comm(unique_id, int(self.rank == high), 2, self.device.index)
-            except (CollectiveTimeoutError, NcclError) as exc:
-                self._creation_failed(exc)
-                raise
+            comm = self._connect(f"p2p/{low}-{high}", self.rank == low, 2, int(self.rank == high),
+                                 self.device.index)
             self._p2p_comms[peer] = comm
+            self._recheck(comm)
         return comm
 
-    def _creation_failed(self, exc: BaseException) -> None:
+    def _connect(self, key: str, creator: bool, size: int, rank: int, device: int) -> Communicator:
+        """Local checks first (a rank failing after the store gate would leave its peers in
+        blocking ncclCommInitRank for good), then the gate and NCCL."""
+        Communicator.preflight(device, self.settings.nccl_library, self.settings.nonblocking)
+        try:
+            return self._create_comm(self._bootstrap.unique_id(key, creator, size), rank, size, device)
+        except (CollectiveTimeoutError, NcclError) as exc:
+            self._fault_once(exc)
+            raise
+
+    def _recheck(self, comm: Communicator) -> None:
+        # abort() marks the state before it collects the communicators: one attached after
+        # that collection is seen here, and aborted.
+        if self.state != "ok":
+            comm.abort()
+            self.check_usable()
+
+    def _fault_once(self, exc: BaseException) -> None:
+        """A communicator (or its creation) failed: fault the group unless it already has."""
         if self.state == "ok":
             self._on_fault(exc)
 
     def _create_comm(self, unique_id: bytes, rank: int, size: int, device: int) -> Communicator:
         """Create a communicator where abort() can reach it while it connects."""
         comm = Communicator.begin(unique_id, rank, size, device, self.settings.nccl_library,
-                                  self.settings.nonblocking, self.settings.timeout.total_seconds())
+                                  self.settings.nonblocking, self.settings.timeout.total_seconds(),
+                                  _weak(self._fault_once))
         self._pending_comms.append(comm)
         try:
             if self.state != "ok":  # aborted while NCCL was starting
@@ -255,8 +280,18 @@ class CudaBackend:
         point-to-point call) makes the NCCL calls; ``finish()`` follows its NCCL group."""
         if self.device is None:
             self.device = device  # the first CUDA call picks the group's device
-        return self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op, peer,
-                                 blocking_wait or self.settings.blocking_wait, own_group)
+        entry, self.trace_entry = self.trace_entry, None
+        if entry is not None and own_group:
+            entry[E_ROUTE] = "ring"
+        self._submitting = entry  # _track gives it to this call's Work if it launches now
+        try:
+            work = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op, peer,
+                                     blocking_wait or self.settings.blocking_wait, own_group)
+        finally:
+            self._submitting = None
+        if entry is not None and getattr(work, "_trace_entry", None) is None:
+            work._trace_entry = entry  # queued: marked issued when its batch launches
+        return work
 
     def flush(self) -> None:
         """Issue the queued calls now (unless a coalescing block is open)."""
@@ -324,64 +359,39 @@ class CudaBackend:
             self._watched = True
         track = self._watch.track
         for issue in issues:
-            issue.work._issued(stream, event, issue.keepalive if async_op else None)
-            track(issue.work)
+            work = issue.work
+            entry = getattr(work, "_trace_entry", None)
+            if entry is None and self._submitting is not None:  # the call being submitted now
+                entry = work._trace_entry = self._submitting
+            if entry is not None:
+                self.trace.recorder.mark(entry, "issued")
+            work._issued(stream, event, issue.keepalive if async_op else None)
+            track(work)
 
     def _internal_stream(self, comm: Communicator):
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.ExternalStream(comm.stream, device=self.device)
         return self._comm_stream
 
-    # -- lifetime ------------------------------------------------------------------------
+    # -- lifetime (the rules and their order: cupycoll.lifecycle) ---------------------
     def shutdown(self) -> None:
         """Finalize and destroy the communicators once their work is done (healthy), or
-        abort them when the group has faulted or its work does not finish within the
-        timeout. Unusable afterwards."""
-        if self.state != "ok":
-            return
-        try:
-            self.calls.flush()
-        except CupycollError:
-            pass  # the Works of that batch carry the error; shut down regardless
-        timeout = self.settings.timeout.total_seconds()
-        if not self._watch.drain(timeout):
-            self.abort()
-            return
-        self.state = "shut down"
-        self._stop_watching()
-        self._close_rings()
-        for comm in self.communicators():
-            try:
-                comm.shutdown(timeout)
-            except CupycollError as exc:
-                warnings.warn(f"cupycoll: shutting down {comm} failed ({exc}); it was aborted",
-                              RuntimeWarning, stacklevel=3)
-                comm.abort()
+        abort them when the group has faulted, its work does not finish within
+        ``lifecycle.SHUTDOWN_GRACE`` seconds, or anything fails. Never raises; unusable
+        afterwards."""
+        lifecycle.shutdown(self)
 
     def abort(self, reason: Optional[BaseException] = None) -> None:
         """Abort the communicators at once, without waiting for peers or the GPU: a
         collective stuck on the GPU is ended, and so is a communicator still connecting.
-        Fails every Work in flight with ``reason``, then calls the group's ``on_abort``.
-        Callable from any thread; never waits on peers."""
-        if self.state == "aborted":
-            return
-        if reason is None:
-            reason = CommunicatorAbortedError(f"process group {self._name()!r} was aborted")
-        self.state = "aborted"
-        self.calls.drop()
-        self._stop_watching()
-        for comm in list(self._pending_comms) + self.communicators():
-            try:
-                comm.abort()
-            except CupycollError as exc:
-                warnings.warn(f"cupycoll: aborting {comm} failed: {exc}", RuntimeWarning, stacklevel=3)
-        # Only now, with the kernels ended, may the Works' tensors and scratch be released.
-        self._watch.fail_all(reason)
-        self._close_rings()
-        self._on_abort()
+        The group's state and every Work in flight are failed with ``reason`` *before*
+        ncclCommAbort, their tensors released after it; then the group's ``on_abort``.
+        Callable from any thread; never waits on peers; every step runs whatever fails."""
+        lifecycle.abort(self, reason)
 
     def _on_fault(self, fault: BaseException) -> None:
-        """The watchdog found a timeout or an async NCCL error (runs on its thread)."""
+        """A timeout, an async NCCL error or a failed creation (from the watchdog's fault
+        thread, or the caller's): the group's fault, final."""
         self.fault = fault
         self.abort(fault)
 
@@ -390,7 +400,7 @@ class CudaBackend:
         for ring in rings:
             try:
                 ring.close()
-            except Exception as exc:  # noqa: BLE001 - teardown goes on
+            except BaseException as exc:  # noqa: BLE001 - teardown goes on
                 warnings.warn(f"cupycoll: closing a ring failed: {exc}", RuntimeWarning, stacklevel=3)
 
     def _stop_watching(self) -> None:

@@ -5,19 +5,27 @@
 for it, and everyone waits until all members have arrived. It needs a store and nothing of
 a process group, so it is tested on its own.
 
-Three things make it more than a set/get:
+Four things make it more than a set/get:
 
-* **incarnations**: the store may outlive the group (``destroy_process_group`` then init
-  again on torchrun's store, same group name), so each creation counts itself in and gets
-  a key of its own;
-* **the arrival check**: blocking NCCL init cannot be interrupted, so a rank that never
-  joins must fail here, after the timeout, not inside NCCL;
+* **generations**: the store may outlive the group (``destroy_process_group`` then init
+  again on torchrun's store, same group name), so each creation runs in a generation of
+  its own. The generation is one store value every rank reads (``.../generation``), and
+  only the creator moves it on, once per creation (after publishing the id, or after
+  giving up): no rank derives it from counts that a failed creation leaves behind;
+* **arrival first, then the id**: every member counts itself in, and the creator makes
+  the unique id only once all have arrived. ``ncclGetUniqueId`` starts a bootstrap-root
+  thread with a listening socket that nothing can stop, so an id made for peers that never
+  come leaks both;
+* **one decision per generation**: the id key is written once, with ``compare_set``. The
+  creator writes the id, a rank that gives up (timeout, abort) writes ``ABANDONED``; who
+  comes first decides for everyone, so a rank that gave up never leaves the others inside
+  NCCL init waiting for it, and one that gives up just after the id was published joins;
 * **abortable waits**: the store is polled in short slices, and before each one the owner's
   ``check`` callback runs, so ``abort()`` from another thread ends the wait.
 
-Deliberately left out: NCCL itself (creating the communicator is the backend's), retries
-(a creation that failed leaves the arrival count between two incarnations: see
-:meth:`cupycoll.backend.CudaBackend.comm_for`), and any store other than torch's.
+Deliberately left out: NCCL itself (creating the communicator is the backend's), local
+checks (the backend runs them before calling in, see ``Communicator.preflight``), and any
+store other than torch's.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from .errors import CollectiveTimeoutError
 
 # Store waits poll in slices of at most this length, so that abort() can end them.
 STORE_POLL_S = 0.05
+# What a rank that gave up writes in place of a generation's unique id (never 128 bytes).
+ABANDONED = b"abandoned"
 
 
 def _nothing() -> None:
@@ -49,27 +59,66 @@ class StoreBootstrap:
 
     def unique_id(self, key: str, creator: bool, members: int) -> bytes:
         """The ncclUniqueId of communicator ``key`` among ``members`` ranks (``creator``
-        makes it), once all of them have arrived.
-
-        Every member counts itself in, and ``(count - 1) // members`` numbers the
-        incarnation the same on all of them, since the previous incarnation's members had
-        all joined before this one starts."""
+        makes it), once all of them have arrived. Raises CollectiveTimeoutError when they do
+        not all arrive in time or one of them gave up (everyone of the generation fails)."""
         store = self._store
-        joined_key = f"cupycoll/{key}/joined"
-        joined = store.add(joined_key, 1)
-        incarnation = (joined - 1) // members
-        uid_key = f"cupycoll/{key}/{incarnation}/uid"
+        base = f"cupycoll/{key}"
         deadline = time.monotonic() + self._timeout_s
+        generation = self._generation(base, creator, deadline)
+        uid_key = f"{base}/{generation}/uid"
+        arrived_key = f"{base}/{generation}/arrived"
+        store.add(arrived_key, 1)
+        try:
+            if creator:
+                self._wait(lambda: store.add(arrived_key, 0) >= members or store.check([uid_key]), deadline,
+                           f"all {members} ranks to join communicator {key!r}",
+                           lambda: f"{store.add(arrived_key, 0)} arrived")
+                if store.check([uid_key]):  # a member gave up: make no id (it would leak)
+                    decided = store.get(uid_key)
+                else:  # only now: the id starts NCCL's bootstrap-root thread (module doc)
+                    decided = store.compare_set(uid_key, "", new_unique_id())
+            else:
+                self._wait(lambda: store.check([uid_key]), deadline,
+                           f"the ncclUniqueId of {key!r} from its creator rank")
+                decided = store.get(uid_key)
+        except BaseException:
+            decided = store.compare_set(uid_key, "", ABANDONED)
+            if decided == ABANDONED or creator:
+                if creator:
+                    store.set(f"{base}/generation", str(generation + 1))
+                raise
+            return decided  # the id was published just before we gave up: join after all
         if creator:
-            store.set(uid_key, new_unique_id())
-        else:
-            self._wait(lambda: store.check([uid_key]), deadline,
-                       f"the ncclUniqueId of {key!r} from its creator rank")
-        everyone = (incarnation + 1) * members
-        self._wait(lambda: store.add(joined_key, 0) >= everyone, deadline,
-                   f"all {members} ranks to join communicator {key!r}",
-                   lambda: f"{store.add(joined_key, 0) - incarnation * members} arrived")
-        return store.get(uid_key)
+            store.set(f"{base}/generation", str(generation + 1))
+        if decided == ABANDONED:
+            raise CollectiveTimeoutError(
+                f"process group {self._name()!r} rank {self._rank}: creating communicator {key!r} "
+                "failed: another rank gave up waiting (timeout or abort)")
+        return decided
+
+    def _generation(self, base: str, creator: bool, deadline: float) -> int:
+        """This creation's generation. A generation whose id key says ABANDONED is over: its
+        creator moves the generation on (at once, or here when it died before doing so), and
+        the others wait for that."""
+        store = self._store
+        gen_key = f"{base}/generation"
+
+        def current() -> int:
+            return int(store.get(gen_key)) if store.check([gen_key]) else 0
+
+        def over(generation: int) -> bool:
+            uid_key = f"{base}/{generation}/uid"
+            return store.check([uid_key]) and store.get(uid_key) == ABANDONED
+
+        generation = current()
+        if not over(generation):
+            return generation
+        if creator:
+            store.set(gen_key, str(generation + 1))
+            return generation + 1
+        self._wait(lambda: current() != generation, deadline,
+                   f"the creator rank to start a new attempt at communicator {base!r}")
+        return current()
 
     def _wait(self, ready: Callable[[], bool], deadline: float, what: str,
               progress: Callable[[], str] = lambda: "") -> None:

@@ -29,7 +29,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from .errors import CupycollError, CupycollValueError
+from .errors import CommunicatorAbortedError, CupycollError, CupycollValueError
 from .work import CudaWork, empty_work
 
 # The queue whose block is open in this thread (at most one: a manager coalesces one group).
@@ -108,9 +108,23 @@ class CallQueue:
                 issue.work._failed(exc)
             raise
 
-    def drop(self) -> None:
-        """Forget every queued call (the group was aborted: its Works fail with the abort)."""
-        self.pending = []
+    def drop(self, reason: Optional[BaseException] = None) -> None:
+        """The group was aborted: every queued call is forgotten and its Work (and every
+        Work of the open block) fails with ``reason``, never issued. A Work left pending
+        would otherwise report success once touched, as nothing is left to issue it."""
+        if reason is None:
+            reason = CommunicatorAbortedError(f"process group {self._name()!r} was aborted")
+        queued, self.pending = self.pending, []
+        works = {id(i.work): i.work for i in queued}
+        for work in self.block or []:
+            works.setdefault(id(work), work)
+        # The block stays open (so _end_coalescing finds it and raises the abort, instead of
+        # "without _start_coalescing"), but empty: nothing of it may be issued.
+        if self.block is not None:
+            self.block = []
+        for work in works.values():
+            work._flush = None
+            work._fail(reason)
 
     # -- the coalescing block ------------------------------------------------------------
     def open_block(self, manager_ref=None) -> None:
@@ -134,6 +148,7 @@ class CallQueue:
         self._release_block()
         if works is None:
             raise CupycollValueError("_end_coalescing without _start_coalescing")
+        self._check_usable()  # aborted inside the block: its Works failed, say so here too
         if not works:
             return empty_work()
         self.flush()

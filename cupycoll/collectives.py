@@ -284,6 +284,7 @@ def point_to_point(cuda, op_name: str, tensors, peer: int) -> CudaWork:
 
 def barrier(cuda, device: torch.device) -> CudaWork:
     """Like ProcessGroupNCCL: a one-byte all-reduce whose wait() blocks the CPU."""
+    cuda.check_usable()  # the group's routing checks are skipped for barrier(device_ids)
     device = cuda.device or device
     token = torch.zeros(1, dtype=torch.uint8, device=device)
     ptr = token.data_ptr()

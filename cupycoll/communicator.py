@@ -35,7 +35,7 @@ import ctypes
 import os
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from . import _cuda, compat, nccl_bindings
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
@@ -79,22 +79,33 @@ def _open_group():
 def nccl_group(lib: nccl_bindings.NcclLibrary):
     """ncclGroupStart/End of ``lib`` around the body; End runs even when the body raises.
 
-    Nonblocking communicators used in the body are polled once the outermost group ends.
-    Callers use :meth:`Communicator.group`, which passes the library it holds."""
+    Communicators used in the body are polled (nonblocking) once the outermost group ends.
+    When the body raises, ncclGroupEnd still launches the calls enqueued before (an open
+    group cannot be cancelled; a communicator aborted inside one is freed under ncclGroupEnd),
+    a partial batch the peers' full one no longer matches: each communicator used is then
+    aborted and its ``on_abort`` told, while the caller still holds the batch's tensors."""
     state = _open_group()
     lib.ncclGroupStart()
     state["depth"] += 1
+    raised = None
     try:
         yield
+    except BaseException as exc:
+        raised = exc
+        raise
     finally:
         state["depth"] -= 1
         outermost = state["depth"] == 0
         members = state["members"] if outermost else []
-        if outermost:
-            state["members"] = []
-        lib.ncclGroupEnd()
-        for comm in members:
-            comm._poll("ncclGroupEnd")
+        if outermost:  # an inner group's error counts even when the body between caught it
+            state["members"], raised = [], state.pop("raised", None) or raised
+        elif raised is not None:
+            state["raised"] = raised  # the outermost group ends the partial batch
+        try:
+            lib.ncclGroupEnd()
+        finally:
+            for comm in members:
+                comm._abort_for(raised) if raised is not None else comm._poll("ncclGroupEnd")
 
 
 # -- the communicator ----------------------------------------------------------------------
@@ -103,8 +114,11 @@ def nccl_group(lib: nccl_bindings.NcclLibrary):
 class Communicator:
     """An NCCL communicator bound to one device, with the verbs the backend needs."""
 
+    on_abort: Optional[Callable[[BaseException], None]] = None
+
     def __init__(self, device: int, rank: int, size: int, nccl_library: Optional[str] = None, *,
-                 cupy_comm=None, handle: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT_S):
+                 cupy_comm=None, handle: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 on_abort: Optional[Callable[[BaseException], None]] = None):
         cupy = _cuda.cupy_module()
         self._cupy_comm = cupy_comm  # blocking mode
         self._handle = handle  # nonblocking mode: the raw ncclComm_t
@@ -115,6 +129,9 @@ class Communicator:
         self.rank = rank
         self.size = size
         self.timeout = float(timeout)
+        # Told when it aborts itself (poll error/timeout, a Python error inside an NCCL group)
+        # so its owner faults too; never for abort() called from outside.
+        self.on_abort = on_abort
         # "initializing" | "ok" | "shut down" | "aborted"
         self.state = "initializing" if self.nonblocking else "ok"
         # Serialises the end of the communicator's life against the watchdog's queries, so
@@ -138,38 +155,46 @@ class Communicator:
         return f"Communicator(rank={self.rank}, size={self.size}, cuda:{self.device}, {mode}, {self.state})"
 
     # -- creation --------------------------------------------------------------------
-    @classmethod
-    def begin(cls, unique_id: bytes, rank: int, size: int, device: int, nccl_library=None,
-              nonblocking: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> "Communicator":
-        """Start joining the communicator named by ``unique_id`` as ``rank`` of ``size``.
-
-        Blocking mode returns when every peer has joined. Nonblocking mode returns at once,
-        in state ``"initializing"``: call :meth:`wait_ready` (which :meth:`abort` can end)."""
+    @staticmethod
+    def preflight(device: int, nccl_library=None, nonblocking: bool = False) -> None:
+        """The checks of :meth:`begin` that depend on this process alone, for before the store
+        gate: a rank failing after it leaves its peers in blocking ncclCommInitRank for good."""
         _cuda.require_device(device)
-        cupy = _cuda.cupy_module()
         if not nonblocking:
             if os.environ.get("NCCL_COMM_BLOCKING", "") == "0":
                 raise CupycollValueError(
                     "NCCL_COMM_BLOCKING=0 makes NCCL calls return ncclInProgress, which CuPy's "
                     "blocking communicator cannot handle; unset it or use nonblocking=True"
                 )
+        elif not _library(nccl_library).has("ncclCommInitRankConfig"):
+            raise CupycollValueError("nonblocking communicators need NCCL >= 2.14 (ncclCommInitRankConfig)")
+
+    @classmethod
+    def begin(cls, unique_id: bytes, rank: int, size: int, device: int, nccl_library=None,
+              nonblocking: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
+              on_abort: Optional[Callable[[BaseException], None]] = None) -> "Communicator":
+        """Start joining the communicator named by ``unique_id`` as ``rank`` of ``size``.
+
+        Blocking mode returns when every peer has joined. Nonblocking mode returns at once,
+        in state ``"initializing"``: call :meth:`wait_ready` (which :meth:`abort` can end)."""
+        cls.preflight(device, nccl_library, nonblocking)  # cheap; callers ran it before the gate
+        cupy = _cuda.cupy_module()
+        if not nonblocking:
             nccl = _cuda.nccl_module()
             with cupy.cuda.Device(device):
                 try:
                     comm = nccl.NcclCommunicator(size, _unique_id_for_cupy(unique_id), rank)
                 except nccl.NcclError as exc:
                     raise _translate(exc, "ncclCommInitRank") from exc
-            return cls(device, rank, size, nccl_library, cupy_comm=comm, timeout=timeout)
+            return cls(device, rank, size, nccl_library, cupy_comm=comm, timeout=timeout, on_abort=on_abort)
 
         lib = _library(nccl_library)
-        if not lib.has("ncclCommInitRankConfig"):
-            raise CupycollValueError("nonblocking communicators need NCCL >= 2.14 (ncclCommInitRankConfig)")
         handle = nccl_bindings.ncclComm_t()
         config = nccl_bindings.make_config(blocking=False)
         with cupy.cuda.Device(device):
             lib.ncclCommInitRankConfig(ctypes.byref(handle), size, lib.unique_id_from_bytes(unique_id),
                                        rank, ctypes.byref(config))
-        return cls(device, rank, size, nccl_library, handle=handle.value, timeout=timeout)
+        return cls(device, rank, size, nccl_library, handle=handle.value, timeout=timeout, on_abort=on_abort)
 
     def wait_ready(self, timeout: Optional[float] = None) -> None:
         """Poll a nonblocking communicator until its creation settles (no-op when blocking).
@@ -187,8 +212,10 @@ class Communicator:
     def can_split() -> bool:
         return compat.cupy_has_comm_split(_cuda.nccl_module())
 
-    def split(self, color: int, key: int) -> Optional["Communicator"]:
-        """ncclCommSplit: collective over this communicator. ``color < 0`` takes no part."""
+    def split(self, color: int, key: int,
+              on_abort: Optional[Callable[[BaseException], None]] = None) -> Optional["Communicator"]:
+        """ncclCommSplit: collective over this communicator. ``color < 0`` takes no part.
+        ``on_abort``: the child's (a timed-out split aborts, and tells, this parent)."""
         self._check_usable()
         cupy = _cuda.cupy_module()
         color = color if color >= 0 else nccl_bindings.NCCL_SPLIT_NOCOLOR
@@ -201,14 +228,15 @@ class Communicator:
                 if child is None:
                     return None
                 return Communicator(self.device, child.rank_id(), child.size(), self._nccl_library,
-                                    cupy_comm=child, timeout=self.timeout)
+                                    cupy_comm=child, timeout=self.timeout, on_abort=on_abort)
             handle = nccl_bindings.ncclComm_t()
             config = nccl_bindings.make_config(blocking=False)
             self._lib.ncclCommSplit(self._handle, color, key, ctypes.byref(handle), ctypes.byref(config))
             self._poll("ncclCommSplit")
         if not handle.value:
             return None
-        child = Communicator(self.device, 0, 0, self._nccl_library, handle=handle.value, timeout=self.timeout)
+        child = Communicator(self.device, 0, 0, self._nccl_library, handle=handle.value, timeout=self.timeout,
+                             on_abort=on_abort)
         child.wait_ready()
         count, rank = ctypes.c_int(), ctypes.c_int()
         self._lib.ncclCommCount(handle, ctypes.byref(count))
@@ -220,13 +248,15 @@ class Communicator:
     def _call(self, c_name: str, cupy_name: str, *args) -> None:
         """Run one NCCL call: CuPy's method (blocking), or the C function with this
         communicator inserted before the stream, settled or left to the open group."""
+        # After an abort CuPy's handle is NULL: say why instead of ncclInvalidArgument.
+        self._check_usable()
         if self._cupy_comm is not None:
+            self._join_open_group()
             try:
                 getattr(self._cupy_comm, cupy_name)(*args)
             except self._nccl_error as exc:
                 raise _translate(exc, c_name) from exc
             return
-        self._check_usable()
         status = getattr(self._lib, c_name)(*args[:-1], self._handle, args[-1])
         self._settle(c_name, status)
 
@@ -276,13 +306,19 @@ class Communicator:
         self._lib.ncclRedOpDestroy(op, ctypes.c_void_p(self.comm_ptr))
 
     # -- nonblocking progress ---------------------------------------------------------
-    def _settle(self, function: str, status: int) -> None:
+    def _join_open_group(self) -> bool:  # inside a group: polled (or aborted) at its end
         state = _open_group()
-        if state["depth"]:
-            # Inside a group NCCL settles everything at ncclGroupEnd; poll then.
-            if self not in state["members"]:
-                state["members"].append(self)
-        elif status == nccl_bindings.ncclInProgress:
+        if not state["depth"]:
+            return False
+        if self not in state["members"]:
+            state["members"].append(self)
+        return True
+
+    def _settle(self, function: str, status: int) -> None:
+        # Inside a group NCCL settles everything at ncclGroupEnd; poll then.
+        if self._join_open_group():
+            return
+        if status == nccl_bindings.ncclInProgress:
             self._poll(function)
 
     def _poll(self, function: str, timeout: Optional[float] = None) -> None:
@@ -303,13 +339,14 @@ class Communicator:
             if status.value != nccl_bindings.ncclInProgress:
                 error = NcclError(status.value, function, self._lib.error_string(status.value),
                                   self._lib.last_error())
-                self.abort()
+                self._abort_for(error)
                 raise error
             if time.monotonic() > deadline:
-                self.abort()
-                raise CollectiveTimeoutError(
+                error = CollectiveTimeoutError(
                     f"{function} on cuda:{self.device} did not complete within "
                     f"{self.timeout if timeout is None else timeout:g} s; the communicator was aborted")
+                self._abort_for(error)
+                raise error
             spins += 1
             # Spin briefly (most calls settle in microseconds), then stop burning the GIL.
             time.sleep(0 if spins < 64 else 0.0005)
@@ -334,6 +371,14 @@ class Communicator:
                          self._lib.last_error())
 
     # -- lifetime -------------------------------------------------------------------
+    def _abort_for(self, error: BaseException) -> None:
+        """Abort because of ``error`` found here, and tell the owner: its group must fault."""
+        try:
+            self.abort()
+        finally:
+            if self.on_abort is not None:
+                self.on_abort(error)
+
     def _check_usable(self):
         if self.state not in ("ok", "initializing"):
             raise CommunicatorAbortedError(f"the NCCL communicator on cuda:{self.device} was {self.state}")

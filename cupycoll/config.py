@@ -8,11 +8,14 @@ Precedence, highest first:
 2. the ``CUPYCOLL_*`` environment variable;
 3. the ``TORCH_NCCL_*`` variable torch's nccl backend reads for the same setting, so a job
    configured for ``"nccl"`` behaves the same on ``"cupycoll"``;
-4. the default (for the timeout: the default torch passed, else :data:`DEFAULT_TIMEOUT`).
+4. the default (for the timeout: :data:`DEFAULT_TIMEOUT`, 10 minutes, as torch's nccl).
 
-torch always hands a backend a timeout, its default when the caller gave none; cupycoll
-treats a timeout equal to torch's default as "not given", so ``CUPYCOLL_TIMEOUT`` applies
-then. (An explicit ``timeout=timedelta(minutes=30)``, torch's default, reads as not given.)
+torch always hands a backend a timeout, its default when the caller gave none (30 minutes,
+``default_pg_timeout``, for every backend but its own nccl); cupycoll treats a timeout
+equal to torch's default as "not given", so ``CUPYCOLL_TIMEOUT`` or the 10-minute default
+applies then. (An explicit ``timeout=timedelta(minutes=30)`` reads as not given: use
+``Options(timeout=...)`` to ask for exactly that.) Timeouts are bounded to one year and
+the watchdog interval to 60 s; ``inf`` is rejected, naming the value.
 
 Every variable that configures cupycoll is read here, only here, and listed in
 :data:`ENVIRONMENT` (the README's table is checked against it):
@@ -41,16 +44,29 @@ Every variable that configures cupycoll is read here, only here, and listed in
     process. torch's ``1`` (tear down) and ``3`` (skip clean-up) read as ``terminate``;
     ``0`` and ``2`` (clean up only) as ``raise``.
 ``CUPYCOLL_WATCHDOG_INTERVAL``
-    Seconds between the watchdog's polls of in-flight work (default 0.1).
+    Seconds between the watchdog's polls of in-flight work (default 0.1, at most 60).
 ``CUPYCOLL_ALGORITHM``
     ``auto`` (default): NCCL, and cupycoll's ring kernels only where NCCL cannot serve
     (bitwise ops). ``nccl``: NCCL only. ``ring``: the ring kernels wherever they apply.
 ``CUPYCOLL_RING_SCRATCH_BYTES``
     Scratch memory the ring algorithm allocates once per communicator (default 4 MiB).
 
+``CUPYCOLL_TRACE_BUFFER`` (``TORCH_NCCL_TRACE_BUFFER_SIZE``)
+    Entries the flight recorder keeps per group (default 2000); ``0`` keeps none (the
+    sequence numbers that timeout reports use are still counted).
+``CUPYCOLL_TRACE_DIR`` (``TORCH_NCCL_DUMP_ON_TIMEOUT``)
+    Folder where every rank writes its flight recorder as JSON when a collective times out
+    (read them with ``python -m cupycoll.trace DIR``). Unset: no dump, unless torch's
+    ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` asks for one, then into the folder of
+    ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (default ``/tmp``).
+``CUPYCOLL_CHECK_COLLECTIVES`` (``TORCH_DISTRIBUTED_DEBUG=DETAIL``)
+    ``1``: before each collective the ranks compare op, shapes, dtypes and root over the
+    group's gloo half, and a mismatch raises on every rank instead of hanging. ``0``
+    (default): no check (it costs a CPU round trip per call).
+
 Deliberately left out: NCCL's own ``NCCL_*`` variables (they reach NCCL unchanged), and
-``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_NCCL_DUMP_ON_TIMEOUT``: cupycoll has no flight
-recorder for them to configure.
+torch's flight-recorder format: ``torch.distributed.flight_recorder``'s analyzer cannot
+read cupycoll's dumps (``python -m cupycoll.trace`` can).
 """
 
 from __future__ import annotations
@@ -78,16 +94,30 @@ ENVIRONMENT = {
     "CUPYCOLL_WATCHDOG_INTERVAL": "seconds between watchdog polls (default 0.1)",
     "CUPYCOLL_ALGORITHM": "auto (default): NCCL, ring only for bitwise ops; nccl; ring",
     "CUPYCOLL_RING_SCRATCH_BYTES": "ring scratch memory per communicator (default 4 MiB)",
+    "CUPYCOLL_TRACE_BUFFER": "flight-recorder entries per group (default 2000; 0: none)",
+    "CUPYCOLL_TRACE_DIR": "folder for per-rank flight-recorder dumps on timeout (default: none)",
+    "CUPYCOLL_CHECK_COLLECTIVES": "1: ranks compare op/shapes/dtypes/root before each call; 0 (default)",
     "TORCH_NCCL_USE_COMM_NONBLOCKING": "as CUPYCOLL_NONBLOCKING, when that is not set",
     "TORCH_NCCL_BLOCKING_WAIT": "as CUPYCOLL_BLOCKING_WAIT, when that is not set",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1 or 3: CUPYCOLL_ON_TIMEOUT=terminate; 0 or 2: raise",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "as CUPYCOLL_TRACE_BUFFER, when that is not set",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1: dump as CUPYCOLL_TRACE_DIR does, into the folder of "
+                                  "TORCH_NCCL_DEBUG_INFO_TEMP_FILE (default /tmp), when that is not set",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "with TORCH_NCCL_DUMP_ON_TIMEOUT=1: its folder receives the dumps",
+    "TORCH_DISTRIBUTED_DEBUG": "DETAIL: as CUPYCOLL_CHECK_COLLECTIVES=1, when that is not set",
 }
 
 ALGORITHMS = ("auto", "nccl", "ring")
 TIMEOUT_POLICIES = ("raise", "terminate")
 DEFAULT_RING_SCRATCH_BYTES = 4 << 20
 DEFAULT_WATCHDOG_INTERVAL = 0.1
+# Bounds that keep every value usable by threading waits and timedelta (inf passes a
+# "positive" check but kills the watchdog thread or overflows): a watchdog that polls less
+# often than once a minute detects nothing in time anyway.
+MAX_WATCHDOG_INTERVAL = 60.0
+MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+DEFAULT_TRACE_BUFFER = 2000
 
 
 # -- one parser per type: each takes the Python value or the environment's text ---------
@@ -127,12 +157,25 @@ def _number(name: str, value, what: str) -> float:
 
 
 def parse_seconds(name: str, value) -> datetime.timedelta:
-    """A positive duration: a ``timedelta`` or a number of seconds."""
+    """A positive, finite duration of at most :data:`MAX_TIMEOUT_SECONDS`: a ``timedelta``
+    or a number of seconds."""
     seconds = (value.total_seconds() if isinstance(value, datetime.timedelta)
                else _number(name, value, "a timedelta or a number of seconds"))
     if not seconds > 0:  # also rejects NaN
         raise CupycollValueError(f"{name}={value!r}: the timeout must be positive")
+    if not seconds <= MAX_TIMEOUT_SECONDS:  # inf: timedelta overflows, thread waits too
+        raise CupycollValueError(
+            f"{name}={value!r}: the timeout must be at most {MAX_TIMEOUT_SECONDS:g} s (one year)")
     return datetime.timedelta(seconds=seconds)
+
+
+def parse_interval(name: str, value) -> float:
+    """A poll interval: positive, at most :data:`MAX_WATCHDOG_INTERVAL` seconds."""
+    number = float(_number(name, value, "a positive number of seconds"))
+    if not 0 < number <= MAX_WATCHDOG_INTERVAL:  # also rejects NaN and inf
+        raise CupycollValueError(
+            f"{name}={value!r}: expected a positive number of seconds, at most {MAX_WATCHDOG_INTERVAL:g}")
+    return number
 
 
 def parse_positive_float(name: str, value) -> float:
@@ -150,6 +193,31 @@ def parse_positive_int(name: str, value) -> int:
     if number < 1:
         raise CupycollValueError(f"{name}={value!r}: expected a positive whole number")
     return int(number)
+
+
+def parse_nonnegative_int(name: str, value) -> int:
+    """A whole number >= 0."""
+    if not isinstance(value, bool) and (value == 0 or isinstance(value, str) and value.strip() == "0"):
+        return 0
+    try:
+        return parse_positive_int(name, value)
+    except CupycollValueError:
+        raise CupycollValueError(f"{name}={value!r}: expected a whole number >= 0") from None
+
+
+def parse_directory(name: str, value) -> str:
+    """A folder path (it need not exist yet)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise CupycollTypeError(f"{name}={value!r}: expected a folder path, got {type(value).__name__}")
+    path = os.fspath(value)
+    if not path.strip():
+        raise CupycollValueError(f"{name}={value!r}: expected a folder path")
+    return path
+
+
+def _torch_debug_detail(name: str, value) -> bool:
+    # torch's TORCH_DISTRIBUTED_DEBUG is OFF, INFO or DETAIL; only DETAIL checks collectives.
+    return str(value).strip().upper() == "DETAIL"
 
 
 def parse_choice(choices) -> Callable[[str, object], str]:
@@ -182,8 +250,8 @@ class _Field:
     torch_parse: Optional[Callable] = None
 
 
-# Everything but the timeout (whose precedence involves torch's argument) and the library
-# path (environment only) is resolved by the same loop over this table.
+# Everything but the timeout (whose precedence involves torch's argument), the trace folder
+# (two torch variables) and the library path (environment only) is resolved by the same loop over this table.
 _FIELDS = {
     "comm_split": _Field(parse_bool, True, "CUPYCOLL_COMM_SPLIT"),
     "nonblocking": _Field(parse_bool, False, "CUPYCOLL_NONBLOCKING",
@@ -192,14 +260,20 @@ _FIELDS = {
                             "TORCH_NCCL_BLOCKING_WAIT", parse_bool),
     "on_timeout": _Field(parse_choice(TIMEOUT_POLICIES), "raise", "CUPYCOLL_ON_TIMEOUT",
                          "TORCH_NCCL_ASYNC_ERROR_HANDLING", _torch_error_handling),
-    "watchdog_interval": _Field(parse_positive_float, DEFAULT_WATCHDOG_INTERVAL,
+    "watchdog_interval": _Field(parse_interval, DEFAULT_WATCHDOG_INTERVAL,
                                 "CUPYCOLL_WATCHDOG_INTERVAL"),
     "algorithm": _Field(parse_choice(ALGORITHMS), "auto", "CUPYCOLL_ALGORITHM"),
     "ring_scratch_bytes": _Field(parse_positive_int, DEFAULT_RING_SCRATCH_BYTES,
                                  "CUPYCOLL_RING_SCRATCH_BYTES"),
+    "trace_buffer": _Field(parse_nonnegative_int, DEFAULT_TRACE_BUFFER, "CUPYCOLL_TRACE_BUFFER",
+                           "TORCH_NCCL_TRACE_BUFFER_SIZE", parse_nonnegative_int),
+    "check_collectives": _Field(parse_bool, False, "CUPYCOLL_CHECK_COLLECTIVES",
+                                "TORCH_DISTRIBUTED_DEBUG", _torch_debug_detail),
 }
 _TIMEOUT_ENV = "CUPYCOLL_TIMEOUT"
 _LIBRARY_ENV = "CUPYCOLL_NCCL_LIBRARY"
+_TRACE_DIR_ENV, _TORCH_DUMP_ENV, _TORCH_DUMP_FILE_ENV = (
+    "CUPYCOLL_TRACE_DIR", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
 @dataclasses.dataclass
@@ -221,6 +295,9 @@ class Options:
         watchdog_interval: seconds between watchdog polls.
         algorithm: ``"auto"``, ``"nccl"`` or ``"ring"``.
         ring_scratch_bytes: the ring's scratch memory per communicator.
+        trace_buffer: flight-recorder entries kept per group (0: none).
+        trace_dir: folder for the per-rank flight-recorder dumps written on a timeout.
+        check_collectives: compare every collective's arguments across ranks first.
     """
 
     timeout: Optional[Union[datetime.timedelta, float]] = None
@@ -231,10 +308,15 @@ class Options:
     watchdog_interval: Optional[float] = None
     algorithm: Optional[str] = None
     ring_scratch_bytes: Optional[int] = None
+    trace_buffer: Optional[int] = None
+    trace_dir: Optional[str] = None
+    check_collectives: Optional[bool] = None
 
     def __post_init__(self):
         if self.timeout is not None:
             self.timeout = parse_seconds("Options.timeout", self.timeout)
+        if self.trace_dir is not None:
+            self.trace_dir = parse_directory("Options.trace_dir", self.trace_dir)
         for name, field in _FIELDS.items():
             value = getattr(self, name)
             if value is not None:
@@ -254,6 +336,9 @@ class Settings:
     watchdog_interval: float = DEFAULT_WATCHDOG_INTERVAL
     algorithm: str = "auto"
     ring_scratch_bytes: int = DEFAULT_RING_SCRATCH_BYTES
+    trace_buffer: int = DEFAULT_TRACE_BUFFER
+    trace_dir: Optional[str] = None
+    check_collectives: bool = False
 
 
 def torch_default_timeouts() -> tuple:
@@ -272,12 +357,27 @@ def torch_default_timeouts() -> tuple:
 def _timeout(options: Options, group_timeout, env: Mapping[str, str]) -> datetime.timedelta:
     if options.timeout is not None:
         return parse_seconds("Options.timeout", options.timeout)
+    # torch hands every non-nccl backend its default_pg_timeout (30 min) when the caller
+    # gave none: that counts as "not given", so the default is cupycoll's (10 min, as
+    # torch's nccl). The price: an explicit timeout equal to torch's default reads as unset
+    # (Options(timeout=...) or CUPYCOLL_TIMEOUT say it unambiguously).
     given = None if group_timeout is None else parse_seconds("timeout", group_timeout)
     if given is not None and given not in torch_default_timeouts():
         return given
     if env.get(_TIMEOUT_ENV):
         return parse_seconds(_TIMEOUT_ENV, env[_TIMEOUT_ENV])
-    return given if given is not None else DEFAULT_TIMEOUT
+    return DEFAULT_TIMEOUT
+
+
+def _trace_dir(options: Options, env: Mapping[str, str]) -> Optional[str]:
+    if options.trace_dir is not None:
+        return options.trace_dir
+    if env.get(_TRACE_DIR_ENV):
+        return parse_directory(_TRACE_DIR_ENV, env[_TRACE_DIR_ENV])
+    if env.get(_TORCH_DUMP_ENV) and parse_bool(_TORCH_DUMP_ENV, env[_TORCH_DUMP_ENV]):
+        # torch writes <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>; cupycoll, one file per rank there
+        return os.path.dirname(env.get(_TORCH_DUMP_FILE_ENV, "/tmp/nccl_trace_rank_")) or "."
+    return None
 
 
 def resolve(
@@ -307,7 +407,8 @@ def resolve(
         else:
             values[name] = field.default
     return Settings(timeout=_timeout(options, group_timeout, env),
-                    nccl_library=env.get(_LIBRARY_ENV) or None, **values)
+                    nccl_library=env.get(_LIBRARY_ENV) or None,
+                    trace_dir=_trace_dir(options, env), **values)
 
 
 # -- per-call algorithm override ---------------------------------------------------------

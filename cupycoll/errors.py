@@ -84,6 +84,11 @@ class CollectiveTimeoutError(CupycollError, DistBackendError, TimeoutError):
     ``Work.wait(timeout)``), communicator creation, or a nonblocking NCCL call."""
 
 
+class PeerFailedError(CupycollError, DistBackendError):
+    """A collective failed on a peer's account before its timeout: the peer died or closed
+    its connection (what gloo reports on the CPU route)."""
+
+
 # ncclResult_t values, from nccl.h. Kept here (not in the bindings module) so that error
 # formatting never needs the library to be loadable.
 NCCL_STATUS_NAMES = {

@@ -34,6 +34,7 @@ from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _args, collectives, compat, config
 from .backend import CudaBackend
+from .group_trace import GroupTrace
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
 from .errors import CupycollValueError
 from .work import CudaWork
@@ -42,6 +43,8 @@ from .work import CudaWork
 _LIVE_GROUPS: "weakref.WeakSet[ProcessGroupCupycoll]" = weakref.WeakSet()
 
 _GLOO = ProcessGroup.BackendType.GLOO
+# Ops whose tensors differ by rank outside one argument: [outputs, inputs] -> the alike one.
+_ROOT_ONLY = {"gather": 1, "scatter": 0}
 _CPU = torch.device("cpu")
 
 
@@ -76,6 +79,8 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._cuda = self.backend_class(store, rank, size, self.settings, self._global_ranks, group_id,
                                         name=self.getGroupName, on_abort=self._cpu_shutdown,
                                         on_bind=self._bind)
+        self._trace = GroupTrace(store, group_id, self._global_ranks, rank, self.settings)
+        self._cuda.use_trace(self._trace)
         _LIVE_GROUPS.add(self)
 
         parent = self._split_parent()
@@ -152,9 +157,13 @@ class ProcessGroupCupycoll(ProcessGroup):
                 f"device={self._cuda.device}, name={self._group_name!r})")
 
     # -- routing ----------------------------------------------------------------------
-    def _is_cuda(self, tensors, op_name: str) -> bool:
-        """True when the call goes to NCCL, False for gloo."""
+    def _is_cuda(self, tensors, op_name: str, opts=None, peer=None) -> bool:
+        """True when the call goes to NCCL, False for gloo. Records the call (see
+        :mod:`cupycoll.group_trace`): a CUDA call's entry goes to the backend, a CPU call's
+        to :meth:`_gloo`."""
         if self._classify(tensors, op_name):
+            if not op_name.endswith("_coalesced"):  # its parts are recorded one by one
+                self._cuda.trace_entry = self._record(tensors, op_name, opts, peer, "nccl")
             return True
         calls = self._cuda.calls
         if calls.block is not None and not calls.drop_stale_block():
@@ -163,7 +172,18 @@ class ProcessGroupCupycoll(ProcessGroup):
                 f"{self._group_name!r}: a block coalesces one device's calls; use a separate "
                 "_coalescing_manager(device=torch.device('cpu')) for CPU tensors")
         calls.flush()  # a queued CUDA send/recv must not wait behind unrelated CPU work
+        self._cpu_entry = self._record(tensors, op_name, opts, peer, "gloo")
         return False
+
+    def _record(self, tensors, op_name, opts, peer, route) -> list:
+        # gather's outputs and scatter's inputs exist on the root only: record what all pass
+        alike = tensors[_ROOT_ONLY[op_name]] if op_name in _ROOT_ONLY else tensors
+        root = peer if peer is not None else getattr(opts, "rootRank", None)
+        return self._trace.call(op_name, _args.flat(alike), root, getattr(opts, "reduceOp", None),
+                                route, self._cpu)
+
+    def _gloo(self, work: dist.Work) -> dist.Work:
+        return self._trace.gloo(work, self._cpu_entry)
 
     def _classify(self, tensors, op_name: str) -> bool:
         """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""
@@ -188,38 +208,38 @@ class ProcessGroupCupycoll(ProcessGroup):
     # -- collectives: CPU to gloo, CUDA to cupycoll.collectives ----------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.AllreduceOptions()
-        if not self._is_cuda(tensors, "all_reduce"):
-            return self._cpu.allreduce(tensors, opts)
+        if not self._is_cuda(tensors, "all_reduce", opts):
+            return self._gloo(self._cpu.allreduce(tensors, opts))
         return collectives.all_reduce(self._cuda, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
-        if not self._is_cuda(tensors, "all_reduce_coalesced"):
-            return self._cpu.allreduce_coalesced(tensors, opts)
+        if not self._is_cuda(tensors, "all_reduce_coalesced", opts):
+            return self._gloo(self._cpu.allreduce_coalesced(tensors, opts))
         return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.BroadcastOptions()
-        if not self._is_cuda(tensors, "broadcast"):
-            return self._cpu.broadcast(tensors, opts)
+        if not self._is_cuda(tensors, "broadcast", opts):
+            return self._gloo(self._cpu.broadcast(tensors, opts))
         return collectives.broadcast(self._cuda, tensors, opts)
 
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.ReduceOptions()
-        if not self._is_cuda(tensors, "reduce"):
-            return self._cpu.reduce(tensors, opts)
+        if not self._is_cuda(tensors, "reduce", opts):
+            return self._gloo(self._cpu.reduce(tensors, opts))
         return collectives.reduce(self._cuda, tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "all_gather"):
-            return self._cpu.allgather(output_tensors, input_tensors, opts)
+        if not self._is_cuda([output_tensors, input_tensors], "all_gather", opts):
+            return self._gloo(self._cpu.allgather(output_tensors, input_tensors, opts))
         return collectives.all_gather(self._cuda, output_tensors, input_tensors, opts)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        if not self._is_cuda([output_lists, input_tensors], "all_gather_coalesced"):
-            return self._cpu.allgather_coalesced(output_lists, input_tensors, opts)
+        if not self._is_cuda([output_lists, input_tensors], "all_gather_coalesced", opts):
+            return self._gloo(self._cpu.allgather_coalesced(output_lists, input_tensors, opts))
         if len(output_lists) != len(input_tensors):
             raise CupycollValueError(
                 f"all_gather_coalesced: {len(output_lists)} output lists for {len(input_tensors)} inputs")
@@ -228,66 +248,67 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        if not self._is_cuda([output, input], "all_gather_into_tensor"):
-            return self._cpu._allgather_base(output, input, opts)
+        if not self._is_cuda([output, input], "all_gather_into_tensor", opts):
+            return self._gloo(self._cpu._allgather_base(output, input, opts))
         return collectives.all_gather_into_tensor(self._cuda, output, input, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        if not self._is_cuda([outputs, inputs], "all_gather_into_tensor_coalesced"):
-            return self._cpu.allgather_into_tensor_coalesced(outputs, inputs, opts)
+        if not self._is_cuda([outputs, inputs], "all_gather_into_tensor_coalesced", opts):
+            return self._gloo(self._cpu.allgather_into_tensor_coalesced(outputs, inputs, opts))
         return self._coalesced(lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "reduce_scatter"):
-            return self._cpu.reduce_scatter(output_tensors, input_tensors, opts)
+        if not self._is_cuda([output_tensors, input_tensors], "reduce_scatter", opts):
+            return self._gloo(self._cpu.reduce_scatter(output_tensors, input_tensors, opts))
         return collectives.reduce_scatter(self._cuda, output_tensors, input_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        if not self._is_cuda([output, input], "reduce_scatter_tensor"):
-            return compat.gloo_reduce_scatter_tensor(self._cpu, output, input, opts)
+        if not self._is_cuda([output, input], "reduce_scatter_tensor", opts):
+            return self._gloo(compat.gloo_reduce_scatter_tensor(self._cpu, output, input, opts))
         return collectives.reduce_scatter_tensor(self._cuda, output, input, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        if not self._is_cuda([outputs, inputs], "reduce_scatter_tensor_coalesced"):
-            return self._cpu.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+        if not self._is_cuda([outputs, inputs], "reduce_scatter_tensor_coalesced", opts):
+            return self._gloo(self._cpu.reduce_scatter_tensor_coalesced(outputs, inputs, opts))
         return self._coalesced(lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllToAllOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "all_to_all"):
-            return compat.gloo_alltoall(self._cpu, output_tensors, input_tensors, opts)
+        if not self._is_cuda([output_tensors, input_tensors], "all_to_all", opts):
+            return self._gloo(compat.gloo_alltoall(self._cpu, output_tensors, input_tensors, opts))
         return collectives.all_to_all(self._cuda, output_tensors, input_tensors, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else c10d.AllToAllOptions()
-        if not self._is_cuda([output, input], "all_to_all_single"):
-            return self._cpu.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        if not self._is_cuda([output, input], "all_to_all_single", opts):
+            return self._gloo(self._cpu.alltoall_base(output, input, output_split_sizes,
+                                                      input_split_sizes, opts))
         return collectives.all_to_all_single(self._cuda, output, input, output_split_sizes,
                                              input_split_sizes, opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.GatherOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "gather"):
-            return self._cpu.gather(output_tensors, input_tensors, opts)
+        if not self._is_cuda([output_tensors, input_tensors], "gather", opts):
+            return self._gloo(self._cpu.gather(output_tensors, input_tensors, opts))
         return collectives.gather(self._cuda, output_tensors, input_tensors, opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.ScatterOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "scatter"):
-            return self._cpu.scatter(output_tensors, input_tensors, opts)
+        if not self._is_cuda([output_tensors, input_tensors], "scatter", opts):
+            return self._gloo(self._cpu.scatter(output_tensors, input_tensors, opts))
         return collectives.scatter(self._cuda, output_tensors, input_tensors, opts)
 
     def send(self, tensors, dst_rank, tag=0):
-        if not self._is_cuda(tensors, "send"):
+        if not self._is_cuda(tensors, "send", peer=dst_rank):
             return self._cpu.send(tensors, dst_rank, tag)
         return collectives.point_to_point(self._cuda, "send", tensors, dst_rank)
 
     def recv(self, tensors, src_rank, tag=0):
-        if not self._is_cuda(tensors, "recv"):
+        if not self._is_cuda(tensors, "recv", peer=src_rank):
             return self._cpu.recv(tensors, src_rank, tag)
         return collectives.point_to_point(self._cuda, "recv", tensors, src_rank)
 
@@ -301,7 +322,9 @@ class ProcessGroupCupycoll(ProcessGroup):
         device = _args.barrier_device(opts)
         if device is None:
             self._cuda.check_usable()
-            return self._cpu.barrier(opts)
+            self._cpu_entry = self._trace.call("barrier", (), route="gloo", cpu_group=self._cpu)
+            return self._gloo(self._cpu.barrier(opts))
+        self._cuda.trace_entry = self._trace.call("barrier", (), cpu_group=self._cpu)
         return collectives.barrier(self._cuda, device)
 
     # -- torch's coalescing protocol ----------------------------------------------------
@@ -365,6 +388,8 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._cuda.abort()
 
     def _cpu_shutdown(self) -> None:
+        # Both ends of the group come here: shutdown, and abort through the backend's on_abort.
+        self._trace.close(self._cuda.state)
         compat.shutdown(self._cpu)
 
     # -- torch method names that changed between versions ------------------------------

@@ -10,17 +10,31 @@ polls every watch each interval:
 * a Work not done ``timeout`` after it was issued is a timeout fault;
 * ``ncclCommGetAsyncError`` reporting an error on any communicator is an async fault.
 
-On a fault the watch hands an exception describing the stalled collective (op, shapes,
-dtype, sequence number, peers) to its group's ``on_fault`` (which aborts the communicators
-and fails the Works); with the ``terminate`` policy the process then exits, like
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``.
+* any exception from querying an event or the async error (a sticky CUDA error) is a
+  fault of that group too: it must not silence fault handling.
+
+On a fault the watchdog thread only *detects*; a fault thread handles it, so that one hung
+``ncclCommAbort`` cannot blind the other groups. Handling marks every Work in flight
+failed (first: a caller woken by the ended kernel must already see the fault), calls the
+group's ``on_fault`` (which aborts the communicators), then releases the Works' tensors.
+With the ``terminate`` policy the process exits once that is done or after
+:data:`FAULT_DEADLINE` seconds, whichever comes first (like
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` with torch's bounded abort). A monitor thread checks
+the watchdog's heartbeat: a pass stuck for :func:`heartbeat_limit` seconds is logged with
+the watchdog's stack, and ends the process when a watched group's policy is ``terminate``.
 
 What a Work must offer the watch (duck-typed, so the state machine is testable with
-stand-ins): ``_query_done() -> bool``, ``_issued_at`` (monotonic seconds), ``describe()``
-and ``_fail(exc)``.
+stand-ins): ``_query_done() -> bool``, ``_issued_at`` (monotonic seconds), ``describe()``,
+``_mark_failed(exc)`` and ``_release()``.
 
-Deliberately left out: any device synchronisation (events are only queried), flight
-recording of past collectives, and retries: a fault is final for its group.
+Hooks (default None, set by the group): ``on_done(work)`` runs for each Work found
+completed (by the watchdog or a drain); ``explain_timeout(work, timeout_s)`` runs on the
+fault thread before a timed-out group is failed (it may block a few seconds) and, when it
+returns a string, that string is the CollectiveTimeoutError's message.
+
+Deliberately left out: any device synchronisation (events are only queried), and
+retries: a fault is final for its group. A Python watchdog cannot detect a thread that
+hangs while holding the GIL (its monitor needs the GIL too).
 """
 
 from __future__ import annotations
@@ -31,14 +45,25 @@ import os
 import sys
 import threading
 import time
+import traceback
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
-from .errors import CollectiveTimeoutError, CupycollError, NcclError
+from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 
 logger = logging.getLogger("cupycoll")
 
 TERMINATE_EXIT_CODE = 70  # EX_SOFTWARE: an internal error ended the job on purpose
+
+# How long a fault thread may take (explain_timeout, up to ~5 s, plus ncclCommAbort, which
+# takes tens to hundreds of ms when healthy) before ``terminate`` exits without it and
+# ``raise`` logs that the abort hangs. torch bounds its abort the same way.
+FAULT_DEADLINE = 15.0
+
+# A watchdog pass only queries events and async errors (microseconds each); one that has
+# not finished in this long is stuck (the CUDA driver lock, a communicator lock held by a
+# hung abort). Scaled up for long poll intervals: see heartbeat_limit().
+HEARTBEAT_TIMEOUT = 60.0
 
 
 class Watch:
@@ -46,144 +71,327 @@ class Watch:
 
     def __init__(self, name: str, timeout: float, interval: float,
                  communicators: Callable[[], list], on_fault: Callable[[CupycollError], None],
-                 policy: str = "raise"):
+                 policy: str = "raise", on_done: Optional[Callable[[object], None]] = None,
+                 explain_timeout: Optional[Callable[[object, float], Optional[str]]] = None):
         self.name = name
         self.timeout = float(timeout)
         self.interval = float(interval)
         self.policy = policy
+        self.on_done = on_done
+        self.explain_timeout = explain_timeout
         self._communicators = communicators
         self._on_fault = on_fault
         self.inflight: collections.deque = collections.deque()
         self.fault: Optional[CupycollError] = None
+        # Guards popping (the watchdog, drain and fail-all all pop; the hot path only
+        # appends, which needs no lock) and claiming the fault.
+        self._lock = threading.Lock()
 
     def track(self, work) -> None:
         """Hot path: note ``work`` as issued now."""
         work._issued_at = time.monotonic()
         self.inflight.append(work)
 
-    def drain(self, timeout: float) -> bool:
-        """Wait (polling events, never syncing) until every tracked Work is done; False on a
-        fault or when ``timeout`` seconds pass first. For a clean shutdown."""
-        deadline = time.monotonic() + timeout
+    # -- finding completed Works ---------------------------------------------------------
+    def _pop_done(self) -> None:
+        """Drop the completed Works at the head. Raises what querying an event raises.
+
+        The event is queried outside the lock (it may be slow); the pop then only happens if
+        the head is still the Work queried, so two poppers never drop an unfinished one."""
         inflight = self.inflight
         while inflight:
+            head = inflight[0]
+            if not head._query_done():
+                return
+            with self._lock:
+                if not inflight or inflight[0] is not head:
+                    continue
+                inflight.popleft()
+            self._done(head)
+
+    def _done(self, work) -> None:
+        if self.on_done is not None:
+            try:
+                self.on_done(work)
+            except Exception:  # noqa: BLE001 - a hook must not break fault detection
+                logger.exception("cupycoll watchdog: on_done hook of group %r failed", self.name)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (polling events, never syncing) until every tracked Work is done; False on a
+        fault, when querying an event fails, or when ``timeout`` seconds pass first."""
+        deadline = time.monotonic() + timeout
+        while True:
             if self.fault is not None:
                 return False
-            if inflight[0]._query_done():
-                inflight.popleft()
-                continue
+            try:
+                self._pop_done()
+            except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: not drained
+                logger.error("cupycoll: draining group %r failed: %r", self.name, exc)
+                return False
+            if not self.inflight:
+                return self.fault is None
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.001)
-        return self.fault is None
 
-    def poll(self, now: Optional[float] = None) -> Optional[CupycollError]:
-        """One watchdog pass over this group; returns the fault it found (and handled)."""
+    # -- detecting a fault ---------------------------------------------------------------
+    def check(self, now: Optional[float] = None) -> Tuple[Optional[CupycollError], object]:
+        """Detect (never handle) a fault: ``(fault, the stalled Work or None)``."""
         if self.fault is not None:
-            return None
+            return None, None
         now = time.monotonic() if now is None else now
-        inflight = self.inflight
-        # popleft only (the hot path appends concurrently; both are atomic on a deque).
-        while inflight and inflight[0]._query_done():
-            inflight.popleft()
-        fault = None
-        for work in list(inflight):
-            if now - work._issued_at > self.timeout and not work._query_done():
-                fault = CollectiveTimeoutError(
-                    f"process group {self.name!r}: {work.describe()} did not complete within "
-                    f"{self.timeout:g} s; a peer may have hung, died or skipped it")
-                break
-        if fault is None:
+        try:
+            self._pop_done()
+            for work in list(self.inflight):
+                if now - work._issued_at > self.timeout and not work._query_done():
+                    return CollectiveTimeoutError(
+                        f"process group {self.name!r}: {work.describe()} did not complete within "
+                        f"{self.timeout:g} s; a peer may have hung, died or skipped it"), work
             for comm in self._communicators():
+                if self.fault is not None:  # aborted meanwhile: its comms are not ours to poll
+                    return None, None
                 error = comm.async_error()
                 if error is not None:
-                    fault = NcclError(error.status, error.function,
-                                      f"asynchronous error on process group {self.name!r}", error.last_error)
-                    break
-        if fault is not None:
-            self.handle(fault)
-        return fault
+                    return NcclError(error.status, error.function,
+                                     f"asynchronous error on process group {self.name!r}",
+                                     error.last_error), None
+        except Exception as exc:  # noqa: BLE001 - e.g. cudaEventQuery after an illegal address
+            fault = CommunicatorAbortedError(
+                f"process group {self.name!r}: checking its work in flight failed ({exc!r}); "
+                f"the GPU or a communicator is in an error state")
+            fault.__cause__ = exc
+            return fault, None
+        return None, None
 
-    def handle(self, fault: CupycollError) -> None:
-        """Record ``fault``, tell the group, and fail every Work still in flight."""
-        if self.fault is not None:
+    def poll(self, now: Optional[float] = None) -> Optional[CupycollError]:
+        """One pass over this group, handling a fault on the calling thread; returns the
+        fault (after handling it). The watchdog thread uses :meth:`check` instead."""
+        fault, work = self.check(now)
+        if fault is not None:
+            self.handle(fault, work)
+            return self.fault
+        return None
+
+    # -- handling it ---------------------------------------------------------------------
+    def claim(self, fault: CupycollError) -> bool:
+        """Make ``fault`` this group's (False: it already has one; a fault is final)."""
+        with self._lock:
+            if self.fault is not None:
+                return False
+            self.fault = fault
+            return True
+
+    def handle(self, fault: CupycollError, work=None, claimed: bool = False) -> None:
+        """Record ``fault``; mark every Work in flight failed, tell the group (which aborts
+        its communicators), then release the Works' tensors."""
+        if not claimed and not self.claim(fault):
             return
-        self.fault = fault
+        fault = self._explain(fault, work)
         logger.error("cupycoll watchdog: %s; aborting the group's NCCL communicators", fault)
+        failed = self.mark_failed(fault)
         try:
             self._on_fault(fault)
+        except Exception:  # noqa: BLE001 - the Works are failed whatever the abort does
+            logger.exception("cupycoll watchdog: aborting group %r failed", self.name)
         finally:
-            self.fail_all(fault)
+            self.release(failed)
+
+    def _explain(self, fault: CupycollError, work) -> CupycollError:
+        if self.explain_timeout is None or work is None or not isinstance(fault, CollectiveTimeoutError):
+            return fault
+        try:
+            message = self.explain_timeout(work, self.timeout)
+        except Exception:  # noqa: BLE001 - the plain message still describes the fault
+            logger.exception("cupycoll watchdog: explain_timeout of group %r failed", self.name)
+            return fault
+        if isinstance(message, str) and message:
+            fault = CollectiveTimeoutError(message)
+            self.fault = fault
+        return fault
+
+    def mark_failed(self, error: BaseException) -> List[object]:
+        """Take every Work out of flight and mark it failed with ``error``; its tensors stay
+        referenced until :meth:`release` (the kernels may still run until the abort)."""
+        failed = []
+        while True:
+            with self._lock:
+                if not self.inflight:
+                    return failed
+                work = self.inflight.popleft()
+            try:
+                work._mark_failed(error)
+            finally:
+                failed.append(work)
+
+    @staticmethod
+    def release(works: List[object]) -> None:
+        for work in works:
+            work._release()
 
     def fail_all(self, error: BaseException) -> List[object]:
-        failed = []
-        while self.inflight:
-            work = self.inflight.popleft()
-            work._fail(error)
-            failed.append(work)
+        """Mark failed and release at once (nothing of them can still run)."""
+        failed = self.mark_failed(error)
+        self.release(failed)
         return failed
 
 
+def heartbeat_limit(interval: float) -> float:
+    """Seconds without a watchdog heartbeat after which the watchdog counts as stuck."""
+    return max(HEARTBEAT_TIMEOUT, 20 * interval)
+
+
 class Watchdog:
-    """The process's watchdog thread over every registered :class:`Watch`."""
+    """The process's watchdog thread over every registered :class:`Watch`, and the monitor
+    thread that checks the watchdog's heartbeat."""
 
     def __init__(self):
+        self._reset()
+
+    def _reset(self) -> None:
         self._watches: "weakref.WeakSet[Watch]" = weakref.WeakSet()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._monitor: Optional[threading.Thread] = None
         self._wake = threading.Event()
+        self._wake_monitor = threading.Event()  # set when the watchdog thread ends
+        self._stopped = False
+        self.heartbeat = time.monotonic()
 
     def watch(self, watch: Watch) -> None:
         with self._lock:
             self._watches.add(watch)
-            if self._thread is None:
+            if self._thread is None and not self._stopped:
+                self.heartbeat = time.monotonic()
                 self._thread = threading.Thread(target=self._run, name="cupycoll-watchdog", daemon=True)
                 self._thread.start()
+                if self._monitor is None:
+                    self._monitor = threading.Thread(target=self._watch_heartbeat,
+                                                     name="cupycoll-watchdog-monitor", daemon=True)
+                    self._monitor.start()
 
     def unwatch(self, watch: Watch) -> None:
         with self._lock:
             self._watches.discard(watch)
         self._wake.set()
 
+    def stop(self) -> None:
+        """Stop watching for good (process exit): the thread ends at its next wake-up."""
+        with self._lock:
+            self._stopped = True
+            self._watches = weakref.WeakSet()
+        self._wake.set()
+
     @property
     def running(self) -> bool:
-        return self._thread is not None
+        """Is the watchdog thread (or its monitor, which follows it out) still alive?"""
+        return self._thread is not None or self._monitor is not None
 
     def _run(self) -> None:
-        while True:
-            interval = self._poll_once()
-            if interval is None:
-                return
-            self._wake.wait(interval)
-            self._wake.clear()
+        try:
+            while True:
+                interval = self._poll_once()
+                if interval is None:
+                    return
+                self._wake.wait(interval)
+                self._wake.clear()
+        except Exception:  # noqa: BLE001 - a bug here must not end watching for good
+            logger.exception("cupycoll watchdog: the watchdog thread failed; the next tracked "
+                             "collective starts a new one")
+        finally:
+            # Whatever ended the loop, a later watch() must be able to start a new thread.
+            with self._lock:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+            self._wake_monitor.set()
 
     def _poll_once(self) -> Optional[float]:
         """Poll every watch once; the time to sleep, or None when the thread should end.
         (A function of its own so that no watch stays referenced while the thread sleeps.)"""
+        self.heartbeat = time.monotonic()
         with self._lock:
             watches = list(self._watches)
-            if not watches:
-                self._thread = None  # a later watch() starts a new thread
+            if not watches or self._stopped:
+                if self._thread is threading.current_thread():
+                    self._thread = None  # a later watch() starts a new thread
                 return None
         for watch in watches:
-            try:
-                fault = watch.poll()
-            except Exception:  # the watchdog must outlive any one group's failure
-                logger.exception("cupycoll watchdog: polling group %r failed", watch.name)
-                continue
-            if fault is not None:
+            fault, work = watch.check()
+            if fault is not None and watch.claim(fault):
                 self.unwatch(watch)
-                if watch.policy == "terminate":
-                    _terminate(watch, fault)
+                handle_fault(watch, fault, work)
+            self.heartbeat = time.monotonic()
         return min(w.interval for w in watches)
+
+    def _watch_heartbeat(self) -> None:
+        """The monitor: while the watchdog runs, report (and with ``terminate``, exit) when
+        it has not completed a pass for heartbeat_limit() seconds."""
+        reported = None
+        while True:
+            with self._lock:
+                if self._thread is None:
+                    self._monitor = None
+                    return
+                watches = list(self._watches)
+                thread = self._thread
+            limit = heartbeat_limit(max((w.interval for w in watches), default=0.0))
+            beat = self.heartbeat
+            if time.monotonic() - beat > limit and reported != beat:
+                reported = beat
+                _watchdog_stuck(thread, limit, [w for w in watches if w.policy == "terminate"])
+            self._wake_monitor.wait(min(limit / 4, 5.0))
+            self._wake_monitor.clear()
+
+    def _after_fork_in_child(self) -> None:
+        # The child has none of the parent's threads, and may hold copies of locks taken
+        # when it forked; its groups' communicators are unusable. Start from scratch.
+        self._reset()
+
+
+def handle_fault(watch: Watch, fault: CupycollError, work=None) -> threading.Thread:
+    """Handle a claimed fault off the watchdog thread, bounded by FAULT_DEADLINE: past it,
+    ``terminate`` exits anyway and ``raise`` logs that the group's abort hangs."""
+    handler = threading.Thread(target=watch.handle, args=(fault, work, True),
+                               name=f"cupycoll-fault-{watch.name}", daemon=True)
+
+    def supervise() -> None:
+        try:
+            handler.start()
+            handler.join(FAULT_DEADLINE)
+            if handler.is_alive():
+                logger.error("cupycoll watchdog: handling the fault of group %r has not finished "
+                             "after %g s (ncclCommAbort hangs?); its Works are failed", watch.name,
+                             FAULT_DEADLINE)
+        finally:
+            if watch.policy == "terminate":
+                _terminate(watch, watch.fault or fault)
+
+    supervisor = threading.Thread(target=supervise, name=f"cupycoll-fault-{watch.name}-deadline",
+                                  daemon=True)
+    supervisor.start()
+    return supervisor
+
+
+def _watchdog_stuck(thread: Optional[threading.Thread], limit: float, terminate: List[Watch]) -> None:
+    frame = sys._current_frames().get(thread.ident) if thread is not None else None
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(unavailable)\n"
+    message = (f"cupycoll watchdog: no heartbeat for {limit:g} s; the watchdog is stuck and no "
+               f"group's faults are being detected. Its stack:\n{stack}")
+    logger.critical(message)
+    print(message, file=sys.stderr, flush=True)
+    if terminate:
+        _terminate(terminate[0], CupycollError("the cupycoll watchdog is stuck"))
 
 
 def _terminate(watch: Watch, fault: BaseException) -> None:
     message = (f"cupycoll watchdog: terminating the process (on_timeout='terminate') after a "
                f"fault in process group {watch.name!r}: {fault}")
-    logger.critical(message)
-    print(message, file=sys.stderr, flush=True)
-    os._exit(TERMINATE_EXIT_CODE)
+    try:
+        logger.critical(message)
+        print(message, file=sys.stderr, flush=True)
+    finally:
+        os._exit(TERMINATE_EXIT_CODE)
 
 
 WATCHDOG = Watchdog()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=WATCHDOG._after_fork_in_child)

@@ -78,16 +78,26 @@ class CudaWork(dist.Work):
 
     def _fail(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
         """The watchdog (or a failed issue) ends this Work with ``error``; tensors are released."""
+        self._mark_failed(error, cause)
+        self._release()
+
+    def _mark_failed(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
+        """Record ``error`` (the first one wins) but keep the tensors: an abort marks its
+        Works failed *before* ncclCommAbort, so that a caller woken by the ended kernel
+        already sees the fault, and releases them only once the abort has returned."""
         if self._error is not None:
             return
         if cause is not None:
             error.__cause__ = cause
         self._error = error
-        self._keepalive = None
         if self._future is None:
             future = torch.futures.Future()
             future.set_exception(error)
             self._future = future
+
+    def _release(self) -> None:
+        """Drop the tensors this Work kept alive for the GPU (it is done with them)."""
+        self._keepalive = None
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

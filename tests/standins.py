@@ -32,6 +32,6 @@ class CpuAsCudaGroup(ProcessGroupCupycoll):
     def _build_cpu_group(self, store, rank, size, timeout):
         return None
 
-    def _is_cuda(self, tensors, op_name):
-        self._classify(tensors, op_name)  # the real mixing/type checks, CPU tensors stand in
+    def _classify(self, tensors, op_name):
+        super()._classify(tensors, op_name)  # the real mixing/type checks, CPU tensors stand in
         return True

@@ -15,7 +15,7 @@ from torch._C import _distributed_c10d as c10d
 
 from cupycoll.bootstrap import StoreBootstrap
 from cupycoll.call_queue import Issue
-from cupycoll.errors import CupycollError, CupycollValueError
+from cupycoll.errors import CommunicatorAbortedError, CupycollError, CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
 from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup
 
@@ -212,8 +212,8 @@ def test_a_call_on_another_group_inside_a_manager_is_an_error(group):
 
 def test_cpu_tensors_inside_a_cuda_block_are_an_error(group):
     class Routing(QueueGroup):
-        def _is_cuda(self, tensors, op_name):
-            return ProcessGroupCupycoll._is_cuda(self, tensors, op_name)
+        def _classify(self, tensors, op_name):
+            return ProcessGroupCupycoll._classify(self, tensors, op_name)
 
     routing = Routing(None, 0, 3, datetime.timedelta(seconds=5))
     routing._start_coalescing(CUDA)
@@ -256,3 +256,29 @@ def test_after_a_raising_manager_torchs_fast_path_works_again(group):
             pass
     assert group not in state and group._cuda.calls.block is None
     assert group.batches == []
+
+
+def test_abort_fails_queued_and_coalesced_works(group):
+    # D6: a Work dropped from the queue without failing it reported success when touched.
+    recv = group.recv([x()], 2, 0)
+    group._cuda.calls.drop(CommunicatorAbortedError("dropped"))  # the queue alone
+    assert recv.exception() is not None and group.batches == []
+    group = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
+    group._start_coalescing(CUDA)
+    send = group.send([x()], 1, 0)
+    inside = group.allreduce([x()], c10d.AllreduceOptions())
+    group.abort()
+    for work in (send, inside):
+        assert work.is_completed() and not work.is_success()
+        with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+            work.wait()
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        group._end_coalescing(CUDA)
+    assert group.batches == [] and group._cuda.calls.block is None
+
+
+def test_drop_fails_the_works_with_the_given_reason(group):
+    recv = group.recv([x()], 2, 0)
+    reason = CommunicatorAbortedError("all_reduce #7 timed out")
+    group._cuda.calls.drop(reason)
+    assert recv.exception() is reason and group._cuda.calls.pending == []

@@ -39,8 +39,8 @@ def test_an_explicit_init_timeout_beats_the_environment():
     torch_default = dist.distributed_c10d._get_default_timeout(dist.Backend("cupycoll"))
     assert torch_default in config.torch_default_timeouts()
     assert config.resolve(None, torch_default, env).timeout == 12 * SECONDS
-    # ...and without it torch's default stands.
-    assert config.resolve(None, torch_default, {}).timeout == torch_default
+    # ...and without it cupycoll's default (10 min), not torch's 30 (review D10).
+    assert config.resolve(None, torch_default, {}).timeout == config.DEFAULT_TIMEOUT
     # torch's nccl default (10 min on CUDA builds) is never handed to cupycoll: explicit here
     assert config.resolve(None, datetime.timedelta(minutes=10), env).timeout == datetime.timedelta(minutes=10)
 
@@ -172,7 +172,7 @@ def _readme_variables():
     names = set()
     for row in rows:
         name = row.split("`")[1]
-        if name.startswith(("CUPYCOLL_", "TORCH_NCCL_")):
+        if name.startswith(("CUPYCOLL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")):
             names.add(name)
     return names
 
@@ -181,7 +181,8 @@ def test_every_variable_is_documented_and_read():
     source = open(config.__file__).read()
     docstring = config.__doc__
     read = {f.env for f in config._FIELDS.values()} | {f.torch_env for f in config._FIELDS.values() if f.torch_env}
-    read |= {config._TIMEOUT_ENV, config._LIBRARY_ENV}
+    read |= {config._TIMEOUT_ENV, config._LIBRARY_ENV, config._TRACE_DIR_ENV, config._TORCH_DUMP_ENV,
+             config._TORCH_DUMP_FILE_ENV}
     assert read == set(config.ENVIRONMENT)  # what is read is listed, and nothing else
     for name in config.ENVIRONMENT:
         assert name in docstring, name

@@ -471,3 +471,108 @@ def test_an_nccl_group_never_looks_the_library_up_again(monkeypatch):
                 pass
     assert lookups == []
     assert nb.load(None) is comm._lib  # a path asked for before is not resolved again
+
+
+# -- communicator faults reach the group (part B of issue 14) ---------------------------
+
+
+def test_a_communicator_that_aborts_itself_faults_its_group(monkeypatch, no_device):
+    # D5: a nonblocking poll that times out aborted the communicator but not the group, so
+    # the Works in flight later "succeeded" and the on_timeout policy never ran.
+    made = []
+
+    def begin(cls, unique_id, rank, size, device, library, nonblocking, timeout, on_abort):
+        comm = polling_comm([nb.ncclInProgress], timeout=0.05)
+        comm.on_abort = on_abort
+        made.append(comm)
+        return comm
+    monkeypatch.setattr(Communicator, "begin", classmethod(begin))
+    group = make_group()
+    group._cuda.comm = group._cuda._create_comm(b"\0" * 128, 0, 2, 0)
+    work, _ = issued_work(seq=3)
+    group._cuda._watch.track(work)
+    with pytest.raises(CollectiveTimeoutError) as info:
+        made[0]._poll("ncclAllReduce")
+    assert group._cuda.state == "aborted" and group._cuda.fault is info.value
+    assert work.exception() is info.value and made[0]._lib.aborts == 1
+    with pytest.raises(CommunicatorAbortedError, match="did not complete within 0.05 s"):
+        group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
+
+
+def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device):
+    # D9: ncclGroupEnd launched the calls enqueued before the error, a batch the peers'
+    # full one no longer matches; the communicator must be aborted and its owner told.
+    events, told = [], []
+
+    class GroupLibrary(ScriptedLibrary):
+        def ncclGroupStart(self):
+            events.append("start")
+            return 0
+
+        def ncclGroupEnd(self):
+            events.append("end")
+            return 0
+
+        def ncclCommAbort(self, comm):
+            events.append("abort")
+            return 0
+
+    comm = polling_comm([nb.ncclSuccess])
+    comm._lib = GroupLibrary([nb.ncclSuccess])
+    comm.on_abort = told.append
+    staging = torch.ones(4)
+    with pytest.raises(MemoryError):
+        with comm.group():
+            comm._settle("ncclSend", nb.ncclSuccess)
+            with comm.group():
+                raise MemoryError("staging")
+    assert events == ["start", "start", "end", "end", "abort"]
+    assert comm.state == "aborted" and isinstance(told[0], MemoryError) and staging.sum() == 4
+    # a healthy group afterwards polls, aborts nothing
+    other = polling_comm([nb.ncclSuccess])
+    other._lib = GroupLibrary([nb.ncclSuccess])
+    with other.group():
+        other._settle("ncclSend", nb.ncclSuccess)
+    assert other.state == "ok"
+
+
+def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
+    group = make_group()
+    comm = polling_comm([nb.ncclSuccess])
+    comm._lib = type("Lib", (ScriptedLibrary,), {"ncclGroupStart": lambda self: 0,
+                                                  "ncclGroupEnd": lambda self: 0})([nb.ncclSuccess])
+    comm.on_abort = group._cuda._fault_once
+    group._cuda.comm = comm
+    group._cuda.device = CUDA
+
+    def first(c, stream, peer):
+        c._settle("ncclSend", nb.ncclSuccess)
+
+    def second(c, stream, peer):
+        raise torch.OutOfMemoryError("staging")
+    from cupycoll.call_queue import Issue
+    issues = [Issue(CudaWork("send", CUDA, []), first, None, None, True, peer=1),
+              Issue(CudaWork("recv", CUDA, []), second, None, None, True, peer=1)]
+    with pytest.raises(torch.OutOfMemoryError):
+        group._cuda._launch_all(issues, {1: comm}, 0)
+    assert comm.state == "aborted" and group._cuda.state == "aborted"
+    assert isinstance(group._cuda.fault, torch.OutOfMemoryError)
+
+
+def test_calls_after_an_abort_name_the_abort(no_device):
+    # D18: CuPy's handle is NULL after an abort; NCCL would answer ncclInvalidArgument.
+    class CupyComm:
+        comm = 0
+
+        def allReduce(self, *args):
+            raise AssertionError("reached CuPy")
+    comm = polling_comm([nb.ncclSuccess])
+    comm._cupy_comm, comm.nonblocking, comm.state = CupyComm(), False, "aborted"
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        comm.all_reduce(1, 1, 1, 7, 0, 0)
+    group = make_group()
+    group.abort()
+    opts = c10d.BarrierOptions()
+    opts.device_ids = [0]
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        group.barrier(opts)

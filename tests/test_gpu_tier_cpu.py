@@ -281,24 +281,26 @@ def test_fp8_avg_on_one_rank_is_issued_as_sum(dtype, monkeypatch):
 
 
 def test_a_communicator_creation_that_times_out_faults_the_group(monkeypatch):
-    # a retry would re-count arrivals from a half-filled incarnation (ranks disagree on
-    # which unique id to use); the group must be dead instead, failing fast
+    # the peers failed (or are stuck) in the same creation: the group must be dead, failing fast
     monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\1" * 128)
+    monkeypatch.setattr("cupycoll._cuda.require_device", lambda index: None)  # no GPU here
     store = dist.HashStore()
     group = CpuAsCudaGroup(store, 0, 3, datetime.timedelta(seconds=0.3))
     with pytest.raises(CollectiveTimeoutError, match="all 3 ranks to join"):
         group._cuda.comm_for(CUDA)
     assert group._cuda.state == "aborted"
-    joined = store.add("cupycoll/comm/joined", 0)
+    joined = store.add("cupycoll/comm/0/arrived", 0)
     start = time.monotonic()
     with pytest.raises(CommunicatorAbortedError, match="timed out") as info:
         group._cuda.comm_for(CUDA)
     assert time.monotonic() - start < 0.1 and isinstance(info.value.__cause__, CollectiveTimeoutError)
-    assert store.add("cupycoll/comm/joined", 0) == joined  # no second arrival counted
+    assert store.add("cupycoll/comm/0/arrived", 0) == joined  # no second arrival counted
+    assert not store.check(["cupycoll/comm/1/arrived"])
 
 
 def test_a_pair_communicator_creation_that_times_out_faults_the_group(monkeypatch):
     monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\1" * 128)
+    monkeypatch.setattr("cupycoll._cuda.require_device", lambda index: None)  # no GPU here
     group = CpuAsCudaGroup(dist.HashStore(), 1, 3, datetime.timedelta(seconds=0.3))
     group._cuda.device = CUDA
     with pytest.raises(CollectiveTimeoutError):

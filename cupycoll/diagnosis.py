@@ -1,0 +1,370 @@
+"""Live diagnosis on timeout: which rank is behind, and where it is.
+
+When a collective times out (the watchdog, for CUDA; gloo's wait, for CPU), the rank calls
+:func:`diagnose_timeout`. It publishes its progress (:func:`progress`: last issued and last
+completed collective, the one it is stuck in) to the group's store under a key made of the
+group, its incarnation and the stuck sequence number (so a later timeout in the same group
+never reads stale records), asks every other rank to do the same, and reads their records
+for at most ``wait_s`` (5 s). :func:`build_message`, a pure function, then says who is
+where::
+
+    all_reduce #42 (float32[1048576]) timed out after 30 s on ranks 0,1,3; rank 2 is
+    behind: its last collective was #41 (broadcast) — it never reached #42
+
+A rank that is behind is not timing out itself: it may be computing, or waiting in another
+group. Its :class:`Responder` answers for it, a daemon thread per process that polls each
+served group's request counter in the store (one round trip per group per second) and
+publishes that rank's progress, and, with a trace folder, dumps its recorders too. A rank
+that neither times out nor answers (dead, or holding the GIL outside cupycoll) is named as
+not answering.
+
+Every store operation of the exchange runs on a daemon thread that the caller leaves after
+``wait_s``: torch's store calls block for the store's own timeout (minutes), so a dead store
+or a dead peer must not hold the timeout report back.
+
+Deliberately left out: deciding what happens next (the caller raises, aborts, terminates),
+and reading the other ranks' whole recorders (that is ``python -m cupycoll.trace``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from .recorder import E_OP, E_SEQ, E_SHAPES, E_DTYPES, E_STATE, Recorder, describe, \
+    dump_on_timeout
+
+logger = logging.getLogger("cupycoll")
+
+DEFAULT_WAIT_S = 5.0
+RESPONDER_INTERVAL_S = 1.0
+POLL_S = 0.05
+KEY_ROOT = "cupycoll-diag"
+_STATE_TEXT = {"completed": "", "issued": "not completed", "queued": "not yet issued",
+               "failed": "failed", "aborted": "aborted"}
+
+
+def key_prefix(group: str, incarnation: int) -> str:
+    return f"{KEY_ROOT}/{group}/{incarnation}"
+
+
+# -- this rank's record -------------------------------------------------------------------
+
+def progress(recorder: Recorder, stuck=None) -> dict:
+    """This rank's record for the store. ``stuck``: the entry (or a dict with seq, op, desc)
+    of the collective that timed out here; default: the oldest one issued and unfinished."""
+    if stuck is None:
+        stuck = recorder.stuck()
+    if isinstance(stuck, list):
+        stuck = {"seq": stuck[E_SEQ], "op": stuck[E_OP],
+                 "desc": describe(stuck[E_OP], stuck[E_SEQ], stuck[E_SHAPES], stuck[E_DTYPES])}
+    last = recorder.last_issued_entry
+    return {"rank": recorder.rank, "global_rank": recorder.ranks[recorder.rank],
+            "last_issued": recorder.last_issued,
+            "last_issued_op": None if last is None else last[E_OP],
+            "last_issued_state": None if last is None else last[E_STATE],
+            "last_completed": recorder.last_completed, "stuck": stuck,
+            "host": socket.gethostname(), "pid": os.getpid()}
+
+
+# -- the message (pure) -------------------------------------------------------------------
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 2`` / ``ranks 0,1,3`` / ``ranks 0-63,65``: runs of three or more collapse."""
+    ranks = sorted(set(int(r) for r in ranks))
+    parts, start = [], 0
+    while start < len(ranks):
+        end = start
+        while end + 1 < len(ranks) and ranks[end + 1] == ranks[end] + 1:
+            end += 1
+        if end - start >= 2:
+            parts.append(f"{ranks[start]}-{ranks[end]}")
+        else:
+            parts.extend(str(r) for r in ranks[start:end + 1])
+        start = end + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
+def _position(seq: int, op: Optional[str], state: Optional[str]) -> str:
+    if not seq:
+        return "none"
+    note = _STATE_TEXT.get(state or "completed", state)
+    return f"#{seq} ({op}{', ' + note if note else ''})"
+
+
+def _listing(items: List[str], limit: int = 8) -> str:
+    if len(items) > limit:
+        items = items[:limit] + [f"{len(items) - limit} more"]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+@dataclasses.dataclass
+class Classified:
+    """Where each rank is relative to the stuck collective (global ranks)."""
+
+    at: List[int] = dataclasses.field(default_factory=list)  # in it, with the same op
+    other_op: Dict[str, List[int]] = dataclasses.field(default_factory=dict)  # in it, as another op
+    behind: Dict[tuple, List[int]] = dataclasses.field(default_factory=dict)  # (seq, op, state)
+    earlier: Dict[tuple, List[int]] = dataclasses.field(default_factory=dict)  # still in an older one
+    ahead: Dict[tuple, List[int]] = dataclasses.field(default_factory=dict)  # past it: (seq, op)
+    silent: List[int] = dataclasses.field(default_factory=list)
+
+
+def classify(seq: int, op: str, records: Dict[int, Optional[dict]],
+             ranks: Sequence[int]) -> Classified:
+    """Sort the group's ranks (``records``: group rank -> record or None) around ``seq``."""
+    out = Classified()
+    for group_rank, name in enumerate(ranks):
+        rec = records.get(group_rank)
+        if not rec:
+            out.silent.append(name)
+            continue
+        stuck = rec.get("stuck") or None
+        last = int(rec.get("last_issued") or 0)
+        if stuck is not None and stuck.get("seq") == seq:
+            if stuck.get("op") == op:
+                out.at.append(name)
+            else:
+                out.other_op.setdefault(stuck.get("op"), []).append(name)
+        elif last < seq:
+            key = (last, rec.get("last_issued_op"), rec.get("last_issued_state"))
+            out.behind.setdefault(key, []).append(name)
+        elif stuck is not None and stuck.get("seq", 0) < seq:
+            out.earlier.setdefault((stuck.get("seq"), stuck.get("op")), []).append(name)
+        else:
+            current = stuck or {"seq": last, "op": rec.get("last_issued_op")}
+            out.ahead.setdefault((current.get("seq"), current.get("op")), []).append(name)
+    return out
+
+
+def build_message(stuck: dict, timeout_s: Optional[float], records: Dict[int, Optional[dict]],
+                  ranks: Sequence[int], wait_s: float = DEFAULT_WAIT_S,
+                  store_error: Optional[str] = None, group: str = "", what: str = "timed out") -> str:
+    """The timeout report. ``stuck``: {"seq", "op", "desc"} of the collective that timed
+    out; ``records``: what each group rank published (None or absent: no answer);
+    ``ranks``: the global rank of each group rank (the message names global ranks);
+    ``what`` happened to it here (``"failed (a peer closed the connection)"``)."""
+    seq, op = stuck["seq"], stuck["op"]
+    c = classify(seq, op, records, ranks)
+    desc = stuck.get("desc") or f"{op} #{seq}"
+    after = f" after {timeout_s:g} s" if timeout_s is not None else ""
+    where = f"process group {group!r}: " if group else ""
+    head = f"{where}{desc} {what}{after}"
+    if c.at:
+        head += " on " + ("all ranks" if len(c.at) == len(ranks) > 1 else ranks_text(c.at))
+    parts = []
+    for other, names in sorted(c.other_op.items(), key=lambda kv: kv[1][0]):
+        verb = "is" if len(names) == 1 else "are"
+        parts.append(f"{ranks_text(names)} {verb} in #{seq} as {other}, not {op}: the ranks "
+                     "called their collectives in different orders")
+    if c.behind:
+        everyone = sorted(r for names in c.behind.values() for r in names)
+        one = len(everyone) == 1
+        subject = f"{ranks_text(everyone)} {'is' if one else 'are'} behind"
+        never = f"{'it' if one else 'they'} never reached #{seq}"
+        if len(c.behind) == 1:
+            (last, last_op, state), = c.behind
+            if not last:
+                parts.append(f"{subject}: {'it has' if one else 'they have'} made no collective "
+                             f"on this group yet — {never}")
+            else:
+                parts.append(f"{subject}: {'its' if one else 'their'} last collective was "
+                             f"{_position(last, last_op, state)} — {never}")
+        else:
+            items = [f"{_position(*key)} on {ranks_text(names)}"
+                     for key, names in sorted(c.behind.items(), key=lambda kv: -kv[0][0])]
+            parts.append(f"{subject}: their last collectives were {_listing(items)} — {never}")
+    for (old, old_op), names in sorted(c.earlier.items()):
+        verb = "is" if len(names) == 1 else "are"
+        parts.append(f"{ranks_text(names)} {verb} still in #{old} ({old_op})")
+    for (new, new_op), names in sorted(c.ahead.items()):
+        parts.append(f"{ranks_text(names)} completed #{seq} and went on to #{new} ({new_op})")
+    if store_error is not None:
+        parts.append(f"the store did not answer within {wait_s:g} s ({store_error}), so no "
+                     "other rank could be asked")
+    elif c.silent:
+        parts.append(f"{ranks_text(c.silent)} did not answer within {wait_s:g} s (dead, "
+                     "or stuck outside cupycoll)")
+    if not parts and c.at and len(c.at) == len(ranks):
+        parts.append(f"no rank is behind: all reached #{seq}, so the collective itself is stuck "
+                     "(NCCL, the network or a GPU), or the ranks passed it different arguments "
+                     "(CUPYCOLL_CHECK_COLLECTIVES=1 checks them)")
+    return "; ".join([head] + parts)
+
+
+# -- the exchange -------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Report:
+    message: str
+    records: Dict[int, dict]  # group rank -> record, for the ranks that answered
+    classified: Classified
+    store_error: Optional[str] = None
+    elapsed_s: float = 0.0
+
+
+def diagnose(store, group: str, rank: int, size: int, mine: dict, timeout_s: Optional[float] = None,
+             wait_s: float = DEFAULT_WAIT_S, ranks: Optional[Sequence[int]] = None,
+             incarnation: int = 0, what: str = "timed out") -> Report:
+    """Publish ``mine`` (:func:`progress`, whose ``stuck`` names the collective), ask the
+    other ranks, read their records for at most ``wait_s``, and build the report. Returns
+    within ``wait_s`` (plus a few ms) whatever the store and the peers do; never raises."""
+    started = time.monotonic()
+    ranks = list(range(size)) if ranks is None else list(ranks)
+    stuck = mine.get("stuck") or {"seq": int(mine.get("last_issued", 0)) + 1, "op": "?"}
+    results: Dict[int, dict] = {rank: mine}
+    notes: List[str] = []  # "published" once the store took ours; then any store error
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=_exchange, name="cupycoll-diagnosis", daemon=True,
+        args=(store, key_prefix(group, incarnation), stuck["seq"], rank, size, mine, results,
+              notes, stop, started + wait_s))
+    thread.start()
+    thread.join(wait_s)
+    stop.set()
+    records = dict(results)
+    # No answer at all: if the store never took our record (the thread is stuck in its first
+    # call, or it raised), blame the store; if it did, the peers are silent.
+    error = None
+    if len(records) == 1 and size > 1:
+        published = "published" in notes
+        errors = [f for f in notes if f != "published"]
+        error = errors[0] if errors else (None if published else "no reply")
+    message = build_message(stuck, timeout_s, records, ranks, wait_s, error, group, what)
+    return Report(message, records, classify(stuck["seq"], stuck["op"], records, ranks), error,
+                  time.monotonic() - started)
+
+
+def _exchange(store, prefix, seq, rank, size, mine, results, notes, stop, deadline) -> None:
+    try:
+        base = f"{prefix}/{seq}"
+        store.set(f"{base}/{rank}", json.dumps(mine))
+        store.add(f"{base}/count", 1)
+        number = store.add(f"{prefix}/requests", 1)  # wakes the other ranks' responders
+        store.set(f"{prefix}/request/{number}", str(seq))
+        notes.append("published")  # the store works: silence is the peers'
+        seen = None
+        while not stop.is_set():
+            count = store.add(f"{base}/count", 0)
+            if count != seen:  # someone new published: read what is there
+                seen = count
+                for other in range(size):
+                    key = f"{base}/{other}"
+                    if other not in results and store.check([key]):
+                        results[other] = json.loads(store.get(key))
+                if len(results) >= size:
+                    return
+            if time.monotonic() >= deadline:
+                return
+            stop.wait(POLL_S)
+    except Exception as exc:  # noqa: BLE001 - reported in the message, never raised
+        notes.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def diagnose_timeout(store, recorder: Recorder, stuck=None, timeout_s: Optional[float] = None,
+                     wait_s: float = DEFAULT_WAIT_S, dump_dir: Optional[str] = None,
+                     what: str = "timed out") -> Report:
+    """The timeout path: :func:`diagnose` this rank's stuck collective (an entry, or
+    ``{"seq", "op", "desc"}``), write the trace to ``dump_dir`` when set, log the message."""
+    mine = progress(recorder, stuck)
+    report = diagnose(store, recorder.group, recorder.rank, len(recorder.ranks), mine,
+                      timeout_s, wait_s, recorder.ranks, recorder.incarnation, what)
+    dump_on_timeout(dump_dir, recorder.ranks[recorder.rank], f"{what}: {report.message}")
+    logger.error("cupycoll: %s", report.message)
+    return report
+
+
+def looks_like_timeout(exc: BaseException) -> bool:
+    """Is ``exc`` (raised by a gloo Work's wait) a timeout? gloo says so only in its text."""
+    if isinstance(exc, TimeoutError):
+        return True
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+# -- the responder ------------------------------------------------------------------------
+
+class _Served:
+    def __init__(self, store, recorder: Recorder, dump_dir: Optional[str], interval: float):
+        self.store, self.recorder, self.dump_dir = store, recorder, dump_dir
+        self.interval = interval
+        self.prefix = key_prefix(recorder.group, recorder.incarnation)
+        self.handled = 0
+        self.answered: collections.deque = collections.deque(maxlen=64)
+
+    def poll(self) -> None:
+        store = self.store
+        pending = store.add(f"{self.prefix}/requests", 0)
+        while self.handled < pending:
+            key = f"{self.prefix}/request/{self.handled + 1}"
+            if not store.check([key]):
+                return  # counted but not written yet: the next poll reads it
+            seq = int(store.get(key))
+            self.handled += 1
+            if seq not in self.answered:
+                self.answered.append(seq)
+                self.answer(seq)
+
+    def answer(self, seq: int) -> None:
+        rank = self.recorder.rank
+        base = f"{self.prefix}/{seq}"
+        self.store.set(f"{base}/{rank}", json.dumps(progress(self.recorder)))
+        self.store.add(f"{base}/count", 1)
+        dump_on_timeout(self.dump_dir, self.recorder.ranks[rank],
+                        f"a peer's timeout in group {self.recorder.group!r} at #{seq}")
+
+
+class Responder:
+    """The process's thread answering peers' diagnosis requests for every served group."""
+
+    def __init__(self):
+        self._served: Dict[int, _Served] = {}
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._wake = threading.Event()
+
+    def serve(self, store, recorder: Recorder, dump_dir: Optional[str] = None,
+              interval: float = RESPONDER_INTERVAL_S) -> None:
+        with self._lock:
+            self._served[id(recorder)] = _Served(store, recorder, dump_dir, interval)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cupycoll-responder",
+                                                daemon=True)
+                self._thread.start()
+
+    def unserve(self, recorder: Recorder) -> None:
+        with self._lock:
+            self._served.pop(id(recorder), None)
+        self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                served = list(self._served.values())
+                if not served:
+                    self._thread = None
+                    return
+            for item in served:
+                try:
+                    item.poll()
+                except Exception as exc:  # noqa: BLE001 - a dead store: stop asking it
+                    logger.debug("cupycoll responder: group %r: %s", item.recorder.group, exc)
+                    self.unserve(item.recorder)
+            self._wake.wait(min(item.interval for item in served))
+            self._wake.clear()
+
+
+RESPONDER = Responder()
+serve = RESPONDER.serve
+unserve = RESPONDER.unserve

@@ -1,0 +1,156 @@
+"""How a CUDA group ends: shutdown, abort, and the abort at process exit.
+
+The rules these functions keep (the guarantees docs/design.md states):
+
+* **abort** (``CudaBackend.abort``; the watchdog's fault path; ``abort_all``) first marks
+  the group ``"aborted"`` and every Work in flight failed, *then* calls ``ncclCommAbort``
+  on each communicator, and releases the Works' tensors and ring scratch only after the
+  aborts returned: a caller woken by the ended kernel already sees the fault, and no
+  buffer is freed under a kernel that still runs. Every step and every communicator is
+  attempted whatever an earlier one raised; nothing is retried.
+* **shutdown** (``destroy_process_group``) never raises: it waits at most
+  :data:`SHUTDOWN_GRACE` seconds (and never more than the group's timeout) for the work in
+  flight, then finalizes and destroys the communicators; if the work does not finish,
+  anything fails, or a communicator cannot be finalized, it aborts instead.
+* **process exit**: an ``atexit`` hook stops the watchdog and aborts (never destroys: a
+  destroy waits for peers and the GPU) every group still alive, warning that it was not
+  destroyed, bounded by :data:`EXIT_DEADLINE` seconds in all.
+
+Deliberately left out: anything in ``__del__`` (a collective teardown at garbage
+collection runs in whatever thread collects, possibly the watchdog's), and retries.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+import warnings
+from typing import Optional
+
+from .errors import CommunicatorAbortedError
+from .watchdog import WATCHDOG
+
+logger = logging.getLogger("cupycoll")
+
+# destroy_process_group's wait for work still in flight before it aborts instead. Short:
+# work a program never waited for at destroy time is either done in microseconds or stuck
+# (an unmatched send, a peer that already left), and torch's own shutdown is an abort.
+SHUTDOWN_GRACE = 10.0
+
+# The atexit abort of the groups never destroyed, in all: past it the process exits anyway.
+EXIT_DEADLINE = 10.0
+
+# Makes abort's check-and-set of the state atomic (the watchdog's fault thread, abort_all in
+# a signal handler and the user may abort at once). Held only for the check, never across NCCL.
+_STATE_LOCK = threading.Lock()
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _step(what: str, function, *args) -> Optional[BaseException]:
+    """Run one teardown step; a failure is reported, and returned, never raised."""
+    try:
+        function(*args)
+    except BaseException as exc:  # noqa: BLE001 - teardown must finish every step
+        _warn(f"cupycoll: {what} failed: {exc!r}")
+        return exc
+    return None
+
+
+def abort(backend, reason: Optional[BaseException] = None) -> None:
+    """``CudaBackend.abort``: see the module docstring. Raises only a KeyboardInterrupt or
+    SystemExit met on the way, and only after every step has run."""
+    with _STATE_LOCK:
+        if backend.state == "aborted":
+            return
+        backend.state = "aborted"
+    if reason is None:
+        reason = CommunicatorAbortedError(f"process group {backend._name()!r} was aborted")
+    interrupts = []
+    failed = []
+
+    def mark() -> None:
+        failed.extend(backend._watch.mark_failed(reason))
+
+    # Queued (never issued) Works fail with the same reason; they hold no running kernel.
+    for what, step in (("dropping the queued calls", lambda: backend.calls.drop(reason)),
+                       ("stopping the watchdog's tracking", backend._stop_watching),
+                       ("failing the Works in flight", mark)):
+        interrupts.append(_step(what, step))
+    try:
+        for comm in list(backend._pending_comms) + backend.communicators():
+            interrupts.append(_step(f"aborting {comm}", comm.abort))
+    finally:
+        # Only now, with the kernels ended, may the Works' tensors and scratch be released.
+        interrupts.append(_step("releasing the Works' tensors", backend._watch.release, failed))
+        interrupts.append(_step("closing the rings", backend._close_rings))
+        interrupts.append(_step("shutting down the group's CPU half", backend._on_abort))
+    for exc in interrupts:
+        if exc is not None and not isinstance(exc, Exception):
+            raise exc
+
+
+def shutdown(backend) -> None:
+    """``CudaBackend.shutdown``: see the module docstring. Never raises."""
+    if backend.state != "ok":
+        return
+    timeout = backend.settings.timeout.total_seconds()
+    try:
+        try:
+            backend.calls.flush()
+        except Exception:  # noqa: BLE001 - the Works of that batch carry the error
+            pass
+        drained = backend._watch.drain(min(SHUTDOWN_GRACE, timeout))
+    except BaseException as exc:  # noqa: BLE001 - shutdown never raises; abort instead
+        _warn(f"cupycoll: shutting down process group {backend._name()!r} failed ({exc!r}); aborting it")
+        drained = False
+    if not drained:
+        abort(backend, CommunicatorAbortedError(
+            f"process group {backend._name()!r} was shut down with work that did not finish "
+            f"within {min(SHUTDOWN_GRACE, timeout):g} s; it was aborted"))
+        return
+    with _STATE_LOCK:
+        if backend.state != "ok":
+            return
+        backend.state = "shut down"
+    _step("stopping the watchdog's tracking", backend._stop_watching)
+    _step("closing the rings", backend._close_rings)
+    for comm in backend.communicators():
+        if _step(f"shutting down {comm}", comm.shutdown, timeout) is not None:
+            _step(f"aborting {comm} after its shutdown failed", comm.abort)
+
+
+def _abort_at_exit() -> None:
+    """The atexit hook: see the module docstring."""
+    WATCHDOG.stop()
+    process_group = sys.modules.get("cupycoll.process_group")
+    groups = list(getattr(process_group, "_LIVE_GROUPS", ()))
+    backends = [g._cuda for g in groups if getattr(g, "_cuda", None) is not None]
+    live = [b for b in backends if b.state == "ok" and (b.communicators() or b._pending_comms)]
+    if not live:
+        return
+    for backend in live:
+        message = (f"cupycoll: process group {backend._name()!r} has NOT been destroyed before "
+                   f"the process exits; aborting its NCCL communicators. Call "
+                   f"torch.distributed.destroy_process_group() before exiting: otherwise this "
+                   f"rank may leave before its peers finish their collectives with it.")
+        logger.warning(message)
+        print(message, file=sys.stderr, flush=True)
+
+    def abort_all() -> None:
+        for backend in live:
+            _step("aborting a group at exit", abort, backend)
+
+    thread = threading.Thread(target=abort_all, name="cupycoll-exit-abort", daemon=True)
+    thread.start()
+    thread.join(EXIT_DEADLINE)
+    if thread.is_alive():
+        print(f"cupycoll: aborting the groups at exit did not finish within {EXIT_DEADLINE:g} s; "
+              f"exiting anyway", file=sys.stderr, flush=True)
+
+
+atexit.register(_abort_at_exit)

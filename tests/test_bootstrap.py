@@ -1,0 +1,148 @@
+"""Communicator creation through the store (cupycoll.bootstrap and the backend's use of it):
+generations that stay in step across failed creations, the unique id made only once everyone
+has arrived, and local checks before the gate. CPU only; the real libnccl where it loads."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cupycoll import bootstrap as bootstrap_module
+from cupycoll import config
+from cupycoll.backend import CudaBackend
+from cupycoll.bootstrap import ABANDONED, StoreBootstrap
+from cupycoll.communicator import Communicator
+from cupycoll.errors import CollectiveTimeoutError, NoCudaDeviceError
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def counted_ids(monkeypatch):
+    """new_unique_id stand-in: numbered ids, and how many were made."""
+    made = []
+
+    def new_unique_id():
+        made.append(len(made))
+        return bytes([len(made)]) * 128
+    monkeypatch.setattr(bootstrap_module, "new_unique_id", new_unique_id)
+    return made
+
+
+def run_ranks(store, ranks, members, timeout):
+    """Each rank (a thread) asks for the id of 'comm'; rank 0 creates. rank -> id or error."""
+    results = {}
+
+    def one(rank):
+        try:
+            results[rank] = StoreBootstrap(store, rank, timeout).unique_id("comm", rank == 0, members)
+        except CollectiveTimeoutError as exc:
+            results[rank] = exc
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+@pytest.mark.parametrize("present", [[0, 1], [1, 2], [0]])
+def test_after_a_failed_creation_every_rank_gets_the_same_id(counted_ids, present):
+    # D7: the old arrival counter numbered the next incarnation differently on each rank.
+    store = dist.HashStore()
+    failed = run_ranks(store, present, members=3, timeout=0.3)
+    assert all(isinstance(v, CollectiveTimeoutError) for v in failed.values())
+    full = run_ranks(store, [0, 1, 2], members=3, timeout=10)
+    assert len(set(full.values())) == 1 and isinstance(full[0], bytes) and len(full[0]) == 128
+    again = run_ranks(store, [0, 1, 2], members=3, timeout=10)  # and the one after that
+    assert len(set(again.values())) == 1 and again[0] != full[0]
+
+
+def test_the_id_is_made_only_once_everyone_arrived(counted_ids):
+    # D12: a creation nobody joins makes no id (ncclGetUniqueId starts a thread that leaks).
+    store = dist.HashStore()
+    for _ in range(3):
+        with pytest.raises(CollectiveTimeoutError, match=r"all 2 ranks to join .* \(1 arrived\)"):
+            StoreBootstrap(store, 0, 0.1).unique_id("comm", True, 2)
+    assert counted_ids == []
+    assert len(set(run_ranks(store, [0, 1], members=2, timeout=10).values())) == 1
+    assert counted_ids == [0]
+
+
+def test_a_rank_that_gives_up_fails_the_whole_generation(counted_ids):
+    store = dist.HashStore()
+    # rank 1 arrives and gives up before the creator comes: the creator must not publish
+    # an id (in blocking mode it would wait in ncclCommInitRank for rank 1 forever)
+    assert isinstance(run_ranks(store, [1], members=2, timeout=0.2)[1], CollectiveTimeoutError)
+    with pytest.raises(CollectiveTimeoutError):
+        StoreBootstrap(store, 0, 5).unique_id("comm", True, 2)
+    assert counted_ids == []
+    assert len(set(run_ranks(store, [0, 1], members=2, timeout=10).values())) == 1
+
+
+def test_a_rank_giving_up_after_the_id_was_published_joins():
+    store = dist.HashStore()
+    store.set("cupycoll/comm/0/uid", b"\5" * 128)
+    store.add("cupycoll/comm/0/arrived", 1)
+    assert StoreBootstrap(store, 1, 0.05).unique_id("comm", False, 2) == b"\5" * 128
+    assert store.compare_set("cupycoll/comm/0/uid", "", ABANDONED) == b"\5" * 128
+
+
+def test_failed_creations_leave_threads_and_fds_flat():
+    # D12 with the real NCCL: each ncclGetUniqueId starts a bootstrap-root thread and socket.
+    from cupycoll import _cuda
+    from cupycoll.errors import MissingDependencyError
+
+    try:
+        _cuda.nccl_module()
+    except MissingDependencyError as exc:
+        pytest.skip(str(exc))
+
+    def counts():
+        return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+    store = dist.HashStore()
+    before = counts()
+    for _ in range(5):
+        with pytest.raises(CollectiveTimeoutError):
+            StoreBootstrap(store, 0, 0.05).unique_id("comm", True, 2)
+    assert counts() == before
+
+
+def test_local_failures_raise_before_the_store_gate(monkeypatch):
+    # D8: a rank that fails after arriving leaves its peers inside blocking ncclCommInitRank.
+    def no_device(index):
+        raise NoCudaDeviceError(f"CUDA device {index} does not exist (0 visible)")
+    monkeypatch.setattr("cupycoll._cuda.require_device", no_device)
+    monkeypatch.setattr(Communicator, "begin", classmethod(lambda cls, *a, **k: pytest.fail("began")))
+    store = dist.HashStore()
+    backend = CudaBackend(store, 1, 2, config.resolve(None, datetime.timedelta(seconds=5)))
+    with pytest.raises(NoCudaDeviceError):
+        backend.comm_for(CUDA)
+    backend.device = CUDA
+    with pytest.raises(NoCudaDeviceError):
+        backend.p2p_comm(0)
+    assert not store.check(["cupycoll/comm/0/arrived"]) and not store.check(["cupycoll/p2p/0-1/0/arrived"])
+    assert backend.state == "ok"  # nothing was shared: no peer is stuck on this rank
+
+
+def test_nccl_comm_blocking_is_checked_before_the_gate(monkeypatch):
+    monkeypatch.setattr("cupycoll._cuda.require_device", lambda index: None)
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "0")
+    with pytest.raises(ValueError, match="NCCL_COMM_BLOCKING=0"):
+        Communicator.preflight(0, None, nonblocking=False)
+
+
+def test_a_creation_that_times_out_faults_the_group(monkeypatch):
+    monkeypatch.setattr("cupycoll._cuda.require_device", lambda index: None)
+    store = dist.HashStore()
+    backend = CudaBackend(store, 1, 2, config.resolve(None, datetime.timedelta(seconds=0.2)))
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError):
+        backend.comm_for(CUDA)
+    assert backend.state == "aborted" and time.monotonic() - start < 3

@@ -1,0 +1,281 @@
+"""Timeout diagnosis (cupycoll.diagnosis) and the collective mismatch check
+(cupycoll.mismatch): pure message builders, a real TCPStore in-process, dead stores, and
+real processes on gloo (tests/workers/trace_worker.py)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cupycoll import diagnosis, mismatch, trace
+from cupycoll import recorder as rec_mod
+
+from mp import run_ranks
+
+STUCK = {"seq": 42, "op": "all_reduce", "desc": "all_reduce #42 (float32[1048576])"}
+IN_42 = {"seq": 42, "op": "all_reduce"}
+
+
+def rec(last, op, stuck=None, completed=None, state="completed"):
+    return {"last_issued": last, "last_issued_op": op, "last_issued_state": state,
+            "last_completed": last if completed is None else completed, "stuck": stuck}
+
+
+def at_42():
+    return rec(42, "all_reduce", IN_42, 41, "issued")
+
+
+def message(records, world=4, **kwargs):
+    return diagnosis.build_message(STUCK, 30, records, list(range(world)), **kwargs)
+
+
+# -- the message (pure) -------------------------------------------------------------------
+
+def test_one_rank_behind():
+    records = {0: at_42(), 1: at_42(), 2: rec(41, "broadcast"), 3: at_42()}
+    assert message(records) == (
+        "all_reduce #42 (float32[1048576]) timed out after 30 s on ranks 0,1,3; rank 2 is "
+        "behind: its last collective was #41 (broadcast) — it never reached #42")
+
+
+def test_several_behind_at_one_or_several_places():
+    same = {0: at_42(), 1: rec(41, "broadcast"), 2: rec(41, "broadcast"), 3: at_42()}
+    assert message(same).endswith("ranks 1,2 are behind: their last collective was #41 "
+                                  "(broadcast) — they never reached #42")
+    apart = {0: at_42(), 1: rec(39, "all_gather", {"seq": 39, "op": "all_gather"}, 38, "issued"),
+             2: rec(41, "broadcast"), 3: rec(0, None)}
+    assert message(apart).endswith(
+        "on rank 0; ranks 1-3 are behind: their last collectives were #41 (broadcast) on "
+        "rank 2, #39 (all_gather, not completed) on rank 1 and none on rank 3 — they never "
+        "reached #42")
+    first = {0: at_42(), 1: rec(0, None)}
+    assert message(first, world=2).endswith(
+        "rank 1 is behind: it has made no collective on this group yet — it never reached #42")
+
+
+def test_ranks_not_answering_and_a_dead_store():
+    records = {0: at_42(), 1: None, 2: rec(41, "broadcast")}
+    text = message(records)
+    assert text.endswith("rank 2 is behind: its last collective was #41 (broadcast) — it "
+                         "never reached #42; ranks 1,3 did not answer within 5 s (dead, or "
+                         "stuck outside cupycoll)")
+    dead = message({0: at_42()}, wait_s=2, store_error="no reply", group="pg")
+    assert dead == ("process group 'pg': all_reduce #42 (float32[1048576]) timed out after "
+                    "30 s on rank 0; the store did not answer within 2 s (no reply), so no "
+                    "other rank could be asked")
+
+
+def test_all_ranks_at_the_same_collective():
+    text = message({r: at_42() for r in range(4)})
+    assert text.startswith("all_reduce #42 (float32[1048576]) timed out after 30 s on all "
+                           "ranks; no rank is behind: all reached #42")
+
+
+def test_ranks_ahead_in_another_op_and_global_ranks():
+    records = {0: at_42(), 1: rec(45, "all_gather", {"seq": 45, "op": "all_gather"}, 44, "issued"),
+               2: rec(42, "broadcast", {"seq": 42, "op": "broadcast"}, 41, "issued"),
+               3: rec(50, "barrier", None, 50)}
+    text = diagnosis.build_message(STUCK, 30, records, [8, 9, 10, 11])
+    assert "on rank 8;" in text
+    assert "rank 10 is in #42 as broadcast, not all_reduce" in text
+    assert "rank 9 completed #42 and went on to #45 (all_gather)" in text
+    assert "rank 11 completed #42 and went on to #50 (barrier)" in text
+
+
+def test_ranks_text():
+    assert diagnosis.ranks_text([2]) == "rank 2"
+    assert diagnosis.ranks_text([3, 1, 0]) == "ranks 0,1,3"
+    assert diagnosis.ranks_text(list(range(64)) + [65, 66]) == "ranks 0-63,65,66"
+
+
+def test_progress_of_a_recorder():
+    recorder = rec_mod.Recorder("g", [5, 6], 1, size=0)
+    done = recorder.record("broadcast", ((8,),), (torch.float32,), root=0)
+    recorder.mark(done, "completed")
+    stuck = recorder.record("all_reduce", ((4,),), (torch.float32,))
+    mine = diagnosis.progress(recorder)
+    assert mine["stuck"] == {"seq": 2, "op": "all_reduce", "desc": "all_reduce #2 (float32[4])"}
+    assert (mine["last_issued"], mine["last_completed"], mine["global_rank"]) == (2, 1, 6)
+    assert mine["last_issued_state"] == "issued" and stuck is recorder.last_issued_entry
+
+
+# -- the exchange through a store ---------------------------------------------------------
+
+@pytest.fixture
+def stores():
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    clients = [dist.TCPStore("127.0.0.1", master.port, 1, False) for _ in range(3)]
+    yield clients
+    del clients, master
+
+
+def recorders(world, behind=2):
+    out = []
+    for rank in range(world):
+        recorder = rec_mod.Recorder("0", list(range(world)), rank)
+        for seq in range(1, 42):
+            recorder.mark(recorder.record("broadcast" if seq == 41 else "all_reduce"), "completed")
+        if rank != behind:
+            recorder.record("all_reduce", ((1048576,),), (torch.float32,))
+        out.append(recorder)
+    return out
+
+
+def test_diagnose_through_a_real_store(stores, tmp_path):
+    recs = recorders(3)
+    diagnosis.serve(stores[2], recs[2], str(tmp_path), interval=0.05)
+    reports = {}
+
+    def run(rank):
+        reports[rank] = diagnosis.diagnose_timeout(stores[rank], recs[rank], timeout_s=30,
+                                                   wait_s=5.0)
+    try:
+        threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    finally:
+        diagnosis.unserve(recs[2])
+    for rank in (0, 1):
+        report = reports[rank]
+        assert report.message == (
+            "process group '0': all_reduce #42 (float32[1048576]) timed out after 30 s on "
+            "ranks 0,1; rank 2 is behind: its last collective was #41 (broadcast) — it never "
+            "reached #42")
+        assert sorted(report.records) == [0, 1, 2] and report.elapsed_s < 4
+    # The responder dumped rank 2's recorder (nothing registered: an empty process trace).
+    assert os.listdir(tmp_path) == ["cupycoll_trace_rank2.json"]
+
+    # A later timeout in the same group never reads the records of the first one.
+    recs[0].record("all_reduce", ((4,),), (torch.float32,))
+    started = time.monotonic()
+    later = diagnosis.diagnose(stores[0], "0", 0, 3, diagnosis.progress(recs[0], recs[0].find(43)),
+                               30, wait_s=1.0)
+    assert 0.9 < time.monotonic() - started < 3
+    assert sorted(later.records) == [0] and later.store_error is None
+    assert later.message.endswith("ranks 1,2 did not answer within 1 s (dead, or stuck "
+                                  "outside cupycoll)")
+
+
+class BlockingStore:
+    """A store whose every call blocks, like torch's against a dead server."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.release.wait()
+
+
+class RaisingStore:
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise RuntimeError("Connection reset by peer\nmore text")
+        return fail
+
+
+def test_a_dead_store_cannot_hang_the_diagnosis():
+    recorder = recorders(2)[0]
+    store = BlockingStore()
+    started = time.monotonic()
+    report = diagnosis.diagnose_timeout(store, recorder, timeout_s=30, wait_s=0.5)
+    assert time.monotonic() - started < 1.5
+    assert report.store_error == "no reply"
+    assert "the store did not answer within 0.5 s (no reply)" in report.message
+    store.release.set()
+    report = diagnosis.diagnose_timeout(RaisingStore(), recorder, timeout_s=30, wait_s=5)
+    assert report.elapsed_s < 1
+    assert "(RuntimeError: Connection reset by peer)" in report.message
+
+
+def test_the_responder_drops_a_dead_store_and_ends():
+    responder = diagnosis.Responder()
+    responder.serve(RaisingStore(), recorders(2)[1], interval=0.01)
+    deadline = time.monotonic() + 5
+    while responder.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not responder.running
+
+
+def test_looks_like_timeout():
+    assert diagnosis.looks_like_timeout(RuntimeError("[gloo] Timed out waiting 1000ms for recv"))
+    assert diagnosis.looks_like_timeout(TimeoutError())
+    assert not diagnosis.looks_like_timeout(RuntimeError("Connection closed by peer"))
+
+
+# -- the mismatch check -------------------------------------------------------------------
+
+def sig(seq=7, op="all_reduce", shape=(4, 4), dtype="float32", root=None, reduce_op=None):
+    return mismatch.signature(seq, op, [shape], [dtype], root, reduce_op)
+
+
+def test_compare_names_rank_and_field():
+    assert mismatch.compare({0: sig(), 1: sig(), 2: sig()}) is None
+    assert mismatch.compare({0: sig(), 1: sig(shape=(4, 3))}) == \
+        "all_reduce #7: rank 1 passed shape (4, 3), rank 0 passed (4, 4)"
+    assert mismatch.compare({0: sig(), 1: sig(dtype="torch.float16"), 2: sig()}) == \
+        "all_reduce #7: rank 1 passed dtype float16, ranks 0,2 passed float32"
+    assert mismatch.compare({0: sig(op="broadcast", root=0), 1: sig(), 2: sig()}) == \
+        "collective #7: rank 0 called broadcast, ranks 1,2 called all_reduce"
+    assert mismatch.compare({0: sig(op="broadcast", root=0), 1: sig(op="broadcast", root=1)},
+                            ranks=[4, 6]) == "broadcast #7: rank 6 passed root 1, rank 4 passed 0"
+    assert mismatch.compare({0: sig(8), 1: sig(7), 2: sig(8)}).endswith(
+        "rank 1 is at #7, ranks 0,2 are at #8")
+    assert mismatch.compare({0: sig(reduce_op=dist.ReduceOp.SUM),
+                             1: sig(reduce_op=dist.ReduceOp.MAX)}) == \
+        "all_reduce #7: rank 1 passed reduce op MAX, rank 0 passed SUM"
+    several = {0: mismatch.signature(1, "all_gather", [(2,), (3,)], ["int8", "int8"]),
+               1: mismatch.signature(1, "all_gather", [(2,), (4,)], ["int8", "int8"])}
+    assert mismatch.compare(several) == \
+        "all_gather #1: rank 1 passed shapes [(2,), (4,)], rank 0 passed [(2,), (3,)]"
+    a2a = {r: mismatch.signature(1, "all_to_all_single", [(r + 1,)], ["int8"]) for r in range(3)}
+    assert mismatch.compare(a2a) is None  # split sizes may differ by design
+    assert mismatch.digest(sig()) == mismatch.digest(sig()) != mismatch.digest(sig(shape=(4, 3)))
+
+
+def test_mismatch_check_across_processes(tmp_path):
+    run_ranks("trace_worker.py", 3, ["mismatch", str(tmp_path)], timeout=120)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    expected = {
+        "shape": "all_reduce #4: rank 1 passed shape (4, 3), ranks 0,2 passed (4, 4)",
+        "dtype": "all_reduce #5: rank 1 passed dtype float16, ranks 0,2 passed float32",
+        "op": "collective #6: rank 1 called broadcast, ranks 0,2 called all_reduce",
+        "root": "broadcast #7: rank 1 passed root 1, ranks 0,2 passed 0",
+        "reduce_op": "all_reduce #8: rank 1 passed reduce op MAX, ranks 0,2 passed SUM",
+        "seq": "rank 1 is at #10, ranks 0,2 are at #9",
+    }
+    for rank, result in enumerate(results):
+        assert result["agreed"] == 5  # calls that agree (all_to_all included) never raise
+        for case, text in expected.items():
+            raised = result["raised"][case]
+            assert raised is not None and raised.startswith("process group '0': collective "
+                                                            "mismatch, "), (rank, case, raised)
+            assert raised.endswith(text), (rank, case, raised)
+    print(f"\nmismatch check per call (3 ranks, gloo): {results[0]['check_us']:.0f} µs")
+
+
+def test_diagnosis_across_processes(tmp_path):
+    run_ranks("trace_worker.py", 4, ["diagnose", str(tmp_path)], timeout=120)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["message"] == (
+            "process group '0': all_reduce #42 (float32[1048576]) timed out after 30 s on ranks 0,1; rank 2 is "
+            "behind: its last collective was #41 (broadcast) — it never reached #42; rank 3 "
+            "did not answer within 2 s (dead, or stuck outside cupycoll)")
+        assert result["answered"] == [0, 1, 2] and result["elapsed_s"] < 4
+    traces = tmp_path / "traces"
+    assert sorted(os.listdir(traces)) == [f"cupycoll_trace_rank{r}.json" for r in range(3)]
+    found, lines = trace.analyze(trace.load_dir(str(traces)))
+    text = "\n".join(lines)
+    assert found and "no trace from rank 3" in text
+    assert "rank 2 never reached it (its last collective was broadcast #41 (float32[1024]), " \
+           "completed)" in text

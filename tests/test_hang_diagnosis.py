@@ -1,0 +1,149 @@
+"""Which rank hangs, end to end on the CPU route: three real ranks on
+``"cpu:gloo,cuda:cupycoll"`` (tests/workers/hang_worker.py) where one rank does not make a
+collective the others make, or makes it with another shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from cupycoll import config
+from mp import ROOT, run_ranks
+
+def _run(tmp_path, scenario, env=None):
+    out = tmp_path / scenario
+    out.mkdir()
+    env = {"CUPYCOLL_TRACE_DIR": str(out / "trace"), **(env or {})}
+    results = run_ranks("hang_worker.py", 3, args=[str(out), scenario], timeout=60, env=env,
+                        expect_success=scenario != "kill")
+    reports = {}
+    for rank in range(3):
+        path = out / f"rank{rank}.json"
+        if path.exists():
+            reports[rank] = json.loads(path.read_text())
+    return reports, out, results
+
+
+def _analyze(trace_dir):
+    return subprocess.run([sys.executable, "-m", "cupycoll.trace", str(trace_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_skipped_collective_names_the_rank_behind(tmp_path):
+    reports, out, _ = _run(tmp_path, "skip")
+    for rank in (0, 1):
+        report = reports[rank]
+        assert report["group"] == "ProcessGroupCupycoll"
+        assert report["timeout"], report
+        # gloo's timeout (5 s), then at most the diagnosis' 5 s (with margin for a busy box)
+        assert report["elapsed_s"] < 5 + 10, report
+        error = report["error"]
+        assert "all_reduce #5 (float32[1024]) timed out after 5 s on ranks 0,1" in error, error
+        assert "rank 2 is behind: its last collective was #4 (broadcast)" in error, error
+        assert "never reached #5" in error, error
+    dumps = sorted(os.listdir(out / "trace"))
+    assert dumps == [f"cupycoll_trace_rank{r}.json" for r in range(3)], dumps
+    analysis = _analyze(out / "trace")
+    assert analysis.returncode == 1, analysis.stdout + analysis.stderr
+    assert "all_reduce #5" in analysis.stdout and "rank 2 never reached it" in analysis.stdout, analysis.stdout
+
+
+def test_a_killed_rank_is_named_as_not_answering(tmp_path):
+    reports, _, _ = _run(tmp_path, "kill")
+    assert 2 not in reports  # it died before writing
+    for rank in (0, 1):
+        report = reports[rank]
+        assert report["timeout"] or report["peer_failed"], report
+        assert report["elapsed_s"] < 5 + 10, report
+        assert "all_reduce #5 (float32[1024])" in report["error"], report
+        assert "rank 2 did not answer within 5 s" in report["error"], report
+
+
+def test_the_mismatch_check_names_the_rank_and_the_shapes(tmp_path):
+    reports, _, _ = _run(tmp_path, "mismatch", {"CUPYCOLL_CHECK_COLLECTIVES": "1"})
+    for rank in range(3):
+        report = reports[rank]
+        assert report["value_error"], report
+        assert "all_reduce #5: rank 1 passed shape (8,), ranks 0,2 passed (4,)" in report["error"], report
+        assert report["after"] == [3.0, 3.0]  # 0 + 1 + 2: the group still works
+
+
+def test_trace_settings_resolve_with_torch_fallbacks(tmp_path):
+    assert config.resolve(None, None, {}).trace_buffer == config.DEFAULT_TRACE_BUFFER
+    assert config.resolve(None, None, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}).trace_buffer == 0
+    env = {"CUPYCOLL_TRACE_BUFFER": "7", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
+    assert config.resolve(None, None, env).trace_buffer == 7
+    assert config.resolve(config.Options(trace_buffer=3), None, env).trace_buffer == 3
+    assert config.resolve(None, None, {}).trace_dir is None
+    dump = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "fr_")}
+    assert config.resolve(None, None, dump).trace_dir == str(tmp_path)
+    assert config.resolve(None, None, {**dump, "CUPYCOLL_TRACE_DIR": "/x"}).trace_dir == "/x"
+    assert config.resolve(None, None, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).check_collectives
+    assert not config.resolve(None, None, {"TORCH_DISTRIBUTED_DEBUG": "INFO"}).check_collectives
+    assert not config.resolve(None, None, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+                                           "CUPYCOLL_CHECK_COLLECTIVES": "0"}).check_collectives
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "many"])
+def test_a_bad_trace_buffer_names_the_value(value):
+    with pytest.raises(config.CupycollValueError, match=f"CUPYCOLL_TRACE_BUFFER={value!r}"):
+        config.resolve(None, None, {"CUPYCOLL_TRACE_BUFFER": value})
+
+
+def test_a_bad_trace_dir_is_a_typed_error():
+    with pytest.raises(config.CupycollTypeError, match="Options.trace_dir=3"):
+        config.Options(trace_dir=3)
+    with pytest.raises(config.CupycollValueError, match="Options.trace_dir=' '"):
+        config.Options(trace_dir=" ")
+
+
+def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
+    # world of one, CPU route: each call is numbered and completed in the group's recorder
+    from cupycoll import recorder
+    import torch
+
+    dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        dist.broadcast(t, 0)
+        dist.barrier()
+        rec = group._trace.recorder
+        entries = rec.snapshot()
+        assert [(e["seq"], e["op"], e["state"], e["route"]) for e in entries] == [
+            (1, "all_reduce", "completed", "gloo"), (2, "broadcast", "completed", "gloo"),
+            (3, "barrier", "completed", "gloo")]
+        assert entries[0]["shapes"] == [[3]] and entries[0]["dtypes"] == ["float32"]
+        assert recorder.get_recorder(rec.group) is rec
+    finally:
+        dist.destroy_process_group()
+    assert recorder.get_recorder(rec.group) is None  # retired, still in dumps
+    assert rec in recorder.recorders()
+
+
+def test_the_cuda_route_marks_and_explains_through_the_watchdog(monkeypatch):
+    # CPU stand-ins for CUDA tensors (tests/standins.py): the entry recorded when the group
+    # routes a call reaches its Work; the watchdog's hooks mark it and explain its timeout.
+    import torch
+    from standins import CpuAsCudaGroup
+    from torch._C import _distributed_c10d as c10d
+
+    launched = []
+    group = CpuAsCudaGroup(None, 0, 1)
+    monkeypatch.setattr(group._cuda, "_enqueue", lambda issues: launched.extend(issues))
+    work = group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
+    entry = work._trace_entry
+    assert entry is not None and entry[2] == "all_reduce" and entry[7] == "queued"
+    assert [i.work for i in launched] == [work]
+    watch = group._cuda._watch
+    watch.on_done(work)
+    assert entry[7] == "completed" and group._trace.recorder.last_completed == 1
+    asked = []
+    monkeypatch.setattr(group._trace, "explain_timeout", lambda e, t: asked.append((e, t)) or "why")
+    assert watch.explain_timeout(work, 5.0) == "why" and asked == [(entry, 5.0)]

@@ -1,0 +1,76 @@
+"""One rank of a job in which one rank (the last) does not make a collective the others make,
+on ``"cpu:gloo,cuda:cupycoll"`` with CPU tensors (cupycoll's gloo route): what the others'
+errors say about it. Writes ``<out>/rank<R>.json``.
+
+usage: hang_worker.py OUT_DIR skip|kill|mismatch
+
+* skip: the last rank makes 3 all_reduces and a broadcast, then sleeps through the 4th
+  all_reduce (#5) the others make: they time out (5 s) and must name it as behind;
+* kill: the last rank SIGKILLs itself before #5: the others must name it as not answering;
+* mismatch: with CUPYCOLL_CHECK_COLLECTIVES=1, rank 1 passes another shape to #5: every rank
+  must raise CupycollValueError naming rank 1, then the group must still work.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import cupycoll
+
+
+def main() -> int:
+    out_dir, scenario = sys.argv[1], sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    last = world - 1
+    dist.init_process_group("cpu:gloo,cuda:cupycoll", timeout=datetime.timedelta(seconds=5))
+    report = {"rank": rank, "group": type(dist.group.WORLD).__name__}
+    t = torch.ones(1024)
+    for _ in range(3):
+        dist.all_reduce(t)
+    dist.broadcast(t, 0)  # #4
+    started = time.monotonic()
+    if scenario == "mismatch":
+        x = torch.ones(8 if rank == 1 else 4)
+        try:
+            dist.all_reduce(x)
+        except Exception as exc:  # noqa: BLE001 - reported
+            report.update(error=str(exc), type=type(exc).__name__,
+                          value_error=isinstance(exc, cupycoll.CupycollValueError))
+        y = torch.full((2,), float(rank))
+        dist.all_reduce(y)  # the group still works
+        report["after"] = y.tolist()
+    elif rank == last:
+        if scenario == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(14)  # busy elsewhere: the others time out and ask this rank where it is
+    else:
+        try:
+            dist.all_reduce(t)  # #5
+            report["error"] = None
+        except Exception as exc:  # noqa: BLE001 - reported
+            report.update(error=str(exc), type=type(exc).__name__,
+                          timeout=isinstance(exc, cupycoll.CollectiveTimeoutError),
+                          peer_failed=isinstance(exc, cupycoll.PeerFailedError))
+    report["elapsed_s"] = time.monotonic() - started
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(report, fh)
+    sys.stdout.flush()
+    if rank == 0:  # it hosts the store: the others may still be asking it
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(
+                [n for n in os.listdir(out_dir) if n.startswith("rank")]) < world - (scenario == "kill"):
+            time.sleep(0.1)
+    # A group whose collective failed is not torn down collectively: skip the teardown.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
