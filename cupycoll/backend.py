@@ -36,16 +36,15 @@ and recovery (a faulted group stays dead; build a new one, see docs/design.md).
 from __future__ import annotations
 
 import inspect
-import sys
 import warnings
 import weakref
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from . import config, lifecycle
+from ._registration import creating_cupycoll_cuda_group
 from .bootstrap import StoreBootstrap
 from .communicator import Communicator
 from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError,
@@ -98,17 +97,14 @@ class CudaBackend:
         self._on_bind = _weak(on_bind)
         self.device: Optional[torch.device] = None
         self.comm: Optional[Communicator] = None
-        self.state = "ok"  # "ok" | "shut down" | "aborted"
+        self.state = "ok"  # "ok" | "aborting" | "shut down" | "aborted"
         self.fault: Optional[BaseException] = None
         self._comm_stream = None  # torch view of the communicator's internal stream
         self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
         self._pending_comms: List[Communicator] = []  # being created: abort() must reach them
         self._rings: Dict[int, object] = {}  # id(communicator) -> cupycoll.ring.Ring
-        # The group's flight recorder (cupycoll.group_trace), and the entry of the call the
-        # group is routing here now (set just before, taken by submit).
-        self.trace = None
-        self.trace_entry: Optional[list] = None
-        self._submitting: Optional[list] = None
+        self.trace = None  # the group's flight recorder (cupycoll.group_trace), if any
+        self._submitting: Optional[list] = None  # its entry for the call being submitted
         timeout = settings.timeout.total_seconds()
         # Callbacks into this object are weak: a cycle would keep destroyed groups (and their
         # gloo threads) alive until interpreter exit, where tearing gloo down aborts the process.
@@ -118,6 +114,7 @@ class CudaBackend:
                             lambda: this().communicators() if this() is not None else [],
                             lambda fault: this() is not None and this()._on_fault(fault),
                             settings.on_timeout)
+        self._watch.on_claim = lambda fault: this() is not None and lifecycle.refuse(this(), fault)
         self._watched = False
         self.calls = CallQueue(lambda issues: this()._enqueue(issues), _weak(self.check_usable),
                                self._watch.track, self._name, self.global_ranks, settings.blocking_wait)
@@ -138,7 +135,7 @@ class CudaBackend:
         # the new group's backend: splitting must only be offered for cupycoll groups, or a
         # new_group(backend="nccl") would get this backend as ProcessGroupNCCL's split_from,
         # and its non-members would split our communicator while its members never do.
-        return _creating_cupycoll_cuda_group()
+        return creating_cupycoll_cuda_group()
 
     def eager_connect_single_device(self, device) -> None:
         """Eager init (``device_id``): bind the group to ``device`` and connect now. torch
@@ -159,10 +156,11 @@ class CudaBackend:
 
     # -- state and device ----------------------------------------------------------------
     def check_usable(self) -> None:
-        if self.state != "ok":
+        if self.state != "ok":  # "aborting": a fault was claimed, its abort is under way
             reason = f": {self.fault}" if self.fault is not None else ""
+            state = "aborted" if self.state == "aborting" else self.state
             raise CommunicatorAbortedError(
-                f"process group {self._name()!r} was {self.state}{reason}") from self.fault
+                f"process group {self._name()!r} was {state}{reason}") from self.fault
 
     def check_device(self, tensor: torch.Tensor, what: str) -> torch.device:
         device = tensor.device
@@ -274,23 +272,26 @@ class CudaBackend:
 
     # -- issuing -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-               peer=None, blocking_wait=False, own_group=False) -> CudaWork:
+               peer=None, blocking_wait=False, own_group=False, prepare=None) -> CudaWork:
         """Issue (or queue) one CUDA call and return its Work. Everything is validated.
         ``launch(comm, stream_ptr)`` (``launch(comm, stream_ptr, comm_peer)`` for a
-        point-to-point call) makes the NCCL calls; ``finish()`` follows its NCCL group."""
-        if self.device is None:
-            self.device = device  # the first CUDA call picks the group's device
-        entry, self.trace_entry = self.trace_entry, None
-        if entry is not None and own_group:
-            entry[E_ROUTE] = "ring"
-        self._submitting = entry  # _track gives it to this call's Work if it launches now
-        try:
-            work = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op, peer,
-                                     blocking_wait or self.settings.blocking_wait, own_group)
-        finally:
-            self._submitting = None
-        if entry is not None and getattr(work, "_trace_entry", None) is None:
-            work._trace_entry = entry  # queued: marked issued when its batch launches
+        point-to-point call) makes the NCCL calls; ``prepare(comm)`` precedes its NCCL group,
+        ``finish()`` follows it."""
+        # R9: one issuer at a time (NCCL forbids concurrent calls on one communicator).
+        with self.calls.lock:
+            if self.device is None:
+                self.device = device  # the first CUDA call picks the group's device
+            entry = self.trace.take() if self.trace is not None else None  # the group recorded it
+            if entry is not None and own_group:
+                entry[E_ROUTE] = "ring"
+            self._submitting = entry  # _track gives it to this call's Work if it launches now
+            try:
+                work = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op, peer,
+                                         blocking_wait or self.settings.blocking_wait, own_group, prepare)
+            finally:
+                self._submitting = None
+            if entry is not None and getattr(work, "_trace_entry", None) is None:
+                work._trace_entry = entry  # queued: marked issued when its batch launches
         return work
 
     def flush(self) -> None:
@@ -325,9 +326,17 @@ class CudaBackend:
         self._track(issues, stream, async_op)
 
     def _launch_all(self, issues: List[Issue], comms, stream_ptr: int) -> None:
+        # D9: every prepare of the batch runs before its NCCL group opens, as ncclGroupEnd
+        # would launch a partial batch. One that raises makes no NCCL call; flush fails the Works.
         if len(issues) == 1:
-            self._launch(issues[0], comms, stream_ptr)
+            issue = issues[0]
+            if issue.prepare is not None:
+                issue.prepare(self.comm if issue.peer is None else comms[issue.peer])
+            self._launch(issue, comms, stream_ptr)
         else:
+            for issue in issues:
+                if issue.prepare is not None:
+                    issue.prepare(self.comm if issue.peer is None else comms[issue.peer])
             # One NCCL group for the batch; every communicator of the group has the same library.
             with (self.comm or comms[min(comms)]).group():
                 for issue in issues:
@@ -408,18 +417,3 @@ class CudaBackend:
             WATCHDOG.unwatch(self._watch)
             self._watched = False
 
-
-def _creating_cupycoll_cuda_group() -> bool:
-    """Is torch's ``_new_process_group_helper`` (up the stack) building a group whose CUDA
-    backend is cupycoll? True when called from anywhere else."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_new_process_group_helper":
-            backend = frame.f_locals.get("backend")
-            try:
-                mapping = dist.distributed_c10d.BackendConfig(backend).get_device_backend_map()
-            except Exception:  # noqa: BLE001 - an unparsable backend is not ours
-                return False
-            return str(mapping.get("cuda", "")).lower() == config.BACKEND_NAME
-        frame = frame.f_back
-    return True

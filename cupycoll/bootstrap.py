@@ -9,19 +9,29 @@ Four things make it more than a set/get:
 
 * **generations**: the store may outlive the group (``destroy_process_group`` then init
   again on torchrun's store, same group name), so each creation runs in a generation of
-  its own. The generation is one store value every rank reads (``.../generation``), and
-  only the creator moves it on, once per creation (after publishing the id, or after
-  giving up): no rank derives it from counts that a failed creation leaves behind;
+  its own. The generation is one store value every rank reads (``.../generation``). It
+  moves on by ``compare_set`` from its current value, so anyone may move it (the creator
+  after deciding, a rank after giving up, a reader finding the generation already
+  decided): a creator dying before the move leaves nobody reusing an old id;
 * **arrival first, then the id**: every member counts itself in, and the creator makes
   the unique id only once all have arrived. ``ncclGetUniqueId`` starts a bootstrap-root
   thread with a listening socket that nothing can stop, so an id made for peers that never
   come leaks both;
 * **one decision per generation**: the id key is written once, with ``compare_set``. The
-  creator writes the id, a rank that gives up (timeout, abort) writes ``ABANDONED``; who
-  comes first decides for everyone, so a rank that gave up never leaves the others inside
-  NCCL init waiting for it, and one that gives up just after the id was published joins;
+  creator first claims it (``PENDING``) and only then makes the id, so losing the race to a
+  rank that gave up makes no id; a rank that gives up writes ``ABANDONED``. Who comes first
+  decides for everyone, so a rank that gave up never leaves the others inside NCCL init
+  waiting for it. One that *timed out* just after the id was published joins; an abort or
+  a ``KeyboardInterrupt`` never does (it abandons an undecided generation and re-raises);
+* **bounded keys**: a creator that succeeds in generation g deletes g-1's keys;
 * **abortable waits**: the store is polled in short slices, and before each one the owner's
   ``check`` callback runs, so ``abort()`` from another thread ends the wait.
+
+Known limit: the store alone cannot tell a rank arriving late for a generation that was
+abandoned without it from an early rank of the next group incarnation (both read the next
+generation and count in it), so such a late rank can still be counted in, and join, the
+next incarnation's creation. Telling them apart needs an identity of the group incarnation
+agreed by its ranks when the group is made, which the backend does not have yet.
 
 Deliberately left out: NCCL itself (creating the communicator is the backend's), local
 checks (the backend runs them before calling in, see ``Communicator.preflight``), and any
@@ -40,6 +50,10 @@ from .errors import CollectiveTimeoutError
 STORE_POLL_S = 0.05
 # What a rank that gave up writes in place of a generation's unique id (never 128 bytes).
 ABANDONED = b"abandoned"
+# What the creator writes first (its claim on the decision) while it makes the id.
+PENDING = b"pending"
+# How long a rank that gave up waits for a creator between PENDING and the id.
+PENDING_GRACE_S = 5.0
 
 
 def _nothing() -> None:
@@ -64,7 +78,7 @@ class StoreBootstrap:
         store = self._store
         base = f"cupycoll/{key}"
         deadline = time.monotonic() + self._timeout_s
-        generation = self._generation(base, creator, deadline)
+        generation = self._generation(base, deadline)
         uid_key = f"{base}/{generation}/uid"
         arrived_key = f"{base}/{generation}/arrived"
         store.add(arrived_key, 1)
@@ -73,52 +87,99 @@ class StoreBootstrap:
                 self._wait(lambda: store.add(arrived_key, 0) >= members or store.check([uid_key]), deadline,
                            f"all {members} ranks to join communicator {key!r}",
                            lambda: f"{store.add(arrived_key, 0)} arrived")
-                if store.check([uid_key]):  # a member gave up: make no id (it would leak)
-                    decided = store.get(uid_key)
-                else:  # only now: the id starts NCCL's bootstrap-root thread (module doc)
-                    decided = store.compare_set(uid_key, "", new_unique_id())
+                decided = self._publish(uid_key)
             else:
-                self._wait(lambda: store.check([uid_key]), deadline,
+                self._wait(lambda: self._decided(uid_key) is not None, deadline,
                            f"the ncclUniqueId of {key!r} from its creator rank")
-                decided = store.get(uid_key)
-        except BaseException:
-            decided = store.compare_set(uid_key, "", ABANDONED)
+                decided = self._decided(uid_key)
+        except CollectiveTimeoutError:
+            # Only a timeout may still join: the id may have been published just before.
+            decided = self._give_up(uid_key, deadline)
+            self._advance(base, generation)
             if decided == ABANDONED or creator:
-                if creator:
-                    store.set(f"{base}/generation", str(generation + 1))
                 raise
-            return decided  # the id was published just before we gave up: join after all
-        if creator:
-            store.set(f"{base}/generation", str(generation + 1))
+            return decided
+        except BaseException:  # abort, KeyboardInterrupt, ...: never join, fail the others
+            self._give_up(uid_key, deadline)
+            self._advance(base, generation)
+            raise
+        self._advance(base, generation)
         if decided == ABANDONED:
             raise CollectiveTimeoutError(
                 f"process group {self._name()!r} rank {self._rank}: creating communicator {key!r} "
                 "failed: another rank gave up waiting (timeout or abort)")
+        if creator:
+            self._forget(base, generation - 1)
         return decided
 
-    def _generation(self, base: str, creator: bool, deadline: float) -> int:
-        """This creation's generation. A generation whose id key says ABANDONED is over: its
-        creator moves the generation on (at once, or here when it died before doing so), and
-        the others wait for that."""
+    def _publish(self, uid_key: str) -> bytes:
+        """The creator decides: PENDING first, so that the id (and NCCL's bootstrap-root
+        thread) is made only when no rank gave up, then the id in its place."""
+        store = self._store
+        claimed = store.compare_set(uid_key, "", PENDING)
+        if claimed != PENDING:
+            return claimed  # a member gave up first: make no id (it would leak)
+        try:
+            uid = new_unique_id()
+        except BaseException:
+            store.compare_set(uid_key, PENDING, ABANDONED)
+            raise
+        return store.compare_set(uid_key, PENDING, uid)
+
+    def _decided(self, uid_key: str):
+        """The generation's decision (an id or ABANDONED), or None while there is none yet."""
+        store = self._store
+        if not store.check([uid_key]):
+            return None
+        value = store.get(uid_key)
+        return None if value == PENDING else value
+
+    def _give_up(self, uid_key: str, deadline: float) -> bytes:
+        """Write ABANDONED unless the generation is decided; return the decision. A creator
+        between PENDING and its id is waited for (briefly: it only makes the id)."""
+        decided = self._store.compare_set(uid_key, "", ABANDONED)
+        if decided != PENDING:
+            return decided
+        grace = time.monotonic() + min(self._timeout_s, PENDING_GRACE_S)
+        while time.monotonic() < grace:
+            decided = self._decided(uid_key)
+            if decided is not None:
+                return decided
+            time.sleep(STORE_POLL_S)
+        # the creator died while making the id: nobody may use this generation
+        decided = self._store.compare_set(uid_key, PENDING, ABANDONED)
+        return ABANDONED if decided == PENDING else decided
+
+    def _advance(self, base: str, generation: int) -> None:
+        """Move the shared generation past ``generation`` (decided). Anyone may: it is a
+        compare_set from that value, so a creator that died before doing it stalls nobody."""
+        current = str(generation) if generation else ""  # generation 0 has no key yet
+        self._store.compare_set(f"{base}/generation", current, str(generation + 1))
+
+    def _forget(self, base: str, generation: int) -> None:
+        """Delete the keys of an earlier generation (store keys would grow with every creation)."""
+        if generation < 0:
+            return
+        for suffix in ("uid", "arrived"):
+            try:
+                self._store.delete_key(f"{base}/{generation}/{suffix}")
+            except Exception:  # a store without delete_key: keep the keys, lose nothing else
+                pass
+
+    def _generation(self, base: str, deadline: float) -> int:
+        """This creation's generation: the shared value, moved past any generation that is
+        already decided (its creator may have died before moving it on)."""
         store = self._store
         gen_key = f"{base}/generation"
-
-        def current() -> int:
-            return int(store.get(gen_key)) if store.check([gen_key]) else 0
-
-        def over(generation: int) -> bool:
+        while True:
+            generation = int(store.get(gen_key)) if store.check([gen_key]) else 0
             uid_key = f"{base}/{generation}/uid"
-            return store.check([uid_key]) and store.get(uid_key) == ABANDONED
-
-        generation = current()
-        if not over(generation):
-            return generation
-        if creator:
-            store.set(gen_key, str(generation + 1))
-            return generation + 1
-        self._wait(lambda: current() != generation, deadline,
-                   f"the creator rank to start a new attempt at communicator {base!r}")
-        return current()
+            if not store.check([uid_key]):
+                return generation
+            if store.get(uid_key) == PENDING:  # its creator is making the id: wait for it
+                self._wait(lambda: self._decided(uid_key) is not None, deadline,
+                           f"the creator rank to finish communicator {base!r}")
+            self._advance(base, generation)
 
     def _wait(self, ready: Callable[[], bool], deadline: float, what: str,
               progress: Callable[[], str] = lambda: "") -> None:

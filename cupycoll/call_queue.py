@@ -16,15 +16,20 @@ as that is known: when the manager's generator is closed or freed (``manager_ref
 the next block opens. A thread has at most one open block, of one group; a call on another
 group inside it is an error rather than a silent second batch.
 
-Deliberately left out: communicators, streams and events (the backend's), and detecting
-torch's manager on the stack (the group's hooks hand in ``manager_ref``).
+Calls are queued and issued under :attr:`CallQueue.lock`, one thread at a time.
+
+Deliberately left out: communicators, streams and events (the backend's), detecting
+torch's manager on the stack (the group's hooks hand in ``manager_ref``), and making the
+coalescing block thread-safe: a block is one thread's, opened and closed by it.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import warnings
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch.distributed as dist
@@ -43,11 +48,14 @@ def _block_owner() -> Optional["CallQueue"]:
 class Issue:
     """One NCCL call (or a few, e.g. an all-to-all) waiting to be enqueued."""
 
-    __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer", "own_group")
+    __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer", "own_group", "prepare")
 
-    def __init__(self, work, launch, finish, keepalive, async_op, peer=None, own_group=False):
+    def __init__(self, work, launch, finish, keepalive, async_op, peer=None, own_group=False, prepare=None):
         self.work = work
         self.launch = launch  # launch(comm_for_peer, stream_ptr): the NCCL calls
+        # prepare(comm_for_peer), or None: the call's fallible Python steps (allocations,
+        # staging, op creation), run for the whole batch before its NCCL group opens.
+        self.prepare = prepare
         self.finish = finish  # finish(): copies that must follow the NCCL group, or None
         self.keepalive = keepalive
         self.async_op = async_op
@@ -68,6 +76,10 @@ class CallQueue:
         self._name = name
         self._global_ranks = list(global_ranks)
         self._blocking_wait = blocking_wait
+        # R9: held while calls are queued or issued (reentrant: a Work touched inside an issue
+        # flushes), so two threads never make concurrent NCCL calls on one communicator.
+        # drop() (the abort path) takes none: an abort must reach an issuer stuck in NCCL.
+        self.lock = threading.RLock()
         self.pending: List[Issue] = []
         self.block: Optional[List[CudaWork]] = None  # Works of the open block
         self.block_manager = None  # weakref to the manager generator of the open block
@@ -75,7 +87,8 @@ class CallQueue:
 
     # -- calls -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish, keepalive, async_op, peer,
-               blocking_wait, own_group) -> CudaWork:
+               blocking_wait, own_group, prepare=None) -> CudaWork:
+        """Queue or issue one call. The caller holds :attr:`lock` (CudaBackend.submit does)."""
         if _block_owner() is not None:
             self.check_block_scope(op_name)
         self._seq += 1
@@ -83,19 +96,23 @@ class CallQueue:
         work = CudaWork(op_name, device, outputs, flush=self.flush if queued else None, seq=self._seq,
                         blocking_wait=blocking_wait,
                         peers=None if peer is None else [self._global_ranks[peer]])
-        issue = Issue(work, launch, finish, keepalive, async_op, peer, own_group)
+        issue = Issue(work, launch, finish, keepalive, async_op, peer, own_group, prepare)
         if queued:
             self.pending.append(issue)
             if self.block is not None:
                 self.block.append(work)
             return work
-        self.flush()
+        self._flush()
         self._enqueue([issue])
         return work
 
     def flush(self) -> None:
         """Issue every queued call as one NCCL group (not while a coalescing block is open:
         its calls wait for the block's end, as torch's own collectives do inside one)."""
+        with self.lock:
+            self._flush()
+
+    def _flush(self) -> None:  # the caller holds the lock
         if self.block is not None:
             self.drop_stale_block()
         if not self.pending or self.block is not None:
@@ -207,3 +224,23 @@ class CallQueue:
             f"{op_name} on group {target._name()!r} inside a coalescing block of group "
             f"{owner._name()!r}: a coalescing manager batches the calls of one group; "
             "close it first or use one manager per group")
+
+
+def calling_manager(on_freed: Optional[Callable] = None):
+    """A weak reference to the ``torch.distributed._coalescing_manager`` generator that is
+    calling ``_start_coalescing`` (None when called some other way). When the manager's
+    body raises, torch never calls ``_end_coalescing``; the closed (or freed, then
+    ``on_freed(ref)`` runs) generator tells us."""
+    frame = sys._getframe(3)
+    for _ in range(4):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        generator = getattr(owner, "gen", None)
+        if inspect.isgenerator(generator) and generator.gi_code.co_name == "_coalescing_manager":
+            if on_freed is None:
+                return weakref.ref(generator)
+            method = weakref.WeakMethod(on_freed)  # the ref must not keep the group alive
+            return weakref.ref(generator, lambda ref: method() and method()(ref))
+        frame = frame.f_back
+    return None

@@ -1,5 +1,6 @@
 """Each collective's CUDA body: check the arguments, choose NCCL or the ring, build the
-``launch(comm, stream)`` that makes the NCCL calls, and submit it to the backend.
+``launch(comm, stream)`` that makes the NCCL calls (and the ``prepare(comm)`` that does the
+fallible Python steps before the NCCL group opens), and submit it to the backend.
 
 Every function takes the group's :class:`~cupycoll.backend.CudaBackend` and the torch
 arguments as the ProcessGroup method got them (already routed to CUDA), and returns the
@@ -14,7 +15,7 @@ group's), when and on which stream a launch runs (the backend's), and the dtype/
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -39,23 +40,41 @@ def _ring_launch(cuda, plan: RingReduction, method: str, send_ptr, recv_ptr, cou
     return launch
 
 
-def _reduce_launch(red: _args.Reduction, dtype: torch.dtype, call: Callable) -> Callable:
-    """A launch(comm, stream) that runs ``call(comm, nccl_op, stream)`` with the NCCL op,
-    creating and destroying the PREMUL_SUM op around it when needed."""
+def _reduce_launch(red: _args.Reduction, dtype: torch.dtype,
+                   call: Callable) -> Tuple[Callable, Optional[Callable]]:
+    """``(launch, prepare)``: a launch(comm, stream) that runs ``call(comm, nccl_op, stream)``
+    with the NCCL op, and for PREMUL_SUM the prepare(comm) that creates the op before the
+    NCCL group opens (it can fail: NCCL < 2.11, a bad factor); launch destroys it. An op
+    whose batch fails in a later prepare is never launched, and freed with its communicator."""
     if red.premul_factor is None:
-        return lambda comm, stream: call(comm, red.op, stream)
-    factor = red.premul_factor
+        return (lambda comm, stream: call(comm, red.op, stream)), None
+    factor, made = red.premul_factor, []
+
+    def prepare(comm):
+        if isinstance(factor, torch.Tensor):
+            made.append(comm.create_premul_sum(factor.data_ptr(), red.dtype, on_device=True))
+        else:
+            made.append(comm.create_premul_sum(_args.premul_scalar_bytes(factor, dtype), red.dtype,
+                                               on_device=False))
 
     def launch(comm, stream):
-        if isinstance(factor, torch.Tensor):
-            op = comm.create_premul_sum(factor.data_ptr(), red.dtype, on_device=True)
-        else:
-            op = comm.create_premul_sum(_args.premul_scalar_bytes(factor, dtype), red.dtype, on_device=False)
+        op = made.pop()
         try:
             call(comm, op, stream)
         finally:
             comm.destroy_op(op)
-    return launch
+    return launch, prepare
+
+
+def _both(first: Optional[Callable], second: Optional[Callable]) -> Callable:
+    """One prepare(comm) running ``first`` then ``second`` (either may be None)."""
+    if first is None or second is None:
+        return first or second
+
+    def prepare(comm):
+        first(comm)
+        second(comm)
+    return prepare
 
 
 def _grouped(launch: Callable) -> Callable:
@@ -84,10 +103,10 @@ def all_reduce(cuda, tensors, opts) -> CudaWork:
                            _ring_launch(cuda, plan, "all_reduce", ptr, ptr, tensor.numel()),
                            keepalive=tensor, async_op=_async_requested(opts), own_group=True)
     count = tensor.numel() * plan.count_scale
-    launch = _reduce_launch(plan, tensor.dtype,
-                            lambda comm, op, s: comm.all_reduce(ptr, ptr, count, plan.dtype, op, s))
+    launch, prepare = _reduce_launch(plan, tensor.dtype,
+                                     lambda comm, op, s: comm.all_reduce(ptr, ptr, count, plan.dtype, op, s))
     return cuda.submit("all_reduce", device, [tensor], launch, keepalive=tensor,
-                       async_op=_async_requested(opts))
+                       async_op=_async_requested(opts), prepare=prepare)
 
 
 def broadcast(cuda, tensors, opts) -> CudaWork:
@@ -106,9 +125,10 @@ def reduce(cuda, tensors, opts) -> CudaWork:
     root = _args.check_root(opts.rootRank, cuda.size)
     red = _args.reduction_plan(tensor, opts.reduceOp, "nccl", cuda.size)  # the ring has no reduce
     ptr, count = tensor.data_ptr(), tensor.numel() * red.count_scale
-    launch = _reduce_launch(red, tensor.dtype,
-                            lambda comm, op, s: comm.reduce(ptr, ptr, count, red.dtype, op, root, s))
-    return cuda.submit("reduce", device, [tensor], launch, keepalive=tensor, async_op=_async_requested(opts))
+    launch, prepare = _reduce_launch(red, tensor.dtype,
+                                     lambda comm, op, s: comm.reduce(ptr, ptr, count, red.dtype, op, root, s))
+    return cuda.submit("reduce", device, [tensor], launch, keepalive=tensor, async_op=_async_requested(opts),
+                       prepare=prepare)
 
 
 def all_gather(cuda, output_tensors, input_tensors, opts, op_name: str = "all_gather") -> CudaWork:
@@ -126,17 +146,18 @@ def all_gather(cuda, output_tensors, input_tensors, opts, op_name: str = "all_ga
                            keepalive=(tensor, outputs), async_op=_async_requested(opts))
     staging = []
 
+    def prepare(comm):  # before the NCCL group: an OOM here launches nothing
+        staging.append(torch.empty(cuda.size * numel, dtype=tensor.dtype, device=device))
+
     def launch(comm, s):
-        flat = torch.empty(cuda.size * numel, dtype=tensor.dtype, device=device)
-        staging.append(flat)
-        comm.all_gather(tensor.data_ptr(), flat.data_ptr(), size, NCCL_BYTE, s)
+        comm.all_gather(tensor.data_ptr(), staging[-1].data_ptr(), size, NCCL_BYTE, s)
 
     def finish():
         flat = staging.pop()
         for index, out in enumerate(outputs):
             out.copy_(flat[index * numel:(index + 1) * numel].view_as(out))
     return cuda.submit(op_name, device, outputs, launch, finish, keepalive=(tensor, outputs),
-                       async_op=_async_requested(opts))
+                       async_op=_async_requested(opts), prepare=prepare)
 
 
 def all_gather_into_tensor(cuda, output, input, opts) -> CudaWork:
@@ -158,24 +179,23 @@ def reduce_scatter(cuda, output_tensors, input_tensors, opts) -> CudaWork:
     device = cuda.check_device(output, "reduce_scatter output")
     _check_many(cuda, inputs, output, "reduce_scatter input")
     plan = _plan(cuda, output, opts.reduceOp)
-    staged = [None]  # the inputs side by side, made when the call launches
+    staged = [None]  # the inputs side by side, made when the call is issued
 
-    def stage():
+    def stage(comm):  # a prepare: before the NCCL group, an OOM here launches nothing
         staged[0] = torch.cat([t.reshape(-1) for t in inputs])
-        return staged[0].data_ptr()
 
     out_ptr = output.data_ptr()
     if isinstance(plan, RingReduction):
         def launch(comm, s):
-            cuda.ring(comm).reduce_scatter(stage(), out_ptr, output.numel(), plan.dtype, plan.op, s,
-                                           premul=plan.premul, premul_ptr=plan.premul_ptr)
+            cuda.ring(comm).reduce_scatter(staged[0].data_ptr(), out_ptr, output.numel(), plan.dtype, plan.op,
+                                           s, premul=plan.premul, premul_ptr=plan.premul_ptr)
         return cuda.submit("reduce_scatter", device, [output], launch, keepalive=(output, inputs, staged),
-                           async_op=_async_requested(opts), own_group=True)
+                           async_op=_async_requested(opts), own_group=True, prepare=stage)
     count = output.numel() * plan.count_scale
-    launch = _reduce_launch(plan, output.dtype,
-                            lambda comm, op, s: comm.reduce_scatter(stage(), out_ptr, count, plan.dtype, op, s))
+    launch, premul = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
+        staged[0].data_ptr(), out_ptr, count, plan.dtype, op, s))
     return cuda.submit("reduce_scatter", device, [output], launch, keepalive=(output, inputs, staged),
-                       async_op=_async_requested(opts))
+                       async_op=_async_requested(opts), prepare=_both(stage, premul))
 
 
 def reduce_scatter_tensor(cuda, output, input, opts) -> CudaWork:
@@ -191,10 +211,10 @@ def reduce_scatter_tensor(cuda, output, input, opts) -> CudaWork:
                            _ring_launch(cuda, plan, "reduce_scatter", in_ptr, out_ptr, output.numel()),
                            keepalive=(input, output), async_op=_async_requested(opts), own_group=True)
     count = output.numel() * plan.count_scale
-    launch = _reduce_launch(plan, output.dtype,
-                            lambda comm, op, s: comm.reduce_scatter(in_ptr, out_ptr, count, plan.dtype, op, s))
+    launch, prepare = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
+        in_ptr, out_ptr, count, plan.dtype, op, s))
     return cuda.submit(what, device, [output], launch, keepalive=(input, output),
-                       async_op=_async_requested(opts))
+                       async_op=_async_requested(opts), prepare=prepare)
 
 
 def all_to_all(cuda, output_tensors, input_tensors, opts) -> CudaWork:

@@ -17,10 +17,14 @@ Two modes, invisible to the caller:
   connected and :meth:`Communicator.wait_ready` polls.
 
 NCCL groups: :meth:`Communicator.group` is ncclGroupStart/End of the library the
-communicator already holds (the library is resolved once, when the communicator is built;
-an empty group costs about a microsecond). Inside a group a nonblocking call is not polled
-on its own: NCCL settles the whole group at ``ncclGroupEnd``, after which each communicator
-of the group is polled.
+communicator already holds; the per-thread bookkeeping (which communicators a group used,
+polled or aborted at its end) is :mod:`cupycoll.nccl_group`.
+
+Left as it is: the status of ncclCommAbort/ncclCommDestroy on a blocking communicator.
+CuPy declares both ``void`` (``NcclCommunicator.abort``/``destroy``), so a failure there is
+invisible. Calling them through the ctypes bindings on ``comm_ptr`` would see it, but CuPy's
+handle (``cdef ncclComm_t _comm``, not writable from Python) would stay set, and its
+``__dealloc__`` would destroy the freed communicator again; only CuPy's own methods clear it.
 
 Deliberately left out: validation of user input (done once, above, with names the user
 knows), scheduling policy (which stream, when to group), the watchdog (it lives above and
@@ -30,14 +34,13 @@ only calls :meth:`async_error` and :meth:`abort`) and any teardown in ``__del__`
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import threading
 import time
 from typing import Callable, Optional
 
-from . import _cuda, compat, nccl_bindings
+from . import _cuda, compat, nccl_bindings, nccl_group
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -61,51 +64,6 @@ def new_unique_id() -> bytes:
 
 def _unique_id_for_cupy(unique_id: bytes):
     return compat.unique_id_for_cupy(_cuda.cupy_module(), unique_id)
-
-
-# -- NCCL groups -----------------------------------------------------------------------
-
-_group_state = threading.local()  # NCCL groups are per thread, so is this bookkeeping
-
-
-def _open_group():
-    state = _group_state.__dict__
-    if "depth" not in state:
-        state["depth"], state["members"] = 0, []
-    return state
-
-
-@contextlib.contextmanager
-def nccl_group(lib: nccl_bindings.NcclLibrary):
-    """ncclGroupStart/End of ``lib`` around the body; End runs even when the body raises.
-
-    Communicators used in the body are polled (nonblocking) once the outermost group ends.
-    When the body raises, ncclGroupEnd still launches the calls enqueued before (an open
-    group cannot be cancelled; a communicator aborted inside one is freed under ncclGroupEnd),
-    a partial batch the peers' full one no longer matches: each communicator used is then
-    aborted and its ``on_abort`` told, while the caller still holds the batch's tensors."""
-    state = _open_group()
-    lib.ncclGroupStart()
-    state["depth"] += 1
-    raised = None
-    try:
-        yield
-    except BaseException as exc:
-        raised = exc
-        raise
-    finally:
-        state["depth"] -= 1
-        outermost = state["depth"] == 0
-        members = state["members"] if outermost else []
-        if outermost:  # an inner group's error counts even when the body between caught it
-            state["members"], raised = [], state.pop("raised", None) or raised
-        elif raised is not None:
-            state["raised"] = raised  # the outermost group ends the partial batch
-        try:
-            lib.ncclGroupEnd()
-        finally:
-            for comm in members:
-                comm._abort_for(raised) if raised is not None else comm._poll("ncclGroupEnd")
 
 
 # -- the communicator ----------------------------------------------------------------------
@@ -206,7 +164,7 @@ class Communicator:
     def group(self):
         """An NCCL group (ncclGroupStart/End) on this communicator's library: NCCL calls in
         the body, on this or any other communicator, are launched together at the end."""
-        return nccl_group(self._lib)
+        return nccl_group.nccl_group(self._lib)
 
     @staticmethod
     def can_split() -> bool:
@@ -251,7 +209,7 @@ class Communicator:
         # After an abort CuPy's handle is NULL: say why instead of ncclInvalidArgument.
         self._check_usable()
         if self._cupy_comm is not None:
-            self._join_open_group()
+            nccl_group.join(self)  # inside a group: polled (or aborted) at its end
             try:
                 getattr(self._cupy_comm, cupy_name)(*args)
             except self._nccl_error as exc:
@@ -306,17 +264,9 @@ class Communicator:
         self._lib.ncclRedOpDestroy(op, ctypes.c_void_p(self.comm_ptr))
 
     # -- nonblocking progress ---------------------------------------------------------
-    def _join_open_group(self) -> bool:  # inside a group: polled (or aborted) at its end
-        state = _open_group()
-        if not state["depth"]:
-            return False
-        if self not in state["members"]:
-            state["members"].append(self)
-        return True
-
     def _settle(self, function: str, status: int) -> None:
         # Inside a group NCCL settles everything at ncclGroupEnd; poll then.
-        if self._join_open_group():
+        if nccl_group.join(self):
             return
         if status == nccl_bindings.ncclInProgress:
             self._poll(function)
@@ -409,25 +359,23 @@ class Communicator:
                     handle, self._handle = self._handle, None
                     self._lib.ncclCommDestroy(handle)
                 else:
-                    try:
-                        self._cupy_comm.destroy()
-                    except self._nccl_error as exc:
-                        raise _translate(exc, "ncclCommDestroy") from exc
+                    self._cupy_comm.destroy()  # its status is lost (D16, see the module's docstring)
 
     def abort(self) -> Optional[int]:
         """ncclCommAbort: frees the communicator without waiting for peers or queued work,
         ending any kernel of it stuck on the GPU. Callable from any thread; idempotent.
-        Returns NCCL's status for the abort (None when there was nothing to abort)."""
+        Returns NCCL's status for the abort (None when there was nothing to abort); always
+        ncclSuccess for a blocking one, whose status CuPy discards."""
+        # The state changes under the lock, ncclCommAbort runs outside it: an abort that
+        # hangs (NCCL's known hangs, D3) must not stall the watchdog's async_error() on the
+        # lock. Every holder of the lock re-checks the state, so none touches the comm after.
         with self._lock:
             if self.state in ("aborted", "shut down"):
                 return None
             self.state = "aborted"
-            with _cuda.cupy_module().cuda.Device(self.device):
-                if self.nonblocking:
-                    handle, self._handle = self._handle, None
-                    return self._lib.ncclCommAbort(handle) if handle else None
-                try:
-                    self._cupy_comm.abort()
-                except self._nccl_error as exc:
-                    raise _translate(exc, "ncclCommAbort") from exc
-                return nccl_bindings.ncclSuccess
+            handle, self._handle = self._handle, None
+        with _cuda.cupy_module().cuda.Device(self.device):
+            if self.nonblocking:
+                return self._lib.ncclCommAbort(handle) if handle else None
+            self._cupy_comm.abort()  # its status is lost (D16, see the module's docstring)
+            return nccl_bindings.ncclSuccess

@@ -64,7 +64,8 @@ Every variable that configures cupycoll is read here, only here, and listed in
     group's gloo half, and a mismatch raises on every rank instead of hanging. ``0``
     (default): no check (it costs a CPU round trip per call).
 
-Deliberately left out: NCCL's own ``NCCL_*`` variables (they reach NCCL unchanged), and
+Deliberately left out: the per-type parsers (:mod:`cupycoll._parsers`; they read nothing),
+NCCL's own ``NCCL_*`` variables (they reach NCCL unchanged), and
 torch's flight-recorder format: ``torch.distributed.flight_recorder``'s analyzer cannot
 read cupycoll's dumps (``python -m cupycoll.trace`` can).
 """
@@ -82,7 +83,11 @@ import datetime
 import os
 from typing import Callable, Mapping, Optional, Union
 
-from .errors import CupycollTypeError, CupycollValueError
+# The bounds are re-exported: cupycoll.config.MAX_TIMEOUT_SECONDS is where users look.
+from ._parsers import (MAX_TIMEOUT_SECONDS, MAX_WATCHDOG_INTERVAL, parse_bool,  # noqa: F401
+                       parse_choice, parse_directory, parse_interval, parse_nonnegative_int,
+                       parse_positive_int, parse_seconds, torch_debug_detail, torch_error_handling)
+from .errors import CupycollTypeError, CupycollValueError  # noqa: F401 - re-exported
 
 ENVIRONMENT = {
     "CUPYCOLL_TIMEOUT": "seconds; used when neither Options nor init_process_group gives a timeout",
@@ -111,134 +116,8 @@ ALGORITHMS = ("auto", "nccl", "ring")
 TIMEOUT_POLICIES = ("raise", "terminate")
 DEFAULT_RING_SCRATCH_BYTES = 4 << 20
 DEFAULT_WATCHDOG_INTERVAL = 0.1
-# Bounds that keep every value usable by threading waits and timedelta (inf passes a
-# "positive" check but kills the watchdog thread or overflows): a watchdog that polls less
-# often than once a minute detects nothing in time anyway.
-MAX_WATCHDOG_INTERVAL = 60.0
-MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 DEFAULT_TRACE_BUFFER = 2000
-
-
-# -- one parser per type: each takes the Python value or the environment's text ---------
-
-# torch reads its TORCH_NCCL_* booleans with y/t and n/f too; so does cupycoll, for all of them.
-_TRUE = ("1", "true", "yes", "on", "y", "t")
-_FALSE = ("0", "false", "no", "off", "n", "f")
-
-
-def parse_bool(name: str, value) -> bool:
-    """True/False, 1/0, or their spellings in :data:`_TRUE` / :data:`_FALSE`."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE or text in _FALSE:
-            return text in _TRUE
-        raise CupycollValueError(f"{name}={value!r}: expected 0 or 1 (or true/false)")
-    if isinstance(value, int):
-        raise CupycollValueError(f"{name}={value!r}: expected 0 or 1 (or true/false)")
-    raise CupycollTypeError(f"{name}={value!r}: expected a bool, got {type(value).__name__}")
-
-
-def _number(name: str, value, what: str) -> float:
-    if isinstance(value, bool):
-        raise CupycollTypeError(f"{name}={value!r}: expected {what}, got a bool")
-    if isinstance(value, (int, float)):
-        return value
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            raise CupycollValueError(f"{name}={value!r}: expected {what}") from None
-    raise CupycollTypeError(f"{name}={value!r}: expected {what}, got {type(value).__name__}")
-
-
-def parse_seconds(name: str, value) -> datetime.timedelta:
-    """A positive, finite duration of at most :data:`MAX_TIMEOUT_SECONDS`: a ``timedelta``
-    or a number of seconds."""
-    seconds = (value.total_seconds() if isinstance(value, datetime.timedelta)
-               else _number(name, value, "a timedelta or a number of seconds"))
-    if not seconds > 0:  # also rejects NaN
-        raise CupycollValueError(f"{name}={value!r}: the timeout must be positive")
-    if not seconds <= MAX_TIMEOUT_SECONDS:  # inf: timedelta overflows, thread waits too
-        raise CupycollValueError(
-            f"{name}={value!r}: the timeout must be at most {MAX_TIMEOUT_SECONDS:g} s (one year)")
-    return datetime.timedelta(seconds=seconds)
-
-
-def parse_interval(name: str, value) -> float:
-    """A poll interval: positive, at most :data:`MAX_WATCHDOG_INTERVAL` seconds."""
-    number = float(_number(name, value, "a positive number of seconds"))
-    if not 0 < number <= MAX_WATCHDOG_INTERVAL:  # also rejects NaN and inf
-        raise CupycollValueError(
-            f"{name}={value!r}: expected a positive number of seconds, at most {MAX_WATCHDOG_INTERVAL:g}")
-    return number
-
-
-def parse_positive_float(name: str, value) -> float:
-    number = float(_number(name, value, "a positive number"))
-    if not 0 < number < float("inf"):
-        raise CupycollValueError(f"{name}={value!r}: expected a positive number")
-    return number
-
-
-def parse_positive_int(name: str, value) -> int:
-    """A positive whole number; 1.5 (or "1.5") is an error, never rounded."""
-    number = _number(name, value, "a positive whole number")
-    if not (number == number and abs(number) != float("inf")) or int(number) != number:
-        raise CupycollValueError(f"{name}={value!r}: expected a positive whole number")
-    if number < 1:
-        raise CupycollValueError(f"{name}={value!r}: expected a positive whole number")
-    return int(number)
-
-
-def parse_nonnegative_int(name: str, value) -> int:
-    """A whole number >= 0."""
-    if not isinstance(value, bool) and (value == 0 or isinstance(value, str) and value.strip() == "0"):
-        return 0
-    try:
-        return parse_positive_int(name, value)
-    except CupycollValueError:
-        raise CupycollValueError(f"{name}={value!r}: expected a whole number >= 0") from None
-
-
-def parse_directory(name: str, value) -> str:
-    """A folder path (it need not exist yet)."""
-    if not isinstance(value, (str, os.PathLike)):
-        raise CupycollTypeError(f"{name}={value!r}: expected a folder path, got {type(value).__name__}")
-    path = os.fspath(value)
-    if not path.strip():
-        raise CupycollValueError(f"{name}={value!r}: expected a folder path")
-    return path
-
-
-def _torch_debug_detail(name: str, value) -> bool:
-    # torch's TORCH_DISTRIBUTED_DEBUG is OFF, INFO or DETAIL; only DETAIL checks collectives.
-    return str(value).strip().upper() == "DETAIL"
-
-
-def parse_choice(choices) -> Callable[[str, object], str]:
-    def parse(name: str, value) -> str:
-        if not isinstance(value, str):
-            raise CupycollTypeError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-        text = value.strip().lower()
-        if text not in choices:
-            raise CupycollValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-        return text
-    return parse
-
-
-def _torch_error_handling(name: str, value) -> str:
-    # torch's ErrorHandlingMode: 0 none, 1 tear down, 2 clean up only, 3 skip clean-up.
-    # 1 and 3 end the process; 0 and 2 leave it to the caller, which is cupycoll's "raise"
-    # (cupycoll always aborts the communicators of a faulted group).
-    text = str(value).strip()
-    if text not in ("0", "1", "2", "3"):
-        raise CupycollValueError(f"{name}={value!r}: expected 0, 1, 2 or 3")
-    return "terminate" if text in ("1", "3") else "raise"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +138,7 @@ _FIELDS = {
     "blocking_wait": _Field(parse_bool, False, "CUPYCOLL_BLOCKING_WAIT",
                             "TORCH_NCCL_BLOCKING_WAIT", parse_bool),
     "on_timeout": _Field(parse_choice(TIMEOUT_POLICIES), "raise", "CUPYCOLL_ON_TIMEOUT",
-                         "TORCH_NCCL_ASYNC_ERROR_HANDLING", _torch_error_handling),
+                         "TORCH_NCCL_ASYNC_ERROR_HANDLING", torch_error_handling),
     "watchdog_interval": _Field(parse_interval, DEFAULT_WATCHDOG_INTERVAL,
                                 "CUPYCOLL_WATCHDOG_INTERVAL"),
     "algorithm": _Field(parse_choice(ALGORITHMS), "auto", "CUPYCOLL_ALGORITHM"),
@@ -268,7 +147,7 @@ _FIELDS = {
     "trace_buffer": _Field(parse_nonnegative_int, DEFAULT_TRACE_BUFFER, "CUPYCOLL_TRACE_BUFFER",
                            "TORCH_NCCL_TRACE_BUFFER_SIZE", parse_nonnegative_int),
     "check_collectives": _Field(parse_bool, False, "CUPYCOLL_CHECK_COLLECTIVES",
-                                "TORCH_DISTRIBUTED_DEBUG", _torch_debug_detail),
+                                "TORCH_DISTRIBUTED_DEBUG", torch_debug_detail),
 }
 _TIMEOUT_ENV = "CUPYCOLL_TIMEOUT"
 _LIBRARY_ENV = "CUPYCOLL_NCCL_LIBRARY"

@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from . import recorder as _recorder
 from .recorder import E_OP, E_SEQ, E_SHAPES, E_DTYPES, E_STATE, Recorder, describe, \
     dump_on_timeout
 
@@ -368,3 +369,15 @@ class Responder:
 RESPONDER = Responder()
 serve = RESPONDER.serve
 unserve = RESPONDER.unserve
+
+
+def _after_fork_in_child() -> None:
+    # The parent's responder thread is not in the child, and a thread of the parent may have
+    # held its lock or the recorders' when it forked; the parent's groups are not the child's
+    # to answer for. Start afresh (serve() starts a thread again).
+    RESPONDER.__init__()
+    _recorder._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

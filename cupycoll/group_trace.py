@@ -25,6 +25,7 @@ text.
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -38,6 +39,10 @@ from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
 _P2P = frozenset({"send", "recv", "recv_anysource"})
 
 
+class _Pending(threading.local):
+    entry: Optional[list] = None  # recorded by GroupTrace.call, not yet taken
+
+
 class GroupTrace:
     """The recorder of one group, and what uses it."""
 
@@ -46,31 +51,49 @@ class GroupTrace:
         self.settings = settings
         self.recorder = recorder.new_recorder(name, global_ranks, rank, settings.trace_buffer)
         self.check = settings.check_collectives
-        if store is not None:  # (the CPU stand-ins of the tests have none)
-            diagnosis.serve(store, self.recorder, settings.trace_dir)
+        # Per thread: DDP issues from autograd threads; each routes one call at a time.
+        self._local = _Pending()
         self._closed = False
+        # A group of one has nobody to ask; the stand-ins of the tests have no store.
+        if store is not None and len(global_ranks) > 1:
+            diagnosis.serve(store, self.recorder, settings.trace_dir)
 
-    def call(self, op: str, tensors, root=None, reduce_op=None, route: str = "nccl",
-             cpu_group=None) -> list:
+    def call(self, op: str, tensors, root=None, opts=None, route: str = "nccl", cpu_group=None) -> None:
         """Record one call (``tensors``: a flat sequence, those every rank passes alike) and,
-        when enabled, check it against the other ranks first. Returns its entry."""
-        shapes = tuple(t.shape for t in tensors)
-        dtypes = tuple(t.dtype for t in tensors)
-        rec = self.recorder
+        when enabled, check it against the other ranks first. The entry waits for
+        :meth:`take` (the backend's submit, or :meth:`gloo`) in this thread."""
+        if len(tensors) == 1:  # the hot path: one tensor
+            shapes, dtypes = (tensors[0].shape,), (tensors[0].dtype,)
+        else:
+            shapes, dtypes = tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
+        rec, local = self.recorder, self._local
+        if local.entry is not None:  # recorded, never taken: its call raised before NCCL/gloo
+            rec.mark(local.entry, "failed")
+            local.entry = None
         if op in _P2P:
-            return rec.record_p2p(op, shapes, dtypes, root, route)
-        entry = rec.record(op, shapes, dtypes, root, route, "queued" if route != "gloo" else "issued")
-        if self.check and cpu_group is not None:
-            try:
-                mismatch.check(cpu_group, mismatch.signature(entry[E_SEQ], op, shapes, dtypes, root, reduce_op),
-                               rec.rank, len(rec.ranks), rec.group, rec.ranks)
-            except BaseException:
-                rec.mark(entry, "failed")
-                raise
+            entry = rec.record_p2p(op, shapes, dtypes, root, route)
+            if route == "gloo":
+                return  # gloo's own P2P Work is returned unwrapped: nothing takes the entry
+        else:
+            entry = rec.record(op, shapes, dtypes, root, route, "queued" if route != "gloo" else "issued")
+            if self.check and cpu_group is not None:
+                try:
+                    mismatch.check(cpu_group, mismatch.signature(entry[E_SEQ], op, shapes, dtypes, root,
+                                                                 getattr(opts, "reduceOp", None)),
+                                   rec.rank, len(rec.ranks), rec.group, rec.ranks)
+                except BaseException:
+                    rec.mark(entry, "failed")
+                    raise
+        local.entry = entry
+
+    def take(self) -> Optional[list]:
+        """The entry :meth:`call` recorded in this thread, once."""
+        local = self._local
+        entry, local.entry = local.entry, None
         return entry
 
-    def gloo(self, work: dist.Work, entry: list) -> dist.Work:
-        return TracedWork(work, entry, self)
+    def gloo(self, work: dist.Work) -> dist.Work:
+        return TracedWork(work, self.take(), self)
 
     def explain_timeout(self, entry: Optional[list], timeout_s: Optional[float],
                         what: str = "timed out") -> str:
@@ -114,14 +137,23 @@ class TracedWork(dist.Work):
         self._trace.recorder.mark(self._entry, "completed")
         return done
 
+    def _settled(self, error) -> None:
+        self._trace.recorder.mark(self._entry, "completed" if error is None else "failed")
+
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        done = self._work.is_completed()
+        if done:
+            self._settled(self._work.exception())
+        return done
 
     def is_success(self) -> bool:
         return self._work.is_success()
 
     def exception(self):
-        return self._work.exception()
+        error = self._work.exception()
+        if error is not None or self._work.is_completed():
+            self._settled(error)
+        return error
 
     def result(self):
         return self._work.result()
@@ -133,10 +165,15 @@ class TracedWork(dist.Work):
         self._work.synchronize()
 
     def get_future(self):
-        return self._work.get_future()
+        future = self._work.get_future()
+        # DDP's comm hooks and async callers consume the future, never wait()
+        future.add_done_callback(lambda done: self._settled(_future_error(done)))
+        return future
 
     def __repr__(self) -> str:
         entry = self._entry
+        if entry is None:
+            return f"TracedWork({self._work!r})"
         return (f"TracedWork({recorder.describe(entry[E_OP], entry[E_SEQ], entry[E_SHAPES], entry[E_DTYPES])}, "
                 f"root={entry[E_ROOT]})")
 
@@ -148,3 +185,11 @@ def _first_sentence(exc: BaseException) -> str:
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
     return text.split(". ", 1)[0].rstrip(".") or type(exc).__name__
+
+
+def _future_error(future) -> Optional[BaseException]:
+    try:
+        future.wait()
+    except Exception as exc:  # noqa: BLE001 - handed back, not raised
+        return exc
+    return None

@@ -7,14 +7,20 @@ The rules these functions keep (the guarantees docs/design.md states):
   on each communicator, and releases the Works' tensors and ring scratch only after the
   aborts returned: a caller woken by the ended kernel already sees the fault, and no
   buffer is freed under a kernel that still runs. Every step and every communicator is
-  attempted whatever an earlier one raised; nothing is retried.
+  attempted whatever an earlier one raised; nothing is retried. The group's watch is closed
+  with the state (a Work tracked later fails: see cupycoll.watchdog), and a second aborter
+  (the fault thread, abort_all) waits, at most ``watchdog.FAULT_DEADLINE`` seconds, for the
+  first one's ncclCommAbort before it returns (and its caller releases anything).
+  A claimed watchdog fault marks the group ``"aborting"`` at once: calls are refused while
+  the fault is diagnosed, before the abort itself.
 * **shutdown** (``destroy_process_group``) never raises: it waits at most
   :data:`SHUTDOWN_GRACE` seconds (and never more than the group's timeout) for the work in
   flight, then finalizes and destroys the communicators; if the work does not finish,
   anything fails, or a communicator cannot be finalized, it aborts instead.
 * **process exit**: an ``atexit`` hook stops the watchdog and aborts (never destroys: a
   destroy waits for peers and the GPU) every group still alive, warning that it was not
-  destroyed, bounded by :data:`EXIT_DEADLINE` seconds in all.
+  destroyed, bounded by :data:`EXIT_DEADLINE` seconds in all. A forked child leaves the
+  groups of its parent alone (their communicators are the parent's).
 
 Deliberately left out: anything in ``__del__`` (a collective teardown at garbage
 collection runs in whatever thread collects, possibly the watchdog's), and retries.
@@ -23,12 +29,15 @@ collection runs in whatever thread collects, possibly the watchdog's), and retri
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
+import os
 import sys
 import threading
 import warnings
 from typing import Optional
 
+from . import watchdog
 from .errors import CommunicatorAbortedError
 from .watchdog import WATCHDOG
 
@@ -64,12 +73,21 @@ def _step(what: str, function, *args) -> Optional[BaseException]:
 def abort(backend, reason: Optional[BaseException] = None) -> None:
     """``CudaBackend.abort``: see the module docstring. Raises only a KeyboardInterrupt or
     SystemExit met on the way, and only after every step has run."""
-    with _STATE_LOCK:
-        if backend.state == "aborted":
-            return
-        backend.state = "aborted"
     if reason is None:
         reason = CommunicatorAbortedError(f"process group {backend._name()!r} was aborted")
+    watch = backend._watch
+    with _STATE_LOCK:
+        second = backend.state == "aborted"
+        if not second:
+            backend.state = "aborted"
+            watch.close(reason)  # before the Works are marked: a late one fails in track
+            watch.aborter = threading.get_ident()
+    if second:
+        # Never return (so that the caller releases anything) under a kernel still running.
+        if watch.aborter != threading.get_ident() and not watch.settled.wait(watchdog.FAULT_DEADLINE):
+            _warn(f"cupycoll: the abort of process group {backend._name()!r} has not finished "
+                  f"after {watchdog.FAULT_DEADLINE:g} s (ncclCommAbort hangs?)")
+        return
     interrupts = []
     failed = []
 
@@ -85,13 +103,25 @@ def abort(backend, reason: Optional[BaseException] = None) -> None:
         for comm in list(backend._pending_comms) + backend.communicators():
             interrupts.append(_step(f"aborting {comm}", comm.abort))
     finally:
-        # Only now, with the kernels ended, may the Works' tensors and scratch be released.
-        interrupts.append(_step("releasing the Works' tensors", backend._watch.release, failed))
+        # Only now, with the kernels ended, may the Works' tensors and scratch be released
+        # (with those tracked late, once settled: any later one releases itself).
+        watch.settled.set()
+        interrupts.append(_step("failing the Works tracked late", mark))
+        interrupts.append(_step("releasing the Works' tensors", watch.release, failed))
         interrupts.append(_step("closing the rings", backend._close_rings))
         interrupts.append(_step("shutting down the group's CPU half", backend._on_abort))
     for exc in interrupts:
         if exc is not None and not isinstance(exc, Exception):
             raise exc
+
+
+def refuse(backend, fault: BaseException) -> None:
+    """The watchdog claimed ``fault`` (its Watch's ``on_claim``): refuse calls from now on,
+    while the fault thread diagnoses it and until its abort runs."""
+    with _STATE_LOCK:
+        if backend.state == "ok":
+            backend.fault = fault
+            backend.state = "aborting"
 
 
 def shutdown(backend) -> None:
@@ -129,7 +159,8 @@ def _abort_at_exit() -> None:
     WATCHDOG.stop()
     process_group = sys.modules.get("cupycoll.process_group")
     groups = list(getattr(process_group, "_LIVE_GROUPS", ()))
-    backends = [g._cuda for g in groups if getattr(g, "_cuda", None) is not None]
+    backends = [g._cuda for g in groups if getattr(g, "_cuda", None) is not None
+                and g._cuda._watch.pid == os.getpid()]  # not a forking parent's groups
     live = [b for b in backends if b.state == "ok" and (b.communicators() or b._pending_comms)]
     if not live:
         return
@@ -146,11 +177,28 @@ def _abort_at_exit() -> None:
             _step("aborting a group at exit", abort, backend)
 
     thread = threading.Thread(target=abort_all, name="cupycoll-exit-abort", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # Python 3.12+: no new threads once the interpreter is finalizing
+        # faulthandler's watchdog is a C thread: past the deadline it prints where the
+        # abort hangs and ends the process (status 1), as the threaded path would give up.
+        faulthandler.dump_traceback_later(EXIT_DEADLINE, exit=True)
+        try:
+            abort_all()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        return
     thread.join(EXIT_DEADLINE)
     if thread.is_alive():
         print(f"cupycoll: aborting the groups at exit did not finish within {EXIT_DEADLINE:g} s; "
               f"exiting anyway", file=sys.stderr, flush=True)
 
 
+def _after_fork_in_child() -> None:
+    global _STATE_LOCK
+    _STATE_LOCK = threading.Lock()  # a thread of the parent may have held it
+
+
 atexit.register(_abort_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -22,8 +22,6 @@ dead; build a new one, see docs/design.md).
 from __future__ import annotations
 
 import datetime
-import inspect
-import sys
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -34,6 +32,7 @@ from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _args, collectives, compat, config
 from .backend import CudaBackend
+from .call_queue import calling_manager
 from .group_trace import GroupTrace
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
 from .errors import CupycollValueError
@@ -45,6 +44,7 @@ _LIVE_GROUPS: "weakref.WeakSet[ProcessGroupCupycoll]" = weakref.WeakSet()
 _GLOO = ProcessGroup.BackendType.GLOO
 # Ops whose tensors differ by rank outside one argument: [outputs, inputs] -> the alike one.
 _ROOT_ONLY = {"gather": 1, "scatter": 0}
+_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 _CPU = torch.device("cpu")
 
 
@@ -83,9 +83,13 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._cuda.use_trace(self._trace)
         _LIVE_GROUPS.add(self)
 
-        parent = self._split_parent()
-        if parent is not None:
-            self._cuda.split_from(parent._cuda)
+        try:
+            parent = self._split_parent()
+            if parent is not None:
+                self._cuda.split_from(parent._cuda)
+        except BaseException:
+            self._trace.close("failed")  # no half-built group left answering its peers
+            raise
 
     # -- construction helpers ---------------------------------------------------------
     def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
@@ -163,7 +167,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         to :meth:`_gloo`."""
         if self._classify(tensors, op_name):
             if not op_name.endswith("_coalesced"):  # its parts are recorded one by one
-                self._cuda.trace_entry = self._record(tensors, op_name, opts, peer, "nccl")
+                self._record(tensors, op_name, opts, peer, "nccl")
             return True
         calls = self._cuda.calls
         if calls.block is not None and not calls.drop_stale_block():
@@ -172,18 +176,19 @@ class ProcessGroupCupycoll(ProcessGroup):
                 f"{self._group_name!r}: a block coalesces one device's calls; use a separate "
                 "_coalescing_manager(device=torch.device('cpu')) for CPU tensors")
         calls.flush()  # a queued CUDA send/recv must not wait behind unrelated CPU work
-        self._cpu_entry = self._record(tensors, op_name, opts, peer, "gloo")
+        self._record(tensors, op_name, opts, peer, "gloo")
         return False
 
-    def _record(self, tensors, op_name, opts, peer, route) -> list:
-        # gather's outputs and scatter's inputs exist on the root only: record what all pass
-        alike = tensors[_ROOT_ONLY[op_name]] if op_name in _ROOT_ONLY else tensors
-        root = peer if peer is not None else getattr(opts, "rootRank", None)
-        return self._trace.call(op_name, _args.flat(alike), root, getattr(opts, "reduceOp", None),
-                                route, self._cpu)
+    def _record(self, tensors, op_name, opts, peer, route) -> None:
+        root = peer
+        if op_name in _ROOTED:
+            root = opts.rootRank
+            # gather's outputs and scatter's inputs exist on the root only: record what all pass
+            tensors = tensors[_ROOT_ONLY[op_name]] if op_name in _ROOT_ONLY else tensors
+        self._trace.call(op_name, _args.flat(tensors), root, opts, route, self._cpu)
 
     def _gloo(self, work: dist.Work) -> dist.Work:
-        return self._trace.gloo(work, self._cpu_entry)
+        return self._trace.gloo(work)
 
     def _classify(self, tensors, op_name: str) -> bool:
         """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""
@@ -322,9 +327,9 @@ class ProcessGroupCupycoll(ProcessGroup):
         device = _args.barrier_device(opts)
         if device is None:
             self._cuda.check_usable()
-            self._cpu_entry = self._trace.call("barrier", (), route="gloo", cpu_group=self._cpu)
+            self._trace.call("barrier", (), route="gloo", cpu_group=self._cpu)
             return self._gloo(self._cpu.barrier(opts))
-        self._cuda.trace_entry = self._trace.call("barrier", (), cpu_group=self._cpu)
+        self._trace.call("barrier", (), cpu_group=self._cpu)
         return collectives.barrier(self._cuda, device)
 
     # -- torch's coalescing protocol ----------------------------------------------------
@@ -354,7 +359,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         return self._cuda.calls.close_block()
 
     def _open_block(self) -> None:
-        self._cuda.calls.open_block(_calling_manager(self._manager_gone))
+        self._cuda.calls.open_block(calling_manager(self._manager_gone))
 
     def _manager_gone(self, manager_ref) -> None:
         """The generator of a ``_coalescing_manager`` that opened a block was freed (the
@@ -402,27 +407,9 @@ class ProcessGroupCupycoll(ProcessGroup):
 
 def abort_all() -> int:
     """Abort every live cupycoll group of this process (from any thread); how many were."""
-    groups = [g for g in list(_LIVE_GROUPS) if g._cuda.state != "aborted"]
+    groups = list(_LIVE_GROUPS)
+    live = sum(g._cuda.state != "aborted" for g in groups)
     for group in groups:
-        group.abort()
-    return len(groups)
+        group.abort()  # one another thread is aborting: returns once its comms are aborted
+    return live
 
-
-def _calling_manager(on_freed: Optional[Callable] = None):
-    """A weak reference to the ``torch.distributed._coalescing_manager`` generator that is
-    calling ``_start_coalescing`` (None when called some other way). When the manager's
-    body raises, torch never calls ``_end_coalescing``; the closed (or freed, then
-    ``on_freed(ref)`` runs) generator tells us."""
-    frame = sys._getframe(3)
-    for _ in range(4):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        generator = getattr(owner, "gen", None)
-        if inspect.isgenerator(generator) and generator.gi_code.co_name == "_coalescing_manager":
-            if on_freed is None:
-                return weakref.ref(generator)
-            method = weakref.WeakMethod(on_freed)  # the ref must not keep the group alive
-            return weakref.ref(generator, lambda ref: method() and method()(ref))
-        frame = frame.f_back
-    return None

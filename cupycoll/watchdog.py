@@ -8,8 +8,7 @@ polls every watch each interval:
 
 * Works whose completion event has fired are dropped, releasing their tensors;
 * a Work not done ``timeout`` after it was issued is a timeout fault;
-* ``ncclCommGetAsyncError`` reporting an error on any communicator is an async fault.
-
+* ``ncclCommGetAsyncError`` reporting an error on any communicator is an async fault;
 * any exception from querying an event or the async error (a sticky CUDA error) is a
   fault of that group too: it must not silence fault handling.
 
@@ -23,14 +22,20 @@ With the ``terminate`` policy the process exits once that is done or after
 the watchdog's heartbeat: a pass stuck for :func:`heartbeat_limit` seconds is logged with
 the watchdog's stack, and ends the process when a watched group's policy is ``terminate``.
 
-What a Work must offer the watch (duck-typed, so the state machine is testable with
-stand-ins): ``_query_done() -> bool``, ``_issued_at`` (monotonic seconds), ``describe()``,
-``_mark_failed(exc)`` and ``_release()``.
+What a Work must offer the watch (duck-typed, testable with stand-ins): ``_query_done()``,
+``_issued_at`` (monotonic seconds), ``describe()``, ``_mark_failed(exc)``, ``_release()``.
 
 Hooks (default None, set by the group): ``on_done(work)`` runs for each Work found
-completed (by the watchdog or a drain); ``explain_timeout(work, timeout_s)`` runs on the
-fault thread before a timed-out group is failed (it may block a few seconds) and, when it
-returns a string, that string is the CollectiveTimeoutError's message.
+completed (by the watchdog or a drain); ``on_claim(fault)`` when a fault is claimed, first
+(the group refuses calls from then on); ``explain_timeout(work, timeout_s)`` on the fault
+thread before a timed-out group is failed (it may block a few seconds): a string it
+returns is the CollectiveTimeoutError's message.
+
+Closing: from a claimed fault or the start of an abort, ``closed`` holds the reason, and a
+Work tracked later (its call passed the group's checks before) is failed by ``track``: it
+appends, then reads ``closed``; the closer sets ``closed`` before it takes the Works out of
+flight, so one side always sees it. ``settled``: the abort has ended the kernels (a late
+Work is then released at once, and a second aborter waiting on it may return).
 
 Deliberately left out: any device synchronisation (events are only queried), and
 retries: a fault is final for its group. A Python watchdog cannot detect a thread that
@@ -81,8 +86,13 @@ class Watch:
         self.explain_timeout = explain_timeout
         self._communicators = communicators
         self._on_fault = on_fault
+        self.on_claim: Optional[Callable[[CupycollError], None]] = None
         self.inflight: collections.deque = collections.deque()
         self.fault: Optional[CupycollError] = None
+        self.closed: Optional[BaseException] = None  # see "Closing" in the module docstring
+        self.settled = threading.Event()
+        self.aborter: Optional[int] = None  # the thread running the group's abort
+        self.pid = os.getpid()  # the process whose group this is (a forked child's is not)
         # Guards popping (the watchdog, drain and fail-all all pop; the hot path only
         # appends, which needs no lock) and claiming the fault.
         self._lock = threading.Lock()
@@ -91,6 +101,23 @@ class Watch:
         """Hot path: note ``work`` as issued now."""
         work._issued_at = time.monotonic()
         self.inflight.append(work)
+        if self.closed is not None:  # after the append: see "Closing" above
+            self._late(work, self.closed)
+
+    def close(self, reason: BaseException) -> None:
+        """No Work may run from now on (a fault was claimed or the abort begins)."""
+        self.closed = self.closed or reason
+
+    def _late(self, work, reason: BaseException) -> None:
+        """A Work tracked once closed: failed; released too once the abort has returned."""
+        work._mark_failed(reason)
+        if self.settled.is_set():
+            with self._lock:
+                try:
+                    self.inflight.remove(work)
+                except ValueError:
+                    pass  # the abort's last sweep took it
+            work._release()
 
     # -- finding completed Works ---------------------------------------------------------
     def _pop_done(self) -> None:
@@ -121,7 +148,7 @@ class Watch:
         fault, when querying an event fails, or when ``timeout`` seconds pass first."""
         deadline = time.monotonic() + timeout
         while True:
-            if self.fault is not None:
+            if self.fault is not None or self.closed is not None:
                 return False
             try:
                 self._pop_done()
@@ -137,7 +164,7 @@ class Watch:
     # -- detecting a fault ---------------------------------------------------------------
     def check(self, now: Optional[float] = None) -> Tuple[Optional[CupycollError], object]:
         """Detect (never handle) a fault: ``(fault, the stalled Work or None)``."""
-        if self.fault is not None:
+        if self.fault is not None or self.closed is not None:
             return None, None
         now = time.monotonic() if now is None else now
         try:
@@ -148,7 +175,7 @@ class Watch:
                         f"process group {self.name!r}: {work.describe()} did not complete within "
                         f"{self.timeout:g} s; a peer may have hung, died or skipped it"), work
             for comm in self._communicators():
-                if self.fault is not None:  # aborted meanwhile: its comms are not ours to poll
+                if self.closed is not None:  # aborted meanwhile: its comms are not ours to poll
                     return None, None
                 error = comm.async_error()
                 if error is not None:
@@ -179,7 +206,13 @@ class Watch:
             if self.fault is not None:
                 return False
             self.fault = fault
-            return True
+            self.close(fault)
+        try:
+            if self.on_claim is not None:
+                self.on_claim(fault)
+        except Exception:  # noqa: BLE001 - the fault is handled whatever the hook does
+            logger.exception("cupycoll watchdog: on_claim hook of group %r failed", self.name)
+        return True
 
     def handle(self, fault: CupycollError, work=None, claimed: bool = False) -> None:
         """Record ``fault``; mark every Work in flight failed, tell the group (which aborts
@@ -206,7 +239,7 @@ class Watch:
             return fault
         if isinstance(message, str) and message:
             fault = CollectiveTimeoutError(message)
-            self.fault = fault
+            self.fault = self.closed = fault
         return fault
 
     def mark_failed(self, error: BaseException) -> List[object]:
@@ -258,6 +291,8 @@ class Watchdog:
         self.heartbeat = time.monotonic()
 
     def watch(self, watch: Watch) -> None:
+        if watch.closed is not None:  # a late Work of an aborted group: nothing to watch
+            return
         with self._lock:
             self._watches.add(watch)
             if self._thread is None and not self._stopped:

@@ -18,7 +18,7 @@ from cupycoll import config
 from cupycoll.backend import CudaBackend
 from cupycoll.bootstrap import ABANDONED, StoreBootstrap
 from cupycoll.communicator import Communicator
-from cupycoll.errors import CollectiveTimeoutError, NoCudaDeviceError
+from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, NoCudaDeviceError
 
 CUDA = torch.device("cuda", 0)
 
@@ -86,12 +86,75 @@ def test_a_rank_that_gives_up_fails_the_whole_generation(counted_ids):
     assert len(set(run_ranks(store, [0, 1], members=2, timeout=10).values())) == 1
 
 
+class Wrapped:
+    """A store that delegates to a HashStore; tests override one method to stage a race."""
+
+    def __init__(self):
+        self.inner = dist.HashStore()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+UID0 = "cupycoll/comm/0/uid"
+
+
 def test_a_rank_giving_up_after_the_id_was_published_joins():
+    # The wait really times out; the creator's id lands just before the rank gives up.
+    store = Wrapped()
+
+    def compare_set(key, expected, desired):
+        if key == UID0 and desired == ABANDONED:
+            store.inner.set(UID0, b"\5" * 128)  # published just before the rank gives up
+        return store.inner.compare_set(key, expected, desired)
+    store.compare_set = compare_set
+    start = time.monotonic()
+    assert StoreBootstrap(store, 1, 0.2).unique_id("comm", False, 2) == b"\5" * 128
+    assert time.monotonic() - start >= 0.2  # it went through the timeout, then joined
+
+
+@pytest.mark.parametrize("error", [CommunicatorAbortedError("aborted"), KeyboardInterrupt()])
+def test_an_abort_never_joins_even_when_the_id_was_published(error):
+    # Only a timeout may fall through to "join": an abort or ^C must reach the caller.
+    store = Wrapped()
+    store.inner.set(UID0, b"\5" * 128)
+    store.check = lambda keys: False if keys == [UID0] else store.inner.check(keys)
+
+    def check():
+        raise error
+    with pytest.raises(type(error)):
+        StoreBootstrap(store, 1, 5, check=check).unique_id("comm", False, 2)
+
+
+def test_a_lost_generation_bump_never_reuses_the_old_id(counted_ids):
+    # The creator published the id of generation 0 and died before moving the generation.
     store = dist.HashStore()
-    store.set("cupycoll/comm/0/uid", b"\5" * 128)
-    store.add("cupycoll/comm/0/arrived", 1)
-    assert StoreBootstrap(store, 1, 0.05).unique_id("comm", False, 2) == b"\5" * 128
-    assert store.compare_set("cupycoll/comm/0/uid", "", ABANDONED) == b"\5" * 128
+    store.set(UID0, b"\5" * 128)
+    store.add("cupycoll/comm/0/arrived", 2)
+    got = run_ranks(store, [0, 1], members=2, timeout=10)
+    assert got[0] == got[1] == bytes([1]) * 128 and counted_ids == [0]
+
+
+def test_losing_the_decision_to_a_rank_that_gave_up_makes_no_id(counted_ids):
+    # A member writes ABANDONED between the creator's arrival wait and its decision.
+    store = Wrapped()
+    store.add("cupycoll/comm/0/arrived", 1)  # the member arrived
+
+    def compare_set(key, expected, desired):
+        if key == UID0 and desired != ABANDONED:
+            store.inner.compare_set(UID0, "", ABANDONED)
+        return store.inner.compare_set(key, expected, desired)
+    store.compare_set = compare_set
+    with pytest.raises(CollectiveTimeoutError, match="another rank gave up"):
+        StoreBootstrap(store, 0, 5).unique_id("comm", True, 2)
+    assert counted_ids == []
+
+
+def test_store_keys_stay_bounded_over_many_creations(counted_ids):
+    store = dist.HashStore()
+    for _ in range(8):
+        assert len(set(run_ranks(store, [0, 1], members=2, timeout=10).values())) == 1
+    assert store.num_keys() <= 4  # the generation and the last generation's keys
 
 
 def test_failed_creations_leave_threads_and_fds_flat():

@@ -282,3 +282,40 @@ def test_drop_fails_the_works_with_the_given_reason(group):
     reason = CommunicatorAbortedError("all_reduce #7 timed out")
     group._cuda.calls.drop(reason)
     assert recv.exception() is reason and group._cuda.calls.pending == []
+
+
+def test_two_issuing_threads_never_enqueue_at_once():
+    # R9: two threads issuing on one group (DDP's autograd threads) made concurrent NCCL
+    # calls on one communicator, which NCCL forbids; the queue's lock serialises them.
+    import threading
+    import time
+
+    class Overlap(QueueBackend):
+        active = peak = 0
+
+        def _enqueue(self, issues):
+            Overlap.active += 1
+            Overlap.peak = max(Overlap.peak, Overlap.active)
+            time.sleep(0.001)  # the NCCL calls: long enough for the other thread to arrive
+            Overlap.active -= 1
+            super()._enqueue(issues)
+
+    class OverlapGroup(QueueGroup):
+        backend_class = Overlap
+
+    group = OverlapGroup(None, 0, 3, datetime.timedelta(seconds=5))
+    errors = []
+
+    def issue(peer):
+        try:
+            for _ in range(30):
+                group.allreduce([x()], c10d.AllreduceOptions())
+                group.send([x()], peer, 0).wait()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=issue, args=(peer,)) for peer in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors and Overlap.peak == 1 and len(group.batches) == 120

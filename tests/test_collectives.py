@@ -51,8 +51,13 @@ class RecordingBackend(CudaBackend):
     once on a recording communicator instead of being issued."""
 
     def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-               peer=None, blocking_wait=False, own_group=False):
+               peer=None, blocking_wait=False, own_group=False, prepare=None):
         comm = RecordingComm()
+        self.phase = "prepare"
+        if prepare is not None:  # before the NCCL group, as _launch_all runs it
+            prepare(comm)
+        self.prepared.append((op_name, list(comm.calls)))
+        self.phase = "launch"
         if peer is None:
             launch(comm, 1234)
         else:
@@ -74,6 +79,7 @@ def group(monkeypatch):
     monkeypatch.setattr(_cuda, "fp8_supported", lambda: True)  # asked for fp8 tensors only
     g = LogicGroup(None, 0, 2, datetime.timedelta(seconds=5))
     g.submitted = g._cuda.submitted = []
+    g._cuda.prepared = []
     return g
 
 
@@ -130,6 +136,28 @@ def test_premul_sum_creates_and_destroys_op(group):
     assert calls[0][2:] == (nb.ncclFloat16, False)
     assert calls[1] == ("all_reduce", x.data_ptr(), x.data_ptr(), 4, nb.ncclFloat16, 99)
     assert calls[2] == ("destroy_op", 99)
+
+
+def test_fallible_steps_run_in_prepare_before_the_nccl_group(group, monkeypatch):
+    # D9: staging allocations and PREMUL_SUM op creation can raise (OOM, old NCCL); inside
+    # an open NCCL group that launched a partial batch, so they run in prepare(), not launch.
+    allocated = []
+    real_empty, real_cat = torch.empty, torch.cat
+    cuda = group._cuda
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(cuda.phase) or real_empty(*a, **k))
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: allocated.append(cuda.phase) or real_cat(*a, **k))
+    group.allreduce([t(4)], ar_opts(dist._make_nccl_premul_sum(0.5)))
+    group.allgather([[torch.zeros(3), torch.zeros(3)]], [t(3)], c10d.AllgatherOptions())
+    rs = dist.ReduceScatterOptions()
+    rs.reduceOp = dist._make_nccl_premul_sum(2.0)
+    group.reduce_scatter([t(3)], [[t(3), t(3)]], rs)
+    prepared = cuda.prepared
+    assert [p[1][0][0] if p[1] else None for p in prepared] == ["create_premul_sum", None, "create_premul_sum"]
+    assert allocated == ["prepare", "prepare"]  # the gather's staging, the reduce-scatter's cat
+    # launch made exactly one NCCL call after what prepare did, then destroyed the op
+    for (_, before), (_, after) in zip(prepared, group.submitted):
+        assert after[:len(before)] == before
+        assert all(c[0] != "create_premul_sum" for c in after[len(before):])
 
 
 def test_data_movers_send_bytes(group):

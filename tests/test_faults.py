@@ -576,3 +576,82 @@ def test_calls_after_an_abort_name_the_abort(no_device):
     opts.device_ids = [0]
     with pytest.raises(CommunicatorAbortedError, match="was aborted"):
         group.barrier(opts)
+
+
+def test_a_hung_abort_does_not_stall_async_error(no_device):
+    # D3: ncclCommAbort ran under the communicator's lock, so a hung abort blocked the
+    # watchdog in async_error() on that lock, blinding every group it watches.
+    release = threading.Event()
+
+    class HangingAbort(ScriptedLibrary):
+        def ncclCommAbort(self, comm):
+            self.aborts += 1
+            release.wait(10)
+            return 0
+
+    comm = polling_comm([nb.ncclSuccess])
+    comm._lib = HangingAbort([nb.ncclSuccess])
+    aborter = threading.Thread(target=comm.abort, daemon=True)
+    aborter.start()
+    try:
+        assert eventually(lambda: comm._lib.aborts == 1)
+        answers = []
+        query = threading.Thread(target=lambda: answers.append(comm.async_error()), daemon=True)
+        start = time.monotonic()
+        query.start()
+        query.join(2)
+        assert not query.is_alive() and answers == [None] and time.monotonic() - start < 2
+        assert comm.abort() is None and comm.state == "aborted"  # a second abort returns at once
+    finally:
+        release.set()
+        aborter.join(5)
+
+
+def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):
+    # D9: fallible Python steps (staging, PREMUL_SUM ops) run as prepares before the NCCL
+    # group opens; one that raises leaves NCCL untouched, fails the batch, faults nothing.
+    events = []
+
+    class GroupLibrary(ScriptedLibrary):
+        def ncclGroupStart(self):
+            events.append("start")
+            return 0
+
+        def ncclGroupEnd(self):
+            events.append("end")
+            return 0
+
+    from cupycoll.call_queue import Issue
+    group = make_group()
+    cuda = group._cuda
+    comm = polling_comm([nb.ncclSuccess])
+    comm._lib = GroupLibrary([nb.ncclSuccess])
+    comm.on_abort = cuda._fault_once
+    cuda.comm, cuda.device = comm, CUDA
+    cuda.calls._enqueue = lambda issues: cuda._launch_all(issues, {1: comm}, 0)
+
+    def send(c, stream, peer):
+        events.append(("send", c))
+
+    def oom(c):
+        raise torch.OutOfMemoryError("staging")
+
+    def batch(second_prepare):
+        return [Issue(CudaWork("send", CUDA, []), send, None, None, True, peer=1,
+                      prepare=lambda c: events.append(("prepare", c))),
+                Issue(CudaWork("recv", CUDA, []), send, None, None, True, peer=1, prepare=second_prepare)]
+
+    failed = batch(oom)
+    cuda.calls.pending = list(failed)
+    with pytest.raises(torch.OutOfMemoryError):
+        cuda.calls.flush()
+    assert events == [("prepare", comm)]  # the first prepare ran; no group, no NCCL call
+    for issue in failed:  # both Works, never issued, with the error as the cause
+        error = issue.work.exception()
+        assert "never issued" in str(error) and isinstance(error.__cause__, torch.OutOfMemoryError)
+    assert comm.state == "ok" and cuda.state == "ok" and cuda.calls.pending == []
+    events.clear()
+    cuda.calls.pending = batch(None)
+    cuda.calls.flush()  # the group is still usable
+    assert events == [("prepare", comm), "start", ("send", comm), ("send", comm), "end"]
+    group.abort()  # while CuPy is still the stand-in

@@ -354,3 +354,75 @@ def test_the_gpu_tier_collects_and_skips_with_a_reason_without_a_gpu():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "passed" not in proc.stdout and "failed" not in proc.stdout
     assert "needs a CUDA GPU" in proc.stdout
+
+
+# -- the §5.1 launches of the faults part (tests/workers/gpu_hang_worker.py) ------------------
+
+
+def test_the_hang_worker_parses_its_arguments():
+    from workers import gpu_hang_worker as w
+
+    assert w.parse_args(["cycles", "blocking", "/o"]) == ("cycles", "blocking", "/o", w.DEFAULT_CYCLES)
+    assert w.DEFAULT_CYCLES == 200  # the review's T7 figure
+    assert w.parse_args(["cuda_hang", "nonblocking", "/o", "7"])[3] == 7
+    for bad in (["nope", "blocking", "/o"], ["cycles", "eager", "/o"], ["cycles", "blocking", "/o", "1"],
+                ["cycles", "blocking"], ["cycles", "blocking", "/o", "x"]):
+        with pytest.raises(ValueError):
+            w.parse_args(bad)
+
+
+def test_every_hang_scenario_is_launched_by_the_faults_part_within_its_limit():
+    from workers import gpu_hang_worker as w
+
+    faults = importlib.import_module("gpu.test_gpu_faults")
+    assert set(w.SCENARIOS) == set(w.WORLDS) == {s for s, _m, _l in faults.LAUNCHES}
+    assert all(callable(getattr(w, s)) for s in w.SCENARIOS)
+    assert {(s, m) for s, m, _l in faults.LAUNCHES if s in ("cold_skip", "kill_mid_ddp")} == {
+        (s, m) for s in ("cold_skip", "kill_mid_ddp") for m in ("blocking", "nonblocking")}
+    for _s, _m, label in faults.LAUNCHES:
+        assert label in faults.SUBPROCESS_LIMITS_S
+    # the deadline thread records a cold-communicator hang well before the launch is killed
+    assert w.HANG_DEADLINE_S + 20 < faults.SUBPROCESS_LIMITS_S["cold skip"]
+    assert w.HANG_SLEEP_S > faults.TIMEOUT_S + 5  # rank 1 answers the diagnosis while it sleeps
+    assert faults.TIER_CYCLES < w.DEFAULT_CYCLES and faults._limit("cycles") < faults.BUDGET_S
+
+
+def test_process_gpu_memory_is_read_from_nvidia_smi_csv():
+    from workers.gpu_hang_worker import parse_compute_apps
+
+    text = "1234, 512\n99, 80\n"
+    assert parse_compute_apps(text, 99) == 80 and parse_compute_apps(text, 1234) == 512
+    assert parse_compute_apps(text, 5) is None and parse_compute_apps("[N/A]\n", 5) is None
+
+
+def _cycles_report(count=24, keys_late=10, threads_late=30, reserved_late=2 << 20, mib_late=600):
+    def sample(cycle, keys, threads, reserved, mib):
+        return {"cycle": cycle, "gpu_free": 70 << 30, "process_gpu_mib": mib, "reserved": reserved,
+                "store_keys": keys, "threads": threads, "fds": 40}
+    return {"count": count, "warm": 5, "seconds_per_cycle": 1.234,
+            "after_warm": sample(4, 50, 30, 2 << 20, 600), "middle": sample(13, 140, 30, 2 << 20, 600),
+            "after_all": sample(23, 140 + 10 * keys_late, threads_late, reserved_late, mib_late)}
+
+
+def test_cycle_figures_pass_when_flat_and_fail_on_growth():
+    faults = importlib.import_module("gpu.test_gpu_faults")
+    flat = faults.cycle_deltas(_cycles_report())
+    assert flat["keys_per_cycle_first_half"] == flat["keys_per_cycle_second_half"] == 10
+    assert flat["threads"] == 0 and flat["process_gpu_mib"] == 0 and flat["reserved_mib"] == 0
+    faults.check_cycle_deltas(flat)
+    for leak in ({"keys_late": 12}, {"threads_late": 34}, {"reserved_late": 200 << 20}, {"mib_late": 900}):
+        with pytest.raises(AssertionError):
+            faults.check_cycle_deltas(faults.cycle_deltas(_cycles_report(**leak)))
+
+
+def test_verify_gpu_records_the_figures_a_tier_part_prints():
+    from tools import verify_figures
+    from tools.verify_runner import Step, StepResult
+
+    tail = ("..\nGPU-FIGURE cold skip nonblocking: error after 5.21 s (timeout 5 s)\n.x\n"
+            "GPU-FIGURE CUDA hang error: after 6.80 s (timeout 5 s)\n7 passed, 1 xfailed in 88.1s\n")
+    figures = verify_figures.read_pytest(StepResult(Step("tier", "faults", [], 150, 95), "passed", "", 88, 150, 0,
+                                                    tail))
+    assert figures["passed"] == 7 and figures["failed"] == 0
+    assert figures["cold skip nonblocking"] == "error after 5.21 s (timeout 5 s)"
+    assert figures["CUDA hang error"] == "after 6.80 s (timeout 5 s)"

@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from cupycoll import config
+from cupycoll.errors import CupycollTypeError, CupycollValueError
 from mp import ROOT, run_ranks
 
 def _run(tmp_path, scenario, env=None):
@@ -91,14 +92,14 @@ def test_trace_settings_resolve_with_torch_fallbacks(tmp_path):
 
 @pytest.mark.parametrize("value", ["-1", "1.5", "many"])
 def test_a_bad_trace_buffer_names_the_value(value):
-    with pytest.raises(config.CupycollValueError, match=f"CUPYCOLL_TRACE_BUFFER={value!r}"):
+    with pytest.raises(CupycollValueError, match=f"CUPYCOLL_TRACE_BUFFER={value!r}"):
         config.resolve(None, None, {"CUPYCOLL_TRACE_BUFFER": value})
 
 
 def test_a_bad_trace_dir_is_a_typed_error():
-    with pytest.raises(config.CupycollTypeError, match="Options.trace_dir=3"):
+    with pytest.raises(CupycollTypeError, match="Options.trace_dir=3"):
         config.Options(trace_dir=3)
-    with pytest.raises(config.CupycollValueError, match="Options.trace_dir=' '"):
+    with pytest.raises(CupycollValueError, match="Options.trace_dir=' '"):
         config.Options(trace_dir=" ")
 
 
@@ -128,22 +129,68 @@ def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
 
 
 def test_the_cuda_route_marks_and_explains_through_the_watchdog(monkeypatch):
-    # CPU stand-ins for CUDA tensors (tests/standins.py): the entry recorded when the group
-    # routes a call reaches its Work; the watchdog's hooks mark it and explain its timeout.
+    # CPU stand-ins for CUDA tensors (tests/standins.py) and an event the GPU "finishes" when
+    # the test says: the entry the group records reaches the Work through submit and _track
+    # (issued), the real watchdog thread marks it completed, and explains a timeout with it.
+    import threading
+    import time
+
     import torch
     from standins import CpuAsCudaGroup
     from torch._C import _distributed_c10d as c10d
 
-    launched = []
+    from cupycoll import backend as backend_module
+
+    gpu_done = threading.Event()
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return gpu_done.is_set()
+
+    monkeypatch.setattr(backend_module.torch.cuda, "Event", Event)
     group = CpuAsCudaGroup(None, 0, 1)
-    monkeypatch.setattr(group._cuda, "_enqueue", lambda issues: launched.extend(issues))
+    cuda = group._cuda
+    monkeypatch.setattr(cuda, "_enqueue", lambda issues: cuda._track(issues, None, False))
     work = group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
     entry = work._trace_entry
-    assert entry is not None and entry[2] == "all_reduce" and entry[7] == "queued"
-    assert [i.work for i in launched] == [work]
-    watch = group._cuda._watch
-    watch.on_done(work)
-    assert entry[7] == "completed" and group._trace.recorder.last_completed == 1
+    rec = group._trace.recorder
+    assert entry is not None and entry[2] == "all_reduce" and entry[7] == "issued"
+    assert rec.last_issued == 1 and rec.last_completed == 0
+    gpu_done.set()
+    deadline = time.monotonic() + 10
+    while entry[7] != "completed" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert entry[7] == "completed" and rec.last_completed == 1
     asked = []
     monkeypatch.setattr(group._trace, "explain_timeout", lambda e, t: asked.append((e, t)) or "why")
-    assert watch.explain_timeout(work, 5.0) == "why" and asked == [(entry, 5.0)]
+    assert cuda._watch.explain_timeout(work, 5.0) == "why" and asked == [(entry, 5.0)]
+    group.abort()
+
+
+def test_a_call_that_raises_before_reaching_gloo_is_not_left_issued():
+    # a bad root raises inside gloo's call (no Work): the entry must not read as "stuck"
+    import torch
+
+    dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rec = dist.group.WORLD._trace.recorder
+        with pytest.raises(RuntimeError):  # gloo's "invalid root rank"
+            dist.group.WORLD.broadcast([torch.ones(2)], _broadcast_options(root=3))
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        states = [(e["seq"], e["op"], e["state"]) for e in rec.snapshot()]
+        assert states == [(1, "broadcast", "failed"), (2, "all_reduce", "completed")], states
+        assert rec.stuck() is None
+    finally:
+        dist.destroy_process_group()
+
+
+def _broadcast_options(root):
+    from torch._C import _distributed_c10d as c10d
+
+    opts = c10d.BroadcastOptions()
+    opts.rootRank = root
+    return opts

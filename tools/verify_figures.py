@@ -29,6 +29,7 @@ MIB = 1 << 20
 OURS, RING, TORCH = "cupycoll:nccl", "cupycoll:ring", "torch:nccl"
 
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b")
+_TIER_FIGURE = re.compile(r"^GPU-FIGURE ([^:]+): (.+)$", re.MULTILINE)  # tests/gpu/test_gpu_faults.py
 _DEMO_DIFF = re.compile(r"max \|param difference\| (\S+) vs (\S+): ([0-9.eE+-]+)")
 
 
@@ -57,6 +58,8 @@ def pytest_counts(text: str) -> Dict:
 def read_pytest(result) -> Dict:
     counts = pytest_counts(result.tail)
     figures = {k: counts.get(k, 0) for k in ("passed", "failed", "skipped", "errors")}
+    for name, value in _TIER_FIGURE.findall(result.tail):  # a test's own figures, the last of each
+        figures[name.strip()] = value.strip()
     if result.status == "passed" and figures["passed"] == 0:
         figures["_fail"] = (f"no test ran on the GPU ({figures['skipped']} skipped): "
                             "nothing was verified")

@@ -9,17 +9,29 @@ and nonblocking communicators.
 
 Each mode is one launch of fault_worker.py's "suite" (every scenario in turn, one process
 start), the two modes side by side; the tests then read what each scenario recorded.
+
+Side by side with them (one start for all, so the part's time is the suite's), the review's
+§5.1 figures the suite lacks, from tests/workers/gpu_hang_worker.py: a peer skipping the
+first collective of a cold communicator (T2a), SIGKILL mid-DDP with the documented recovery
+(T4a), TIER_CYCLES init/abort cycles with GPU memory, threads, fds and store keys (T7; 200 with
+CUPYCOLL_GPU_CYCLES=200 outside the tier), and the hung peer on CUDA named by the watchdog's
+diagnosis (issue 16). Each test prints its figures as ``GPU-FIGURE name: value`` lines
+straight to the terminal (tools/verify_figures.py's read_pytest collects them).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from gpu.tier import GPU_TIER_BUDGETS_S
-from mp import WorkersFailed, gpu_count, start_ranks
+from mp import ROOT, WorkersFailed, gpu_count, start_ranks
 from workers.fault_worker import SUITE, SUITE_CYCLES, TIMEOUT_S
+from workers.gpu_hang_worker import WORLDS
 
 pytestmark = pytest.mark.gpu
 
@@ -28,33 +40,72 @@ WORLD = 3
 GRACE_S = 5.0  # the issue's bound: an error within timeout + 5 s
 
 BUDGET_S = GPU_TIER_BUDGETS_S["faults"]
+# The cycles the tier runs (T7 asks for 200: CUPYCOLL_GPU_CYCLES=200, outside the tier's budget).
+TIER_CYCLES = 24
+CYCLES = int(os.environ.get("CUPYCOLL_GPU_CYCLES", TIER_CYCLES))
 # One suite launch: ~10 s to start; 8 init/abort cycles (~2 s each over sockets); seven
 # faults that each wait out the 5 s timeout (skip, skip_lazy, never_joins, three recoveries,
-# killed) plus ~15 inits: ~80 s, both modes at once.
-SUBPROCESS_LIMITS_S = {"suite launch": 105}
+# killed) plus ~15 inits: ~80 s, both modes at once, ~90 s with the launches beside them
+# (20 processes importing torch and CuPy at once).
+# cold skip: start ~10 s, init ~3 s, then an error at ~5 s or the deadline (17 s): <= ~30 s.
+# kill mid-DDP: start + init ~13 s, 20 steps ~2 s, timeout 5 s, destroy, re-init ~3 s: ~30 s.
+# cycles: start ~10 s, then ~1-2 s a cycle (2 ranks over sockets): ~60 s for 24.
+# CUDA hang: start + init ~13 s, timeout 5 s, diagnosis <= 5 s, rank 1 sleeps 16 s: ~30 s.
+SUBPROCESS_LIMITS_S = {"suite launch": 130, "cold skip": 75, "kill mid-DDP": 90, "cycles": 125,
+                       "CUDA hang": 75}
+LAUNCHES = [("cold_skip", mode, "cold skip") for mode in MODES] + \
+    [("kill_mid_ddp", mode, "kill mid-DDP") for mode in MODES] + \
+    [("cycles", "blocking", "cycles"), ("cuda_hang", "blocking", "CUDA hang")]
+
+
+def figure(capsys, name, value):
+    """One figure, printed past pytest's capture so that the part's output records it."""
+    with capsys.disabled():
+        print(f"\nGPU-FIGURE {name}: {value}", flush=True)
+
+
+def _limit(label):
+    if label == "cycles" and CYCLES != TIER_CYCLES:  # a run for the figure, outside the tier
+        return 60 + 3 * CYCLES
+    return SUBPROCESS_LIMITS_S[label]
 
 
 @pytest.fixture(scope="module")
-def suites(tmp_path_factory):
-    jobs, outs = {}, {}
-    for mode in MODES:
-        out = tmp_path_factory.mktemp(f"faults-{mode}")
-        outs[mode] = out
-        # the last rank is killed on purpose: exit codes are checked by the tests
-        jobs[mode] = start_ranks("fault_worker.py", WORLD, ["suite", mode, str(out)],
-                                 timeout=SUBPROCESS_LIMITS_S["suite launch"], share_gpu=WORLD > gpu_count(),
-                                 expect_success=False, log_dir=str(out / "logs"))
-    runs = {}
+def launched(tmp_path_factory):
+    """Every launch of the part, started at once; each entry (job, out dir)."""
+    jobs = {}
     try:
         for mode in MODES:
-            try:
-                runs[mode] = (jobs[mode].wait(), outs[mode])
-            except WorkersFailed as exc:  # a hang fails this mode's tests only
-                runs[mode] = (exc, outs[mode])
+            out = tmp_path_factory.mktemp(f"faults-{mode}")
+            # the last rank is killed on purpose: exit codes are checked by the tests
+            jobs[("suite", mode)] = (start_ranks(
+                "fault_worker.py", WORLD, ["suite", mode, str(out)], timeout=SUBPROCESS_LIMITS_S["suite launch"],
+                share_gpu=WORLD > gpu_count(), expect_success=False, log_dir=str(out / "logs")), out)
+        for scenario, mode, label in LAUNCHES:
+            out = tmp_path_factory.mktemp(f"{scenario}-{mode}")
+            world = WORLDS[scenario]
+            args = [scenario, mode, str(out)] + ([str(CYCLES)] if scenario == "cycles" else [])
+            env = {"CUPYCOLL_TRACE_DIR": str(out / "trace")} if scenario == "cuda_hang" else None
+            jobs[(scenario, mode)] = (start_ranks(
+                "gpu_hang_worker.py", world, args, timeout=_limit(label), env=env, share_gpu=world > gpu_count(),
+                expect_success=False, log_dir=str(out / "logs")), out)
+        yield jobs
     finally:
-        for job in jobs.values():
+        for job, _out in jobs.values():
             job.kill()
-    return runs
+
+
+def _wait(launched, key):
+    job, out = launched[key]
+    try:
+        return job.wait(), out
+    except WorkersFailed as exc:  # a hang fails this launch's tests only
+        return exc, out
+
+
+@pytest.fixture(scope="module")
+def suites(launched):
+    return {mode: _wait(launched, ("suite", mode)) for mode in MODES}
 
 
 def _results(suites, mode):
@@ -64,12 +115,12 @@ def _results(suites, mode):
     return results
 
 
-def _reports(suites, mode, scenario):
+def _reports(suites, mode, scenario, world=WORLD):
     """What each rank recorded for ``scenario``, and the ranks' output for messages. A launch
     that ran out of time still yields the scenarios finished before the hang."""
     results, out = suites[mode]
     reports = {}
-    for rank in range(WORLD):
+    for rank in range(world):
         path = out / f"{scenario}-rank{rank}.json"
         if path.exists():
             reports[rank] = json.loads(path.read_text())
@@ -96,6 +147,9 @@ def test_a_skipped_collective_errors_on_the_others_within_the_timeout(suites, mo
         assert "Timeout" in report["error"] or "timed out" in report["error"], report["error"]
         assert report["later_error"] and "Aborted" in report["later_error"], report
         assert report["later_seconds"] < 0.5, report
+        if scenario == "skip" and "after_sync" in report:
+            # D1: right after synchronize() returned, the Work already says it failed
+            assert report["after_sync"] == {"is_success": False, "exception": True}, report
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -152,3 +206,145 @@ def test_three_abort_and_recover_cycles_keep_training(suites, mode):
         assert report["steps_after_recovery"] == [5, 5, 5]
         assert report["params_equal"]
 
+
+
+# -- the §5.1 figures the suite lacks (tests/workers/gpu_hang_worker.py) -----------------------
+
+
+def _launch(launched, scenario, mode):
+    """(results or WorkersFailed, each rank's report, the ranks' output) of one launch."""
+    run = _wait(launched, (scenario, mode))
+    reports, logs = _reports({mode: run}, mode, scenario, WORLDS[scenario])
+    return run[0], reports, logs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_peer_skipping_the_first_collective_of_a_cold_communicator(launched, mode, capsys):
+    """T2a: eager init (device_id), then the last rank skips the very first all_reduce, so
+    NCCL's lazy connection setup runs inside the others' call.
+
+    nonblocking: every NCCL call returns and is polled under the timeout, so rank 0 must get
+    an error within timeout + 5 s, the Work saying failed right after synchronize() (D1).
+    blocking: NCCL may block the host inside ncclAllReduce while it connects, before a Work
+    exists for the watchdog to time out (review R1). An error in time passes as in
+    nonblocking mode; a hang is recorded (where it was stuck: the worker's deadline thread
+    after HANG_DEADLINE_S, or this launch's own limit when the thread could not run) and the
+    test xfails with it, as the known R1 limit, instead of hanging the tier."""
+    results, reports, logs = _launch(launched, "cold_skip", mode)
+    report = reports.get(0)
+    if report is None and isinstance(results, WorkersFailed) and mode == "blocking":
+        figure(capsys, f"cold skip {mode}", f"hang past the launch limit of {SUBPROCESS_LIMITS_S['cold skip']} s "
+               "(the deadline thread never ran: the GIL was held)")
+        pytest.xfail(f"R1: blocking mode hung on a cold communicator, not even the deadline thread ran\n{logs}")
+    assert report is not None, logs
+    if report["outcome"] == "hang":
+        figure(capsys, f"cold skip {mode}", f"hang: {report['seconds']:.1f} s, stuck in {report['stuck_in']}")
+        if mode == "blocking":
+            pytest.xfail(f"R1: blocking mode hung in the host ({report['stuck_in']}) for {report['seconds']:.0f} s"
+                         f"\n{report['stacks']}")
+        pytest.fail(f"nonblocking mode hung ({report['stuck_in']}) for {report['seconds']:.0f} s:\n"
+                    f"{report['stacks']}\n{logs}", pytrace=False)
+    figure(capsys, f"cold skip {mode}", f"error after {report['seconds']:.2f} s (timeout {TIMEOUT_S:g} s)")
+    assert report["outcome"] == "error", report
+    assert report["seconds"] < TIMEOUT_S + GRACE_S, report
+    assert "Timeout" in report["error"] or "timed out" in report["error"], report["error"]
+    if "after_sync" in report:  # synchronize() returned: the Work must already say failed (D1)
+        assert report["after_sync"]["is_success"] is False, report
+        assert report["after_sync"]["exception"] not in (None, False), report
+    assert report["later_error"] and "Aborted" in report["later_error"], report
+    assert report["later_seconds"] < 0.5, report
+    assert reports.get(1) == {"skipped": True}, logs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sigkill_mid_ddp_then_the_survivors_restore_and_train_on(launched, mode, capsys):
+    # T4a: latency, exit codes, destroy time, R2 (equality without a restore: a figure), the
+    # documented recovery (checkpoint, new group), threads and fds after it
+    results, reports, logs = _launch(launched, "kill_mid_ddp", mode)
+    if isinstance(results, WorkersFailed):
+        pytest.fail(str(results), pytrace=False)
+    assert results[-1].returncode == -9, logs
+    for rank in (0, 1):
+        assert results[rank].returncode == 0, logs
+        report = reports[rank]
+        assert report["error"] and report["steps"] >= 20, report
+        assert report["error_after_last_step_s"] < TIMEOUT_S + GRACE_S, report
+        assert report["destroy_s"] < 15, report  # lifecycle.SHUTDOWN_GRACE (10 s) at most, then abort
+        assert report["params_equal"] and report["params_finite"], report
+        assert report["after"]["threads"] <= report["before"]["threads"] + 2, report
+        assert report["after"]["fds"] <= report["before"]["fds"] + 4, report
+    r = reports[0]
+    figure(capsys, f"kill mid-DDP {mode}",
+           f"error {r['error_after_last_step_s']:.2f} s after the last step, destroy {r['destroy_s']:.2f} s, "
+           f"recovery {r['recovery_s']:.2f} s, equal without restore {r['equal_without_restore']}, "
+           f"threads {r['after']['threads'] - r['before']['threads']:+d}, fds {r['after']['fds'] - r['before']['fds']:+d}")
+
+
+def cycle_deltas(report):
+    """The T7 figures of one rank's cycles report: growth from the warm sample to the last,
+    and store keys added per cycle in each half."""
+    warm, middle, last = report["after_warm"], report["middle"], report["after_all"]
+    mib = 1 << 20
+
+    def per_cycle(a, b):
+        return (b["store_keys"] - a["store_keys"]) / max(1, b["cycle"] - a["cycle"])
+
+    deltas = {"count": report["count"], "seconds_per_cycle": round(report["seconds_per_cycle"], 3),
+              "device_free_mib": round((warm["gpu_free"] - last["gpu_free"]) / mib, 1),
+              "reserved_mib": round((last["reserved"] - warm["reserved"]) / mib, 1),
+              "threads": last["threads"] - warm["threads"], "fds": last["fds"] - warm["fds"],
+              "keys_per_cycle_first_half": per_cycle(warm, middle),
+              "keys_per_cycle_second_half": per_cycle(middle, last)}
+    if warm.get("process_gpu_mib") is not None and last.get("process_gpu_mib") is not None:
+        deltas["process_gpu_mib"] = last["process_gpu_mib"] - warm["process_gpu_mib"]
+    return deltas
+
+
+def check_cycle_deltas(d):
+    """Flat within a small tolerance (review T7: < 1 MiB a cycle; threads, fds +2 in all)."""
+    cycles = d["count"]
+    assert d.get("process_gpu_mib", 0) <= max(16, cycles), d  # < 1 MiB a cycle (nvidia-smi, this process)
+    # the device's free memory moves with the other launches beside this one: a loose bound
+    assert d["device_free_mib"] < 256 + cycles, d
+    assert d["reserved_mib"] <= 2, d
+    assert d["threads"] <= 2 and d["fds"] <= 4, d
+    assert d["keys_per_cycle_second_half"] <= d["keys_per_cycle_first_half"], d
+
+
+def test_init_abort_cycles_keep_gpu_memory_threads_fds_and_store_keys_flat(launched, capsys):
+    results, reports, logs = _launch(launched, "cycles", "blocking")
+    if isinstance(results, WorkersFailed):
+        pytest.fail(str(results), pytrace=False)
+    assert sorted(reports) == [0, 1], logs
+    for rank, report in reports.items():
+        deltas = cycle_deltas(report)
+        assert deltas["count"] == CYCLES
+        if rank == 0:
+            figure(capsys, f"init/abort cycles ({CYCLES})", ", ".join(f"{k} {v}" for k, v in deltas.items()))
+        check_cycle_deltas(deltas)
+
+
+def test_a_hung_peer_on_cuda_is_named_by_the_watchdog(launched, capsys):
+    # issue 16: the CUDA route of tests/test_hang_diagnosis.py, through the watchdog
+    results, reports, logs = _launch(launched, "cuda_hang", "blocking")
+    if isinstance(results, WorkersFailed):
+        pytest.fail(str(results), pytrace=False)
+    assert [r.returncode for r in results] == [0, 0], logs
+    report = reports[0]
+    assert report["group"] == "ProcessGroupCupycoll", report
+    figure(capsys, "CUDA hang error", f"after {report['elapsed_s']:.2f} s (timeout {TIMEOUT_S:g} s)")
+    assert report["timeout"], report
+    assert report["elapsed_s"] < TIMEOUT_S + 10, report  # the timeout, then at most 5 s of diagnosis
+    error = report["error"]
+    assert f"all_reduce #5 (float32[1024]) timed out after {TIMEOUT_S:g} s on ranks 0" in error, error
+    assert "rank 1 is behind: its last collective was #4 (broadcast)" in error, error
+    assert "never reached #5" in error, error
+    if "after_sync" in report:  # D1 on this path too
+        assert report["after_sync"]["is_success"] is False, report
+    trace = launched[("cuda_hang", "blocking")][1] / "trace"
+    dumps = sorted(os.listdir(trace)) if trace.is_dir() else []
+    assert dumps == ["cupycoll_trace_rank0.json", "cupycoll_trace_rank1.json"], (dumps, logs)
+    analysis = subprocess.run([sys.executable, "-m", "cupycoll.trace", str(trace)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    assert analysis.returncode == 1, analysis.stdout + analysis.stderr
+    assert "all_reduce #5" in analysis.stdout and "rank 1 never reached it" in analysis.stdout, analysis.stdout

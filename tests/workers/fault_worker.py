@@ -137,6 +137,9 @@ def skip(ctx, eager=True):
             work = dist.all_reduce(x, async_op=True)
             work.wait()
             torch.cuda.synchronize()  # ends when the watchdog's abort ends the kernel
+            # D1: the Work must say failed right away, not once the abort has finished
+            result["after_sync"] = {"is_success": _quietly(work.is_success),
+                                    "exception": _quietly(lambda: work.exception() is not None)}
             work.wait()  # the fault, now on the Work
         result["seconds"], result["error"] = expect_fault(collective)
         # every later call raises at once
@@ -145,6 +148,13 @@ def skip(ctx, eager=True):
             ctx.store.set(ctx.key("survivors-done"), "1")
     dist.destroy_process_group()
     return result
+
+
+def _quietly(call):
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - recorded
+        return f"raised {type(exc).__name__}: {exc}"
 
 
 def skip_lazy(ctx):

@@ -1,0 +1,276 @@
+"""Races in the abort/fault path (the review after issue 14): a Work issued while an abort
+runs, calls made while a fault is being diagnosed, two aborts at once, and fork/exit. The
+interleavings are forced with seams (a communicator whose abort waits, a blocking step), so
+each test is deterministic. Each test names the finding it pins down."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch._C import _distributed_c10d as c10d
+
+import cupycoll
+from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError
+from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup
+from test_faults import FakeComm, FakeEvent, eventually, issued_work, make_group
+from test_watchdog import run_script, stuck_work
+
+
+# -- finding 1: a Work issued while an abort runs fails -----------------------------------
+
+
+def test_f1_a_work_tracked_after_the_abort_failed_the_works_fails_and_is_released():
+    group = make_group()
+    group._cuda.comm = FakeComm()
+    work, event = issued_work(seq=7)
+    group.abort()
+    group._cuda._watch.track(work)  # its caller passed the checks and launched before
+    event.fired.set()  # the abort ended its kernel
+    assert not work.is_success()
+    assert isinstance(work.exception(), CommunicatorAbortedError)
+    assert work._keepalive is None and work not in group._cuda._watch.inflight
+
+
+class LateTrackingComm(FakeComm):
+    """Another thread's call reaches the watchdog while ncclCommAbort runs."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.watch, self.work, self.seen = watch, None, None
+
+    def abort(self):
+        self.work, _ = issued_work(seq=8)
+        self.watch.track(self.work)
+        self.seen = (self.work.exception(), self.work._keepalive is not None)
+        super().abort()
+
+
+def test_f1_a_work_tracked_during_the_abort_fails_and_keeps_its_tensors_until_it_returned():
+    group = make_group()
+    comm = group._cuda.comm = LateTrackingComm(group._cuda._watch)
+    group.abort()
+    error, kept = comm.seen
+    assert isinstance(error, CommunicatorAbortedError) and kept  # the kernel may still run
+    assert comm.work._keepalive is None and not group._cuda._watch.inflight
+
+
+class IssuingBackend(CpuAsCudaBackend):
+    """_enqueue issues the batch on a stand-in event (fired by the test: the kernel ended)."""
+
+    event = None
+
+    def _enqueue(self, issues):
+        self.event = FakeEvent()
+        for issue in issues:
+            issue.work._issued(None, self.event, issue.keepalive)
+            self._watch.track(issue.work)
+
+
+class IssuingGroup(CpuAsCudaGroup):
+    backend_class = IssuingBackend
+
+
+def test_f1_the_covering_work_of_a_block_closed_during_an_abort_fails():
+    import datetime
+    group = IssuingGroup(None, 0, 2, datetime.timedelta(seconds=5))
+    calls, track = group._cuda.calls, group._cuda.calls._track
+
+    def track_after_an_abort(work):  # another thread aborts just before the covering Work is tracked
+        if work.op_name == "coalesced":
+            aborter = threading.Thread(target=group.abort)
+            aborter.start()
+            aborter.join(5)
+        track(work)
+
+    calls._track = track_after_an_abort
+    group._start_coalescing(CUDA)
+    inner = group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
+    covering = group._end_coalescing(CUDA)
+    group._cuda.event.fired.set()  # the abort ended the kernel
+    assert group._cuda.state == "aborted" and not inner.is_success()
+    assert not covering.is_success() and isinstance(covering.exception(), CommunicatorAbortedError)
+    assert covering._keepalive is None
+
+
+def test_f1_f11_calls_are_refused_while_the_fault_is_being_diagnosed():
+    group = make_group()
+    comm = group._cuda.comm = FakeComm()
+    watch = group._cuda._watch
+    diagnosing, done = threading.Event(), threading.Event()
+
+    def explain(work, timeout):
+        diagnosing.set()
+        done.wait(5)
+        return "rank 1 never reached all_reduce #3"
+
+    watch.explain_timeout = explain
+    stuck = stuck_work(seq=3)
+    watch.track(stuck)
+    handler = threading.Thread(target=watch.handle,
+                               args=(CollectiveTimeoutError("all_reduce #3 timed out"), stuck))
+    handler.start()
+    try:
+        assert diagnosing.wait(5)
+        with pytest.raises(CommunicatorAbortedError, match="was aborted: all_reduce #3 timed out"):
+            group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
+        late, _ = issued_work(seq=4)
+        watch.track(late)  # a call that got past the checks before the fault was claimed
+        assert late.exception() is not None and late._keepalive is not None
+        assert not comm.aborted.is_set()
+    finally:
+        done.set()
+        handler.join(5)
+    assert comm.aborted.is_set() and group._cuda.state == "aborted"
+    assert late._keepalive is None and stuck._keepalive is None
+    assert str(stuck.exception()) == "rank 1 never reached all_reduce #3"
+
+
+# -- finding 2: a second aborter waits for the first one's ncclCommAbort -----------------
+
+
+class WatchedComm(FakeComm):
+    def __init__(self, work, release=None):
+        super().__init__()
+        self.work, self.release, self.kept = work, release, None
+        self.entered = threading.Event()
+
+    def abort(self):
+        self.entered.set()
+        if self.release is not None:
+            self.release.wait(5)
+        self.kept = self.work._keepalive is not None
+        super().abort()
+
+
+def test_f2_the_fault_thread_releases_nothing_while_another_abort_runs():
+    group = make_group()
+    backend = group._cuda
+    work, _ = issued_work(seq=5)
+    backend._watch.track(work)
+    comm = backend.comm = WatchedComm(work)
+    inside, go = threading.Event(), threading.Event()
+    stop_watching = backend._stop_watching
+
+    def slow_stop_watching():  # the user's abort has the state, not yet the Works
+        inside.set()
+        go.wait(5)
+        stop_watching()
+
+    backend._stop_watching = slow_stop_watching
+    user = threading.Thread(target=group.abort)
+    user.start()
+    assert inside.wait(5)
+    # The fault thread takes the Works out of flight, then finds the group aborting.
+    fault = threading.Thread(target=backend._watch.handle, args=(CollectiveTimeoutError("#5"),))
+    fault.start()
+    fault.join(0.3)
+    try:
+        assert work.exception() is not None
+        assert work._keepalive is not None and fault.is_alive()  # waits for ncclCommAbort
+    finally:
+        go.set()
+        user.join(5)
+        fault.join(5)
+    assert comm.kept and comm.aborted.is_set() and work._keepalive is None
+
+
+@pytest.mark.parametrize("second", ["group.abort", "abort_all"])
+def test_f2_a_second_abort_returns_only_after_the_first_ones_ncclCommAbort(second):
+    group = make_group()
+    go = threading.Event()
+    comm = group._cuda.comm = WatchedComm(stuck_work(), release=go)
+    first = threading.Thread(target=group.abort)
+    first.start()
+    assert comm.entered.wait(5)
+    other = threading.Thread(target=group.abort if second == "group.abort" else cupycoll.abort_all)
+    other.start()
+    other.join(0.3)
+    try:
+        assert other.is_alive()  # a signal handler's abort_all must not return yet
+    finally:
+        go.set()
+        first.join(5)
+        other.join(5)
+    assert comm.aborted.is_set() and not other.is_alive()
+
+
+def test_f2_a_second_abort_from_the_aborting_thread_itself_returns_at_once():
+    group = make_group()
+    again = []
+
+    class ReenteringComm(FakeComm):
+        def abort(self):
+            start = time.monotonic()
+            group.abort()  # e.g. abort_all from a signal handler on the aborting thread
+            again.append(time.monotonic() - start)
+            super().abort()
+
+    group._cuda.comm = ReenteringComm()
+    group.abort()
+    assert again and again[0] < 1.0
+
+
+# -- finding 3: fork and exit -----------------------------------------------------------
+
+
+_FORK_SCRIPT = """
+    import datetime, logging, os, sys, threading
+    import torch.distributed as dist
+    from cupycoll import diagnosis, lifecycle, recorder
+    from standins import CpuAsCudaGroup
+    from test_watchdog import stuck_work
+
+    class Comm:
+        def __init__(self, who): self.who = who
+        def async_error(self): return None
+        def abort(self): print(f"{self.who} comm aborted in", os.getpid(), flush=True)
+
+    def make(who):
+        group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
+        group._cuda.comm = Comm(who)
+        group._cuda._watch.track(stuck_work())
+        return group
+
+    logging.getLogger("cupycoll").addHandler(logging.NullHandler())  # the print only, once
+    parent = make("parent")
+    diagnosis.serve(dist.HashStore(), recorder.Recorder("g", [0, 1], 0), interval=0.01)
+    held, forked = threading.Event(), threading.Event()
+
+    def hold():  # a thread of the parent holds the module locks when it forks
+        with recorder._lock, lifecycle._STATE_LOCK, diagnosis.RESPONDER._lock:
+            held.set()
+            forked.wait(5)
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait(5)
+    pid = os.fork()
+    if pid == 0:
+        free = [not lock.locked() for lock in
+                (recorder._lock, lifecycle._STATE_LOCK, diagnosis.RESPONDER._lock)]
+        print("child locks free", free, "responder", diagnosis.RESPONDER.running, flush=True)
+        child = make("child")
+        sys.exit(0)  # a normal exit: atexit runs in the child
+    forked.set()
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+    parent.abort()
+    os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs fork")
+def test_f3_a_forked_child_resets_the_locks_and_leaves_its_parents_groups_alone():
+    result = run_script(_FORK_SCRIPT, timeout=30)
+    out, err = result.stdout, result.stderr
+    assert "child exit 0" in out, err
+    assert "child locks free [True, True, True] responder False" in out, out + err
+    child_pid = out.split("child comm aborted in ")[1].split()[0] if "child comm" in out else None
+    assert child_pid is not None, out + err  # the child's own group is aborted at its exit
+    # ...but not the parent's, and only the child's group is reported as not destroyed
+    assert f"parent comm aborted in {child_pid}" not in out, out
+    assert err.count("has NOT been destroyed") == 1, err
+    assert "parent comm aborted in" in out  # by the parent's own abort
