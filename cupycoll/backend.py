@@ -35,6 +35,7 @@ and recovery (a faulted group stays dead; build a new one, see docs/design.md).
 
 from __future__ import annotations
 
+import collections
 import inspect
 import warnings
 import weakref
@@ -43,7 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import config, lifecycle
+from . import compat, config, lifecycle
 from ._registration import creating_cupycoll_cuda_group
 from .bootstrap import StoreBootstrap
 from .communicator import Communicator
@@ -54,6 +55,10 @@ from .watchdog import WATCHDOG, Watch
 from .recorder import E_ROUTE
 from .work import CudaWork
 
+
+# Works kept for C++ callers before torch 2.7 (see CudaBackend.__init__): more than DDP has
+# buckets in flight, few enough that the tensors they keep stay bounded.
+_KEPT_WORKS = 1024
 
 def _nothing() -> None:
     return None
@@ -105,6 +110,9 @@ class CudaBackend:
         self._rings: Dict[int, object] = {}  # id(communicator) -> cupycoll.ring.Ring
         self.trace = None  # the group's flight recorder (cupycoll.group_trace), if any
         self._submitting: Optional[list] = None  # its entry for the call being submitted
+        # Before torch 2.7 a Work returned to a C++ caller (DDP) must be kept alive on the
+        # Python side or C++'s wait() hangs (compat.PYTHON_WORK_SURVIVES_CPP): the last few.
+        self._kept = None if compat.PYTHON_WORK_SURVIVES_CPP else collections.deque(maxlen=_KEPT_WORKS)
         timeout = settings.timeout.total_seconds()
         # Callbacks into this object are weak: a cycle would keep destroyed groups (and their
         # gloo threads) alive until interpreter exit, where tearing gloo down aborts the process.
@@ -292,6 +300,8 @@ class CudaBackend:
                 self._submitting = None
             if entry is not None and getattr(work, "_trace_entry", None) is None:
                 work._trace_entry = entry  # queued: marked issued when its batch launches
+            if self._kept is not None:
+                self._kept.append(work)
         return work
 
     def flush(self) -> None:

@@ -64,6 +64,14 @@ def async_requested(opts) -> bool:
     return bool(getattr(opts, "asyncOp", True))
 
 
+# A Work written in Python and returned to C++ (DDP's reducer, _verify_params_across_processes
+# and _broadcast_coalesced call a Python group's methods from C++): before torch 2.7 C++ kept
+# only the pybind trampoline, the Python object died on return, and C++'s wait() then fell
+# back to the base Work's and waited forever (pytorch#146376 added PyWorkHolder). There, a
+# call C++ may make must return a C++ Work.
+PYTHON_WORK_SURVIVES_CPP = TORCH >= (2, 7)
+
+
 # torch 2.12 gave ProcessGroupGloo the list form of alltoall (2.11 raises "Backend gloo does
 # not support alltoall"). alltoall_base (all_to_all_single) works on every supported
 # version, so before 2.12 cupycoll's CPU route builds the list form from it.

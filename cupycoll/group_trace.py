@@ -16,6 +16,10 @@ with ``check_collectives``, compares it across ranks first (:mod:`cupycoll.misma
 Every group also registers with the process's responder (:mod:`cupycoll.diagnosis`), which
 answers the other ranks' diagnosis requests while this rank is busy elsewhere.
 
+Before torch 2.7 a Python Work cannot be handed to C++ (see ``compat.PYTHON_WORK_SURVIVES_CPP``):
+there gloo's own Work is returned, its future keeps the recorder, and a timeout's diagnosis
+goes to the ``cupycoll`` log and the dumps while the raised error is gloo's.
+
 Deliberately left out: gloo point-to-point calls are recorded but their Works are not
 wrapped (``recv_anysource``'s ``source_rank()`` must stay gloo's), and a gloo Work's
 ``get_future()`` is gloo's own, so a timeout seen only through the future carries gloo's
@@ -30,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from . import diagnosis, mismatch, recorder
+from . import compat, diagnosis, mismatch, recorder
 from .config import Settings
 from .errors import CollectiveTimeoutError, PeerFailedError
 from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
@@ -93,7 +97,30 @@ class GroupTrace:
         return entry
 
     def gloo(self, work: dist.Work) -> dist.Work:
-        return TracedWork(work, self.take(), self)
+        entry = self.take()
+        if compat.PYTHON_WORK_SURVIVES_CPP:
+            return TracedWork(work, entry, self)
+        # gloo's own Work (see compat): the recorder and the diagnosis follow its future; a
+        # timeout is explained in the log and the dumps, and raised with gloo's own text.
+        try:
+            future = work.get_future()
+        except RuntimeError:  # a Work without one (2.4's reduce_scatter_tensor): C++ never
+            return TracedWork(work, entry, self)  # calls that op, so a Python Work is safe
+        future.add_done_callback(lambda done: self._settled_cpp(entry, _future_error(done)))
+        return work
+
+    def _settled_cpp(self, entry: Optional[list], error: Optional[BaseException]) -> None:
+        self.recorder.mark(entry, "completed" if error is None else "failed")
+        if error is not None:
+            self.explain_failure(entry, error)
+
+    def explain_failure(self, entry: Optional[list], error: BaseException) -> str:
+        """What gloo raised from a wait, as a message that names the rank behind: gloo raises
+        there only for what happened between the ranks (bad input raises at the call), a
+        timeout or a peer that died or closed its connection."""
+        if diagnosis.looks_like_timeout(error):
+            return self.explain_timeout(entry, self.settings.timeout.total_seconds())
+        return self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})")
 
     def explain_timeout(self, entry: Optional[list], timeout_s: Optional[float],
                         what: str = "timed out") -> str:
@@ -125,15 +152,10 @@ class TracedWork(dist.Work):
         try:
             done = self._work.wait(timeout) if timeout else self._work.wait()
         except Exception as exc:  # noqa: BLE001 - explained, then raised again
-            # gloo raises from wait() only for what happened between the ranks (bad input
-            # raises at the call): a timeout, or a peer that died or closed its connection.
             self._trace.recorder.mark(self._entry, "failed")
-            if diagnosis.looks_like_timeout(exc):
-                seconds = self._trace.settings.timeout.total_seconds()
-                raise CollectiveTimeoutError(self._trace.explain_timeout(self._entry, seconds)) from exc
-            cause = _first_sentence(exc)
-            message = self._trace.explain_timeout(self._entry, None, f"failed ({cause})")
-            raise PeerFailedError(message) from exc
+            message = self._trace.explain_failure(self._entry, exc)
+            kind = CollectiveTimeoutError if diagnosis.looks_like_timeout(exc) else PeerFailedError
+            raise kind(message) from exc
         self._trace.recorder.mark(self._entry, "completed")
         return done
 

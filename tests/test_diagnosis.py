@@ -153,6 +153,10 @@ def test_diagnose_through_a_real_store(stores, tmp_path):
             "reached #42")
         assert sorted(report.records) == [0, 1, 2] and report.elapsed_s < 4
     # The responder dumped rank 2's recorder (nothing registered: an empty process trace).
+    # (it writes a temporary file and renames it: wait for the rename)
+    deadline = time.monotonic() + 5
+    while os.listdir(tmp_path) != ["cupycoll_trace_rank2.json"] and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert os.listdir(tmp_path) == ["cupycoll_trace_rank2.json"]
 
     # A later timeout in the same group never reads the records of the first one.

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import subprocess
 import sys
 
 import pytest
 import torch.distributed as dist
 
-from cupycoll import config
+from cupycoll import compat, config
 from cupycoll.errors import CupycollTypeError, CupycollValueError
 from mp import ROOT, run_ranks
 
@@ -35,15 +36,23 @@ def _analyze(trace_dir):
                           capture_output=True, text=True, timeout=60)
 
 
+def _diagnosis(report):
+    """Where the rank's diagnosis is: its error (torch 2.7+), else its cupycoll log."""
+    if compat.PYTHON_WORK_SURVIVES_CPP:
+        return report["error"]
+    assert any(word in report["error"].lower() for word in ("timed out", "closed", "reset")), report
+    return " | ".join(report["log"])
+
+
 def test_a_skipped_collective_names_the_rank_behind(tmp_path):
     reports, out, _ = _run(tmp_path, "skip")
     for rank in (0, 1):
         report = reports[rank]
         assert report["group"] == "ProcessGroupCupycoll"
-        assert report["timeout"], report
+        assert report["timeout"] or not compat.PYTHON_WORK_SURVIVES_CPP, report
         # gloo's timeout (5 s), then at most the diagnosis' 5 s (with margin for a busy box)
         assert report["elapsed_s"] < 5 + 10, report
-        error = report["error"]
+        error = _diagnosis(report)
         assert "all_reduce #5 (float32[1024]) timed out after 5 s on ranks 0,1" in error, error
         assert "rank 2 is behind: its last collective was #4 (broadcast)" in error, error
         assert "never reached #5" in error, error
@@ -59,10 +68,11 @@ def test_a_killed_rank_is_named_as_not_answering(tmp_path):
     assert 2 not in reports  # it died before writing
     for rank in (0, 1):
         report = reports[rank]
-        assert report["timeout"] or report["peer_failed"], report
+        if compat.PYTHON_WORK_SURVIVES_CPP:
+            assert report["timeout"] or report["peer_failed"], report
         assert report["elapsed_s"] < 5 + 10, report
-        assert "all_reduce #5 (float32[1024])" in report["error"], report
-        assert "rank 2 did not answer within 5 s" in report["error"], report
+        assert "all_reduce #5 (float32[1024])" in _diagnosis(report), report
+        assert "rank 2 did not answer within 5 s" in _diagnosis(report), report
 
 
 def test_the_mismatch_check_names_the_rank_and_the_shapes(tmp_path):
@@ -116,6 +126,9 @@ def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
         dist.broadcast(t, 0)
         dist.barrier()
         rec = group._trace.recorder
+        deadline = time.monotonic() + 5  # before torch 2.7 gloo's future marks them, a bit later
+        while any(e["state"] != "completed" for e in rec.snapshot()) and time.monotonic() < deadline:
+            time.sleep(0.01)
         entries = rec.snapshot()
         assert [(e["seq"], e["op"], e["state"], e["route"]) for e in entries] == [
             (1, "all_reduce", "completed", "gloo"), (2, "broadcast", "completed", "gloo"),
@@ -124,7 +137,8 @@ def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
         assert recorder.get_recorder(rec.group) is rec
     finally:
         dist.destroy_process_group()
-    assert recorder.get_recorder(rec.group) is None  # retired, still in dumps
+    if hasattr(dist.ProcessGroup, "shutdown"):  # torch 2.4's destroy never shuts a group down
+        assert recorder.get_recorder(rec.group) is None  # retired, still in dumps
     assert rec in recorder.recorders()
 
 

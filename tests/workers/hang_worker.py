@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import signal
 import sys
@@ -24,12 +25,17 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
+from cupycoll import compat
 
 
 def main() -> int:
     out_dir, scenario = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     last = world - 1
+    logged = []  # the cupycoll log: where the diagnosis goes before torch 2.7 (see compat)
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("cupycoll").addHandler(handler)
     dist.init_process_group("cpu:gloo,cuda:cupycoll", timeout=datetime.timedelta(seconds=5))
     report = {"rank": rank, "group": type(dist.group.WORLD).__name__}
     t = torch.ones(1024)
@@ -59,7 +65,11 @@ def main() -> int:
             report.update(error=str(exc), type=type(exc).__name__,
                           timeout=isinstance(exc, cupycoll.CollectiveTimeoutError),
                           peer_failed=isinstance(exc, cupycoll.PeerFailedError))
+            deadline = time.monotonic() + 10  # before 2.7 the diagnosis runs after the raise
+            while not compat.PYTHON_WORK_SURVIVES_CPP and not logged and time.monotonic() < deadline:
+                time.sleep(0.1)
     report["elapsed_s"] = time.monotonic() - started
+    report["log"] = list(logged)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(report, fh)
     sys.stdout.flush()
