@@ -17,8 +17,9 @@ Every group also registers with the process's responder (:mod:`cupycoll.diagnosi
 answers the other ranks' diagnosis requests while this rank is busy elsewhere.
 
 Before torch 2.7 a Python Work cannot be handed to C++ (see ``compat.PYTHON_WORK_SURVIVES_CPP``):
-there gloo's own Work is returned, its future keeps the recorder, and a timeout's diagnosis
-goes to the ``cupycoll`` log and the dumps while the raised error is gloo's.
+there gloo's own Work is returned: its entry is settled when a later call finds it finished,
+and a gloo timeout raises gloo's own error, without the diagnosis (the responder still
+answers the other ranks' diagnoses, and the CUDA route's watchdog diagnoses as everywhere).
 
 Deliberately left out: gloo point-to-point calls are recorded but their Works are not
 wrapped (``recv_anysource``'s ``source_rank()`` must stay gloo's), and a gloo Work's
@@ -28,6 +29,7 @@ text.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
 from typing import Optional, Sequence
@@ -57,6 +59,7 @@ class GroupTrace:
         self.check = settings.check_collectives
         # Per thread: DDP issues from autograd threads; each routes one call at a time.
         self._local = _Pending()
+        self._gloo_open: collections.deque = collections.deque(maxlen=4096)  # torch < 2.7
         self._closed = False
         # A group of one has nobody to ask; the stand-ins of the tests have no store.
         if store is not None and len(global_ranks) > 1:
@@ -71,6 +74,8 @@ class GroupTrace:
         else:
             shapes, dtypes = tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
         rec, local = self.recorder, self._local
+        if self._gloo_open:
+            self.sweep()
         if local.entry is not None:  # recorded, never taken: its call raised before NCCL/gloo
             rec.mark(local.entry, "failed")
             local.entry = None
@@ -100,19 +105,19 @@ class GroupTrace:
         entry = self.take()
         if compat.PYTHON_WORK_SURVIVES_CPP:
             return TracedWork(work, entry, self)
-        # gloo's own Work (see compat): the recorder and the diagnosis follow its future; a
-        # timeout is explained in the log and the dumps, and raised with gloo's own text.
-        try:
-            future = work.get_future()
-        except RuntimeError:  # a Work without one (2.4's reduce_scatter_tensor): C++ never
-            return TracedWork(work, entry, self)  # calls that op, so a Python Work is safe
-        future.add_done_callback(lambda done: self._settled_cpp(entry, _future_error(done)))
+        # gloo's own Work (see compat), no Python callback on its future either (a gloo
+        # thread entering Python while the interpreter exits aborts the process on 3.9):
+        # the entry is settled by a later call's sweep; the raised error is gloo's.
+        if entry is not None:
+            self._gloo_open.append((entry, work))
         return work
 
-    def _settled_cpp(self, entry: Optional[list], error: Optional[BaseException]) -> None:
-        self.recorder.mark(entry, "completed" if error is None else "failed")
-        if error is not None:
-            self.explain_failure(entry, error)
+    def sweep(self) -> None:
+        """Settle the entries of finished gloo Works (torch < 2.7 only), oldest first."""
+        open_works, mark = self._gloo_open, self.recorder.mark
+        while open_works and open_works[0][1].is_completed():
+            entry, work = open_works.popleft()
+            mark(entry, "completed" if work.is_success() else "failed")
 
     def explain_failure(self, entry: Optional[list], error: BaseException) -> str:
         """What gloo raised from a wait, as a message that names the rank behind: gloo raises

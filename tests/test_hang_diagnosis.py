@@ -37,13 +37,17 @@ def _analyze(trace_dir):
 
 
 def _diagnosis(report):
-    """Where the rank's diagnosis is: its error (torch 2.7+), else its cupycoll log."""
-    if compat.PYTHON_WORK_SURVIVES_CPP:
-        return report["error"]
-    assert any(word in report["error"].lower() for word in ("timed out", "closed", "reset")), report
-    return " | ".join(report["log"])
+    return report["error"]
 
 
+# Before torch 2.7 the CPU route must return gloo's own Work (compat.PYTHON_WORK_SURVIVES_CPP),
+# whose wait() raises gloo's error: no diagnosis there to assert.
+needs_python_work = pytest.mark.skipif(
+    not compat.PYTHON_WORK_SURVIVES_CPP,
+    reason="torch < 2.7 cannot hand a Python Work to C++: the CPU route raises gloo's own error")
+
+
+@needs_python_work
 def test_a_skipped_collective_names_the_rank_behind(tmp_path):
     reports, out, _ = _run(tmp_path, "skip")
     for rank in (0, 1):
@@ -63,6 +67,7 @@ def test_a_skipped_collective_names_the_rank_behind(tmp_path):
     assert "all_reduce #5" in analysis.stdout and "rank 2 never reached it" in analysis.stdout, analysis.stdout
 
 
+@needs_python_work
 def test_a_killed_rank_is_named_as_not_answering(tmp_path):
     reports, _, _ = _run(tmp_path, "kill")
     assert 2 not in reports  # it died before writing
@@ -128,6 +133,7 @@ def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
         rec = group._trace.recorder
         deadline = time.monotonic() + 5  # before torch 2.7 gloo's future marks them, a bit later
         while any(e["state"] != "completed" for e in rec.snapshot()) and time.monotonic() < deadline:
+            group._trace.sweep()  # before torch 2.7 a later call settles them; here, the test
             time.sleep(0.01)
         entries = rec.snapshot()
         assert [(e["seq"], e["op"], e["state"], e["route"]) for e in entries] == [
@@ -195,6 +201,7 @@ def test_a_call_that_raises_before_reaching_gloo_is_not_left_issued():
             dist.group.WORLD.broadcast([torch.ones(2)], _broadcast_options(root=3))
         t = torch.ones(1)
         dist.all_reduce(t)
+        dist.group.WORLD._trace.sweep()  # before torch 2.7 the next call would settle it
         states = [(e["seq"], e["op"], e["state"]) for e in rec.snapshot()]
         assert states == [(1, "broadcast", "failed"), (2, "all_reduce", "completed")], states
         assert rec.stuck() is None

@@ -65,9 +65,6 @@ def main() -> int:
             report.update(error=str(exc), type=type(exc).__name__,
                           timeout=isinstance(exc, cupycoll.CollectiveTimeoutError),
                           peer_failed=isinstance(exc, cupycoll.PeerFailedError))
-            deadline = time.monotonic() + 10  # before 2.7 the diagnosis runs after the raise
-            while not compat.PYTHON_WORK_SURVIVES_CPP and not logged and time.monotonic() < deadline:
-                time.sleep(0.1)
     report["elapsed_s"] = time.monotonic() - started
     report["log"] = list(logged)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
