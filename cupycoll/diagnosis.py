@@ -28,6 +28,7 @@ and reading the other ranks' whole recorders (that is ``python -m cupycoll.trace
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import json
@@ -349,6 +350,17 @@ class Responder:
     def running(self) -> bool:
         return self._thread is not None
 
+    def stop(self, wait_s: float = 2.0) -> None:
+        """Stop serving every group and let the thread leave (at exit: a daemon thread still
+        inside a store call when the interpreter finalizes aborts the process on Python 3.9,
+        "terminate called without an active exception")."""
+        with self._lock:
+            self._served.clear()
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -381,3 +393,4 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(RESPONDER.stop)

@@ -117,7 +117,7 @@ class GroupTrace:
         open_works, mark = self._gloo_open, self.recorder.mark
         while open_works and open_works[0][1].is_completed():
             entry, work = open_works.popleft()
-            mark(entry, "completed" if work.is_success() else "failed")
+            mark(entry, "completed" if work.is_success() else "failed")  # (2.4: no exception())
 
     def explain_failure(self, entry: Optional[list], error: BaseException) -> str:
         """What gloo raised from a wait, as a message that names the rank behind: gloo raises
