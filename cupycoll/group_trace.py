@@ -29,9 +29,11 @@ text.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import threading
+import weakref
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -43,6 +45,17 @@ from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
 
 # Calls that every rank makes alike and that the mismatch check compares.
 _P2P = frozenset({"send", "recv", "recv_anysource"})
+
+
+# Every GroupTrace, so that exit can drop the gloo Works they hold (torch < 2.7): freed at
+# interpreter teardown instead, a gloo Work aborted the process on torch 2.4.
+_TRACES: "weakref.WeakSet[GroupTrace]" = weakref.WeakSet()
+
+
+@atexit.register
+def _forget_gloo_works() -> None:
+    for trace in list(_TRACES):
+        trace._gloo_open.clear()
 
 
 class _Pending(threading.local):
@@ -60,6 +73,7 @@ class GroupTrace:
         # Per thread: DDP issues from autograd threads; each routes one call at a time.
         self._local = _Pending()
         self._gloo_open: collections.deque = collections.deque(maxlen=4096)  # torch < 2.7
+        _TRACES.add(self)
         self._closed = False
         # A group of one has nobody to ask; the stand-ins of the tests have no store.
         if store is not None and len(global_ranks) > 1:
