@@ -46,7 +46,10 @@ test: $(VENV)/.installed
 
 # The GPU tier in parts (tests/gpu/tier.py): semantics, api, ring, faults, bench, in that
 # order, each one pytest command with -x under its own time budget (<= 9 min); a failing part
-# stops itself, not the tier. test-gpu-quick: semantics only; test-gpu-PART: one part.
+# stops itself, not the tier. The budgets add up to more than one 540 s device command: --run
+# starts a part only while its budget fits in what is left (tier.py --budget, default 540) and
+# names each part it skipped (exit 3): run those with `make test-gpu-PART`, one per command.
+# test-gpu-quick: semantics only; test-gpu-PART: one part.
 test-gpu:
 	PYTHONPATH=$(CURDIR) $(RUN_PY) tests/gpu/tier.py --run
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import ring
+from cupycoll import compat, ring
 
 from . import catalog, metrics
 
@@ -28,9 +28,6 @@ PLACEMENTS = {
     "all_gather": ("out-of-place", "in-place"), "reduce_scatter": ("out-of-place", "in-place"),
     "all_to_all": ("out-of-place",), "sendrecv": ("out-of-place",),
 }
-# torch 2.13 renamed the tensor-in/tensor-out forms (the old names warn there).
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 DEFAULT_TIMEOUT_S = 1800.0  # every group's timeout when -T is 0
 
 
@@ -131,9 +128,9 @@ def make_call(collective: str, bufs: Buffers, group, op: str, root: int, rank: i
     if collective == "reduce":
         return lambda: dist.reduce(bufs.recv, dst=root, op=red, group=group)
     if collective == "all_gather":
-        return lambda: _ALL_GATHER(bufs.recv, bufs.send, group=group)
+        return lambda: compat.all_gather_single(bufs.recv, bufs.send, group=group)
     if collective == "reduce_scatter":
-        return lambda: _REDUCE_SCATTER(bufs.recv, bufs.send, op=red, group=group)
+        return lambda: compat.reduce_scatter_single(bufs.recv, bufs.send, op=red, group=group)
     if collective == "all_to_all":
         return lambda: dist.all_to_all_single(bufs.recv, bufs.send, group=group)
     if collective == "sendrecv":

@@ -6,10 +6,9 @@ Every mistake in the arguments (an unknown name, a bad size, no GPU, too few GPU
 with one line on stderr and exit status 2, before any rank starts. This module imports
 neither torch nor CuPy until the arguments are known to be good (the GPU check needs torch).
 
-nccl-tests' flags keep their meaning (``-C`` reports CPU time, ``-T`` bounds each
-collective, ``-a``/``-m``/``-z``, ``-r all``, ``-o mulsum``, ``-d f8e4m3``, ``-J`` JSON), but
-``--timeout`` is this command's wall-clock limit for the whole run (as it always was), so
-``-T``'s long name is ``--coll_timeout``.
+nccl-tests' flags keep their meaning (``-C`` reports CPU time, ``-T``/``--timeout`` bounds
+each collective, ``-a``/``-m``/``-z``, ``-r all``, ``-o mulsum``, ``-d f8e4m3``, ``-J`` JSON).
+The whole run's wall-clock limit, which nccl-tests lacks, is ``--run_timeout``.
 Where they differ: in-place vs out-of-place is ``--inplace`` / ``--outofplace`` (default:
 both, where the torch.distributed call has both forms; nccl-tests' ``-I``, per-iteration
 timing, and ``-G``, CUDA graphs, are not offered); ``-w`` defaults to 5 (Python backends
@@ -98,8 +97,8 @@ class Config:
     ranks: Optional[int]
     ngpus: Optional[int]
     share_gpu: bool
-    timeout: float                 # --timeout: seconds the whole run may take (0: no limit)
-    coll_timeout: float            # -T: seconds each collective may take (0: 30 min)
+    run_timeout: float             # --run_timeout: seconds the whole run may take (0: no limit)
+    coll_timeout: float            # -T/--timeout: seconds each collective may take (0: 30 min)
     progress: Optional[bool]
     command: str
     baseline: str
@@ -150,9 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calls per timed iteration, issued as one group (a coalescing block on CUDA); "
                         "times stay per call (default 1)")
     g.add_argument("-z", "--blocking", default="0", help="1: synchronize after every call (default 0)")
-    # nccl-tests spells -T --timeout; here --timeout is the older wall-clock guard (below),
-    # which scripts and the GPU tier rely on, so -T's long name is --coll_timeout.
-    g.add_argument("-T", "--coll_timeout", default="0",
+    # nccl-tests spells -T --timeout, so a script written for nccl-tests gets its meaning;
+    # --coll_timeout is kept for the scripts written while --timeout was the wall-clock guard.
+    g.add_argument("-T", "--timeout", "--coll_timeout", dest="coll_timeout", default="0",
                    help="seconds each collective may take before the run fails (the groups' timeout: "
                         "cupycoll's watchdog, torch's nccl watchdog); default 0: 30 minutes")
     place = g.add_mutually_exclusive_group()
@@ -175,9 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-g", "--ngpus", default=None, help="use this many GPUs, one rank each (default: all visible)")
     r.add_argument("--share-gpu", action="store_true",
                    help="under torchrun: let several local ranks share a GPU (sets NCCL_HOSTID per rank)")
-    r.add_argument("--timeout", default="0",
+    r.add_argument("--run_timeout", default="0",
                    help="stop every rank after this many seconds of wall clock (default 0: never); "
-                        "nccl-tests' per-collective -T is -T/--coll_timeout")
+                        "each collective's limit is -T/--timeout")
     r.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: development mode on gloo without a GPU (the numbers mean nothing)")
     o = p.add_argument_group("output")
@@ -331,8 +330,8 @@ def parse(argv: List[str]) -> Config:
         json=_output_path(args.json, "-J/--json"), csv=_output_path(args.csv, "-F/--csv"),
         plot=check_plot_output(args.plot, "--plot"),
         device=device, ranks=ranks, ngpus=ngpus, share_gpu=args.share_gpu,
-        timeout=_float(args.timeout, "--timeout", 0.0),
-        coll_timeout=_float(args.coll_timeout, "-T/--coll_timeout", 0.0),
+        run_timeout=_float(args.run_timeout, "--run_timeout", 0.0),
+        coll_timeout=_float(args.coll_timeout, "-T/--timeout", 0.0),
         progress=False if args.no_progress else (True if args.progress else None),
         command=command_line(argv), baseline=catalog.BASELINE[device],
     )
@@ -400,6 +399,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if plan.shared:
             print(f"# note: {plan.note()}", flush=True)
         package = __package__ or "bench"
-        return launch.spawn(plan, argv, package, config.timeout)
+        return launch.spawn(plan, argv, package, config.run_timeout)
     except (UsageError, launch.LaunchError) as exc:  # bad input, no GPU, too few GPUs
         return _fail(str(exc))

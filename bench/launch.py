@@ -12,7 +12,7 @@ What torchrun cannot do, and is why this module exists: ranks beyond the number 
 share them, and each such rank needs its own ``NCCL_HOSTID`` (NCCL refuses two ranks of
 one host on one GPU), with ``NCCL_SOCKET_IFNAME=lo`` and ``NCCL_IB_DISABLE=1`` so that NCCL
 talks over loopback sockets. Rank 0 inherits the launcher's stdout and stderr (tables,
-progress bar); another rank's stderr is shown when it fails. ``--timeout`` stops every
+progress bar); another rank's stderr is shown when it fails. ``--run_timeout`` stops every
 rank after that much wall-clock time. The elastic launcher starts each rank in a session of
 its own, out of reach of a signal sent to the launcher's process group, so every rank asks
 the kernel to end it when the launcher dies (:func:`bind_to_launcher`), however it dies.
@@ -202,6 +202,12 @@ def spawn(plan: Plan, argv: List[str], package: str, deadline: float = 0.0) -> i
 def _wait(context, deadline: float) -> int:
     """Wait for the ranks; the elastic context stops the others when one fails."""
     until = time.monotonic() + deadline if deadline > 0 else None
+    # The one semi-private use of the context (SubprocessContext.subprocess_handlers[r].proc,
+    # the same on torch 2.4 - 2.15): the grace period below needs a rank's exit status while
+    # others still run, and the public API cannot give it. wait() answers only when every
+    # rank ended or one failed; pids() gives pids, but the context's own poll (inside every
+    # wait()) reaps a finished rank, after which its status lives only in that Popen, so
+    # neither os.waitpid nor os.waitid(WNOWAIT) on the pid can read it.
     procs = [handler.proc for handler in context.subprocess_handlers.values()]
     grace_until = None
     while True:
@@ -209,7 +215,7 @@ def _wait(context, deadline: float) -> int:
         if result is not None:
             break
         if until is not None and time.monotonic() > until:
-            print(f"cupycoll-bench: error: the ranks did not finish within --timeout {deadline:g} s; "
+            print(f"cupycoll-bench: error: the ranks did not finish within --run_timeout {deadline:g} s; "
                   "stopped them", file=sys.stderr)
             # What the other ranks said is the clue to a hang; their logs go with the launcher.
             for rank, path in sorted(context.stderrs.items()):

@@ -311,12 +311,14 @@ def check_premul_tensor(factor: torch.Tensor, dtype: torch.dtype, device: torch.
 @dataclasses.dataclass(frozen=True)
 class RingReduction:
     """A reduction cupycoll's ring runs: dtype and op by the ring's names, and the PREMUL_SUM
-    factor as a number (``premul``) or a device pointer to one element (``premul_ptr``)."""
+    factor as a number (``premul``) or a device pointer to one element (``premul_ptr``, into
+    ``premul_tensor``)."""
 
     dtype: str
     op: str
     premul: Optional[float] = None
     premul_ptr: Optional[int] = None
+    premul_tensor: Optional[torch.Tensor] = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def reduction_plan(tensor: torch.Tensor, reduce_op, algorithm: str,
@@ -335,12 +337,20 @@ def reduction_plan(tensor: torch.Tensor, reduce_op, algorithm: str,
             return RingReduction(ring_dtype, ring_op)
         factor = _premul_checked(premul_factor(reduce_op), tensor)
         if isinstance(factor, torch.Tensor):
-            return RingReduction(ring_dtype, ring_op, premul_ptr=factor.data_ptr())
+            return RingReduction(ring_dtype, ring_op, premul_ptr=factor.data_ptr(), premul_tensor=factor)
         return RingReduction(ring_dtype, ring_op, premul=float(factor))
     fp8_available = dtype in _FP8_DTYPES and _cuda.fp8_supported()
     red = for_group_size(reduction(dtype, reduce_op, fp8_available), dtype, group_size)
     _premul_checked(red.premul_factor, tensor)
     return red
+
+
+def factor_tensor(plan: Union[Reduction, RingReduction]) -> Optional[torch.Tensor]:
+    """The PREMUL_SUM factor tensor NCCL or the ring reads on the device (None: no factor, or
+    a number). A call's keepalive must hold it: the ReduceOp may be a temporary, its tensor
+    freed and reused before an async call's kernel reads it."""
+    factor = plan.premul_tensor if isinstance(plan, RingReduction) else plan.premul_factor
+    return factor if isinstance(factor, torch.Tensor) else None
 
 
 def _premul_checked(factor, tensor: torch.Tensor):

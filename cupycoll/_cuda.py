@@ -8,6 +8,10 @@ collective (or an eager ``device_id`` init) needs it, so CPU-only users and the
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import re
+import warnings
+from typing import Optional
 
 from . import compat
 from .errors import MissingDependencyError, NoCudaDeviceError
@@ -25,8 +29,63 @@ def _cupy_ready_to_compile():  # not cached: its callers are
         import cupy
     except ImportError as exc:
         raise MissingDependencyError(f"CuPy is not installed; {INSTALL_HINT}") from exc
+    _warn_on_mixed_stack()
     compat.load_pip_nvrtc(cupy)
     return cupy
+
+
+# The extras pyproject.toml declares, by CUDA major.
+_EXTRAS = {12: "cuda12", 13: "cuda13"}
+
+
+def mixed_stack_warning(torch_cuda: Optional[str], cupy_cuda_major: Optional[int]) -> Optional[str]:
+    """The warning for a torch built for one CUDA major next to a CuPy built for another, or
+    None: a CPU or ROCm torch build (``torch.version.cuda`` None), an unknown CuPy major, or
+    majors that agree."""
+    if not torch_cuda or cupy_cuda_major is None:
+        return None
+    torch_major = int(torch_cuda.split(".")[0])
+    if torch_major == cupy_cuda_major:
+        return None
+    extra = _EXTRAS.get(torch_major)
+    fix = f": pip install 'cupycoll[{extra}]' (from a checkout: pip install -e '.[{extra}]')" if extra else ""
+    return (f"torch is a CUDA {torch_major} build (torch.version.cuda={torch_cuda}) but CuPy was built "
+            f"for CUDA {cupy_cuda_major}: one process then loads two CUDA runtimes and two NCCLs, "
+            f"which can fail or hang at the first collective. Uninstall that CuPy "
+            f"(cupy-cuda{cupy_cuda_major}x) and install CuPy and NCCL for CUDA {torch_major}{fix}")
+
+
+def cupy_cuda_major(cupy) -> Optional[int]:
+    """The CUDA major ``cupy`` was built for, or None (a ROCm build, or unknown)."""
+    runtime = cupy.cuda.runtime
+    if getattr(runtime, "is_hip", False):  # runtimeGetVersion would be HIP's version
+        return None
+    try:
+        # The CUDA runtime linked into CuPy, not the driver's: answers without a GPU or a
+        # driver (CuPy 13.0 and 14.2 do), unlike get_local_runtime_version, which reports
+        # whichever libcudart the loader finds.
+        return int(runtime.runtimeGetVersion()) // 1000
+    except runtime.CUDARuntimeError:
+        pass
+    # Else the wheel's name says it: cupy-cuda12x, cupy-cuda13x.
+    for distribution in importlib.metadata.distributions():
+        match = re.fullmatch(r"cupy-cuda(\d+)x", (distribution.metadata["Name"] or "").lower())
+        if match:
+            return int(match.group(1))
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_on_mixed_stack() -> Optional[str]:
+    """Warn once per process when torch's and CuPy's CUDA majors differ (pip cannot prevent
+    it: torch's CUDA major is not in its metadata); the message, or None."""
+    import cupy
+    import torch
+
+    message = mixed_stack_warning(torch.version.cuda, cupy_cuda_major(cupy))
+    if message:
+        warnings.warn(message, stacklevel=3)
+    return message
 
 
 @functools.lru_cache(maxsize=None)

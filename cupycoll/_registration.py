@@ -25,8 +25,8 @@ def _create_process_group(dist_backend_opts, pg_options):
         dist_backend_opts.group_size,
         dist_backend_opts.timeout,
         pg_options,
-        global_ranks=list(getattr(dist_backend_opts, "global_ranks_in_group", []) or []),
-        group_id=str(getattr(dist_backend_opts, "group_id", "") or ""),
+        global_ranks=list(dist_backend_opts.global_ranks_in_group),
+        group_id=str(dist_backend_opts.group_id),
     )
 
 

@@ -6,7 +6,7 @@ A :class:`CudaBackend` owns everything a group needs to run NCCL:
   (or eagerly, when torch calls :meth:`~CudaBackend.eager_connect_single_device` for
   ``init_process_group(device_id=...)``), from a unique id shared through the store
   (:mod:`cupycoll.bootstrap`) or split from a bound parent's; two-rank pair communicators
-  for point-to-point calls made before the group's own exists;
+  for point-to-point calls, unless the group's own was made at init (see :meth:`~CudaBackend.p2p_comm`);
 * **the queue**: point-to-point calls wait in it and are issued together, as one NCCL
   group, when one of their Works is touched or any other CUDA call is made. torch (2.7+)
   hands a Python group the ops of ``batch_isend_irecv`` one by one, and issued one by one
@@ -17,7 +17,8 @@ A :class:`CudaBackend` owns everything a group needs to run NCCL:
   communicator's internal stream after it waits for the current stream, and its tensors
   stay referenced until the GPU is done with them;
 * **faults**: every issued Work is tracked by the process's watchdog
-  (:mod:`cupycoll.watchdog`). A collective that outlives the timeout, or an NCCL async
+  (:mod:`cupycoll.watchdog`; which and when: :mod:`cupycoll.tracking`, not during a CUDA
+  graph capture). A collective that outlives the timeout, or an NCCL async
   error, aborts the communicators and fails the Works; every later call raises
   CommunicatorAbortedError. :meth:`~CudaBackend.abort` works from any thread, also while a
   communicator is being created (store waits poll; nonblocking communicators can be
@@ -35,7 +36,6 @@ and recovery (a faulted group stays dead; build a new one, see docs/design.md).
 
 from __future__ import annotations
 
-import collections
 import inspect
 import warnings
 import weakref
@@ -44,21 +44,17 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import compat, config, lifecycle
+from . import compat, config, lifecycle, tracking
 from ._registration import creating_cupycoll_cuda_group
 from .bootstrap import StoreBootstrap
 from .communicator import Communicator
 from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError,
                      NcclError)
-from .call_queue import CallQueue, Issue
-from .watchdog import WATCHDOG, Watch
+from .call_queue import CallQueue, Issue, KeptWorks
+from .watchdog import Watch
 from .recorder import E_ROUTE
 from .work import CudaWork
 
-
-# Works kept for C++ callers before torch 2.7 (see CudaBackend.__init__): more than DDP has
-# buckets in flight, few enough that the tensors they keep stay bounded.
-_KEPT_WORKS = 1024
 
 def _nothing() -> None:
     return None
@@ -106,13 +102,11 @@ class CudaBackend:
         self.fault: Optional[BaseException] = None
         self._comm_stream = None  # torch view of the communicator's internal stream
         self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
+        self._p2p_on_group = False  # the group's communicator was made at init: P2P uses it
         self._pending_comms: List[Communicator] = []  # being created: abort() must reach them
         self._rings: Dict[int, object] = {}  # id(communicator) -> cupycoll.ring.Ring
         self.trace = None  # the group's flight recorder (cupycoll.group_trace), if any
         self._submitting: Optional[list] = None  # its entry for the call being submitted
-        # Before torch 2.7 a Work returned to a C++ caller (DDP) must be kept alive on the
-        # Python side or C++'s wait() hangs (compat.PYTHON_WORK_SURVIVES_CPP): the last few.
-        self._kept = None if compat.PYTHON_WORK_SURVIVES_CPP else collections.deque(maxlen=_KEPT_WORKS)
         timeout = settings.timeout.total_seconds()
         # Callbacks into this object are weak: a cycle would keep destroyed groups (and their
         # gloo threads) alive until interpreter exit, where tearing gloo down aborts the process.
@@ -124,8 +118,12 @@ class CudaBackend:
                             settings.on_timeout)
         self._watch.on_claim = lambda fault: this() is not None and lifecycle.refuse(this(), fault)
         self._watched = False
+        # Before torch 2.7 a Work returned to a C++ caller (DDP) must be kept alive on the
+        # Python side or C++'s wait() hangs (compat.PYTHON_WORK_SURVIVES_CPP): see call_queue.
+        kept = None if compat.PYTHON_WORK_SURVIVES_CPP else KeptWorks(tracking.capturing)
         self.calls = CallQueue(lambda issues: this()._enqueue(issues), _weak(self.check_usable),
-                               self._watch.track, self._name, self.global_ranks, settings.blocking_wait)
+                               _weak(self._track_work), self._name, self.global_ranks,
+                               settings.blocking_wait, kept)
 
     def use_trace(self, trace) -> None:
         """Keep ``trace`` (the group's :class:`~cupycoll.group_trace.GroupTrace`): calls are
@@ -152,6 +150,7 @@ class CudaBackend:
         device = torch.device(device)
         self._on_bind(device)
         self.comm_for(device)
+        self._p2p_on_group = True  # made at init, on every rank: see p2p_comm
 
     def perform_nocolor_split(self, device) -> None:
         # torch calls this on ranks left out of a new subgroup, with the default group's
@@ -184,6 +183,7 @@ class CudaBackend:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self._watch.device = device  # its events are queried with it current (not cuda:0)
 
     # -- communicators -----------------------------------------------------------------
     def splits_children(self, bound_device) -> bool:
@@ -196,6 +196,7 @@ class CudaBackend:
         """This group's communicator, split from ``parent``'s (collective over the parent)."""
         self.comm = parent.comm.split(split_color(self.global_ranks), self.rank, _weak(self._fault_once))
         self._adopt_device(parent.device)
+        self._p2p_on_group = self.comm is not None  # made at construction on every member
 
     def comm_for(self, device: torch.device) -> Communicator:
         """The group's communicator, created on ``device`` on first use.
@@ -213,9 +214,12 @@ class CudaBackend:
 
     def p2p_comm(self, peer: int) -> Communicator:
         """The communicator for a point-to-point call with ``peer``: the group's own when it
-        exists, otherwise one of just the two ranks (so a send between two ranks never needs
-        the others), created on first use."""
-        if self.comm is not None:
+        was made at init (eager ``device_id``, or split from a bound parent), otherwise always
+        one of just the two ranks, created on first use (a send between two ranks never needs
+        the others). Never "the group's own once it exists": when that happens differs by
+        rank (rank 0 may have made its first collective before a send that rank 1 receives
+        before its own), and both ends of a send/recv must use the same communicator."""
+        if self._p2p_on_group:
             return self.comm
         comm = self._p2p_comms.get(peer)
         if comm is None:
@@ -288,7 +292,7 @@ class CudaBackend:
         # R9: one issuer at a time (NCCL forbids concurrent calls on one communicator).
         with self.calls.lock:
             if self.device is None:
-                self.device = device  # the first CUDA call picks the group's device
+                self._adopt_device(device)  # the first CUDA call picks the group's device
             entry = self.trace.take() if self.trace is not None else None  # the group recorded it
             if entry is not None and own_group:
                 entry[E_ROUTE] = "ring"
@@ -300,8 +304,6 @@ class CudaBackend:
                 self._submitting = None
             if entry is not None and getattr(work, "_trace_entry", None) is None:
                 work._trace_entry = entry  # queued: marked issued when its batch launches
-            if self._kept is not None:
-                self._kept.append(work)
         return work
 
     def flush(self) -> None:
@@ -327,26 +329,42 @@ class CudaBackend:
             stream.wait_stream(current)
         else:
             stream = current
-        if async_op or current.device_index != torch.cuda.current_device():
-            # Make ``stream`` (and its device) current for what launch/finish allocate.
-            with torch.cuda.stream(stream):
-                self._launch_all(issues, comms, stream.cuda_stream)
-        else:
-            self._launch_all(issues, comms, stream.cuda_stream)
+        launched = []  # not empty once part of the batch may be on the stream
+        try:
+            if async_op or current.device_index != torch.cuda.current_device():
+                # Make ``stream`` (and its device) current for what launch/finish allocate.
+                with torch.cuda.stream(stream):
+                    self._launch_all(issues, comms, stream.cuda_stream, launched)
+            else:
+                self._launch_all(issues, comms, stream.cuda_stream, launched)
+        except BaseException as exc:
+            if launched:  # it runs (its tensors stay kept) and the peers wait for the rest
+                try:
+                    self._track(issues, stream, async_op)
+                except Exception:  # noqa: BLE001 - untracked, the queue fails them after the abort
+                    pass
+                self._fault_once(exc)
+            raise
         self._track(issues, stream, async_op)
 
-    def _launch_all(self, issues: List[Issue], comms, stream_ptr: int) -> None:
+    def _launch_all(self, issues: List[Issue], comms, stream_ptr: int, launched=None) -> None:
         # D9: every prepare of the batch runs before its NCCL group opens, as ncclGroupEnd
-        # would launch a partial batch. One that raises makes no NCCL call; flush fails the Works.
+        # would launch a partial batch. One that raises makes no NCCL call; flush fails the
+        # Works. From the first launch on (``launched``), a failure faults the group instead.
+        launched = [] if launched is None else launched
         if len(issues) == 1:
             issue = issues[0]
             if issue.prepare is not None:
                 issue.prepare(self.comm if issue.peer is None else comms[issue.peer])
+            if issue.own_group:  # the ring: several steps, any of them may fail
+                launched.append(issue)
             self._launch(issue, comms, stream_ptr)
+            launched.append(issue)  # its one NCCL call (or own NCCL group) did not raise
         else:
             for issue in issues:
                 if issue.prepare is not None:
                     issue.prepare(self.comm if issue.peer is None else comms[issue.peer])
+            launched.append(issues)  # ncclGroupEnd launches whatever the group got, even on error
             # One NCCL group for the batch; every communicator of the group has the same library.
             with (self.comm or comms[min(comms)]).group():
                 for issue in issues:
@@ -368,24 +386,10 @@ class CudaBackend:
         # On a two-rank pair communicator the peer is whichever of the two we are not.
         issue.launch(comm, stream_ptr, issue.peer if comm is self.comm else 1 - comm.rank)
 
-    def _track(self, issues: List[Issue], stream, async_op: bool) -> None:
-        """Give the issued calls a completion event and hand them to the watchdog (which only
-        queries the event, never syncs). Async calls keep their tensors until it fires."""
-        event = torch.cuda.Event()
-        event.record(stream)
-        if not self._watched:
-            WATCHDOG.watch(self._watch)
-            self._watched = True
-        track = self._watch.track
-        for issue in issues:
-            work = issue.work
-            entry = getattr(work, "_trace_entry", None)
-            if entry is None and self._submitting is not None:  # the call being submitted now
-                entry = work._trace_entry = self._submitting
-            if entry is not None:
-                self.trace.recorder.mark(entry, "issued")
-            work._issued(stream, event, issue.keepalive if async_op else None)
-            track(work)
+    # Which Works the watchdog watches, and the watch itself: cupycoll.tracking.
+    _track = tracking.track
+    _track_work = tracking.track_work
+    _stop_watching = tracking.stop_watching
 
     def _internal_stream(self, comm: Communicator):
         if self._comm_stream is None:
@@ -421,9 +425,4 @@ class CudaBackend:
                 ring.close()
             except BaseException as exc:  # noqa: BLE001 - teardown goes on
                 warnings.warn(f"cupycoll: closing a ring failed: {exc}", RuntimeWarning, stacklevel=3)
-
-    def _stop_watching(self) -> None:
-        if self._watched:
-            WATCHDOG.unwatch(self._watch)
-            self._watched = False
 

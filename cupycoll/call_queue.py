@@ -16,7 +16,18 @@ as that is known: when the manager's generator is closed or freed (``manager_ref
 the next block opens. A thread has at most one open block, of one group; a call on another
 group inside it is an error rather than a silent second batch.
 
-Calls are queued and issued under :attr:`CallQueue.lock`, one thread at a time.
+Calls are queued and issued under :attr:`CallQueue.lock`, one thread at a time; a flush
+with nothing to issue returns without it (see :meth:`CallQueue.flush`), so a CPU call never
+waits behind another thread's CUDA setup or blocking NCCL call.
+
+Before torch 2.7 a Python Work handed to a C++ caller dies with its last Python reference
+and C++'s ``wait()`` then hangs (``compat.PYTHON_WORK_SURVIVES_CPP``). There the queue keeps
+its Works (:class:`KeptWorks`) until the C++ callers that exist are done with them: DDP's
+reducer takes ``get_future()`` at once, ``_verify_params_across_processes`` and
+``_broadcast_coalesced`` call ``wait()`` at once, functional collectives ``wait()`` later.
+A kept Work is dropped once it is done *and* was waited on or had its future taken; one
+never touched stays until :data:`KEPT_WORKS` newer ones push it out. Calls inside a
+coalescing block are not kept (their Python caller gets the block's covering Work, which is).
 
 Deliberately left out: communicators, streams and events (the backend's), detecting
 torch's manager on the stack (the group's hooks hand in ``manager_ref``), and making the
@@ -25,6 +36,8 @@ coalescing block thread-safe: a block is one thread's, opened and closed by it.
 
 from __future__ import annotations
 
+import collections
+import datetime
 import inspect
 import sys
 import threading
@@ -40,6 +53,10 @@ from .work import CudaWork, empty_work
 # The queue whose block is open in this thread (at most one: a manager coalesces one group).
 _open_block_owner = threading.local()
 
+# Works kept for C++ callers before torch 2.7 (see the module docstring), at most: more than
+# DDP has buckets in flight. Untouched ones beyond it are let go.
+KEPT_WORKS = 1024
+
 
 def _block_owner() -> Optional["CallQueue"]:
     return _open_block_owner.__dict__.get("queue")
@@ -48,7 +65,8 @@ def _block_owner() -> Optional["CallQueue"]:
 class Issue:
     """One NCCL call (or a few, e.g. an all-to-all) waiting to be enqueued."""
 
-    __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer", "own_group", "prepare")
+    __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer", "own_group", "prepare",
+                 "tracked")
 
     def __init__(self, work, launch, finish, keepalive, async_op, peer=None, own_group=False, prepare=None):
         self.work = work
@@ -62,6 +80,51 @@ class Issue:
         self.peer = peer  # point-to-point peer (group rank), None for collectives
         # The ring algorithm: NCCL groups of its own plus kernels, so never inside another group.
         self.own_group = own_group
+        # Set by the backend once the Work is the watchdog's (it launched; see _flush).
+        self.tracked = False
+
+
+class _KeptWork(CudaWork):
+    """A Work a C++ caller may hold (torch < 2.7): it remembers being waited on or asked for
+    its future, after which that caller needs the Python object no more."""
+
+    _claimed = False
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        try:
+            return super().wait(timeout)
+        finally:
+            self._claimed = True
+
+    def get_future(self):
+        future = super().get_future()
+        self._claimed = True
+        return future
+
+
+class KeptWorks:
+    """The Works kept alive for C++ callers (see the module docstring). Pruned every so
+    often, never while the thread captures a CUDA graph (``capturing()``: a capture forbids
+    the event queries that tell a Work is done)."""
+
+    def __init__(self, capturing: Callable[[], bool], limit: int = KEPT_WORKS):
+        self.works: collections.deque = collections.deque(maxlen=limit)
+        self._capturing = capturing
+        self._added = 0  # since the last prune
+
+    def add(self, work: CudaWork) -> None:
+        works = self.works
+        works.append(work)
+        self._added += 1
+        # A prune is one pass, after at least half as many additions: O(1) per Work.
+        if self._added < max(64, len(works) // 2) or self._capturing():
+            return
+        self._added = 0
+        try:
+            left = [w for w in works if not w._claimed or not w._query_done()]
+        except Exception:  # noqa: BLE001 - a sticky CUDA error: the watchdog reports it
+            return
+        self.works = collections.deque(left, maxlen=works.maxlen)
 
 
 class CallQueue:
@@ -69,7 +132,8 @@ class CallQueue:
 
     def __init__(self, enqueue: Callable[[List[Issue]], None], check_usable: Callable[[], None],
                  track: Callable[[CudaWork], None], name: Callable[[], str],
-                 global_ranks: Sequence[int], blocking_wait: bool = False):
+                 global_ranks: Sequence[int], blocking_wait: bool = False,
+                 kept: Optional[KeptWorks] = None):
         self._enqueue = enqueue  # issue a batch as one NCCL group
         self._check_usable = check_usable
         self._track = track  # hand a Work to the watchdog
@@ -84,6 +148,9 @@ class CallQueue:
         self.block: Optional[List[CudaWork]] = None  # Works of the open block
         self.block_manager = None  # weakref to the manager generator of the open block
         self._seq = 0
+        self._issuing = 0  # batches taken out of ``pending`` and not yet issued or failed
+        self.kept = kept  # Works kept for C++ callers (torch < 2.7), or None
+        self._work_class = CudaWork if kept is None else _KeptWork
 
     # -- calls -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish, keepalive, async_op, peer,
@@ -93,10 +160,12 @@ class CallQueue:
             self.check_block_scope(op_name)
         self._seq += 1
         queued = self.block is not None or peer is not None
-        work = CudaWork(op_name, device, outputs, flush=self.flush if queued else None, seq=self._seq,
-                        blocking_wait=blocking_wait,
-                        peers=None if peer is None else [self._global_ranks[peer]])
+        work = self._work_class(op_name, device, outputs, flush=self.flush if queued else None,
+                                seq=self._seq, blocking_wait=blocking_wait,
+                                peers=None if peer is None else [self._global_ranks[peer]])
         issue = Issue(work, launch, finish, keepalive, async_op, peer, own_group, prepare)
+        if self.kept is not None and self.block is None:
+            self.kept.add(work)
         if queued:
             self.pending.append(issue)
             if self.block is not None:
@@ -108,7 +177,18 @@ class CallQueue:
 
     def flush(self) -> None:
         """Issue every queued call as one NCCL group (not while a coalescing block is open:
-        its calls wait for the block's end, as torch's own collectives do inside one)."""
+        its calls wait for the block's end, as torch's own collectives do inside one).
+
+        With nothing queued, no block open and no batch being issued, it returns without the
+        lock. That is safe: a Work that can be touched was queued (appended to ``pending``,
+        under the lock) before it was returned, so seeing ``pending`` empty means its batch
+        was taken out, and ``_flush`` counts ``_issuing`` up *before* it takes a batch out
+        and down only *after* its Works are issued or failed. Reading ``pending`` first,
+        then ``_issuing`` (each read is atomic, and seen in program order, under the GIL),
+        a flush thus either finds work to wait for, or finds its Work settled. A batch that
+        another thread is still building (not yet appended) is that thread's to issue."""
+        if not self.pending and self.block is None and not self._issuing:
+            return
         with self.lock:
             self._flush()
 
@@ -117,13 +197,20 @@ class CallQueue:
             self.drop_stale_block()
         if not self.pending or self.block is not None:
             return
-        queue, self.pending = self.pending, []
+        self._issuing += 1  # before the batch leaves ``pending``: see flush()
         try:
-            self._enqueue(queue)
-        except BaseException as exc:
-            for issue in queue:
-                issue.work._failed(exc)
-            raise
+            queue, self.pending = self.pending, []
+            try:
+                self._enqueue(queue)
+            except BaseException as exc:
+                # A call the backend tracked launched: the watchdog and the group's fault
+                # fail and release it once its kernels ended. The others never ran.
+                for issue in queue:
+                    if not issue.tracked:
+                        issue.work._failed(exc)
+                raise
+        finally:
+            self._issuing -= 1
 
     def drop(self, reason: Optional[BaseException] = None) -> None:
         """The group was aborted: every queued call is forgotten and its Work (and every
@@ -131,7 +218,7 @@ class CallQueue:
         would otherwise report success once touched, as nothing is left to issue it."""
         if reason is None:
             reason = CommunicatorAbortedError(f"process group {self._name()!r} was aborted")
-        queued, self.pending = self.pending, []
+        queued = list(self.pending)
         works = {id(i.work): i.work for i in queued}
         for work in self.block or []:
             works.setdefault(id(work), work)
@@ -139,9 +226,12 @@ class CallQueue:
         # "without _start_coalescing"), but empty: nothing of it may be issued.
         if self.block is not None:
             self.block = []
+        # Failed before they leave ``pending``: a flush that then finds it empty and returns
+        # without the lock (see flush()) finds its Work failed, never silently "done".
         for work in works.values():
             work._flush = None
             work._fail(reason)
+        self.pending = [i for i in self.pending if id(i.work) not in works]
 
     # -- the coalescing block ------------------------------------------------------------
     def open_block(self, manager_ref=None) -> None:
@@ -169,8 +259,10 @@ class CallQueue:
         if not works:
             return empty_work()
         self.flush()
-        work = CudaWork.covering(works, blocking_wait=self._blocking_wait)
+        work = self._work_class.covering(works, blocking_wait=self._blocking_wait)
         self._track(work)
+        if self.kept is not None:
+            self.kept.add(work)  # returned to the caller of a *_coalesced op: maybe C++
         return work
 
     def _release_block(self) -> None:

@@ -5,7 +5,8 @@ fallible Python steps before the NCCL group opens), and submit it to the backend
 Every function takes the group's :class:`~cupycoll.backend.CudaBackend` and the torch
 arguments as the ProcessGroup method got them (already routed to CUDA), and returns the
 call's :class:`~cupycoll.work.CudaWork`. Launches take raw pointers captured here, so a
-queued call launches later exactly what was checked now; collectives that only move data
+queued call launches later exactly what was checked now, and the call's keepalive holds every
+tensor they point into (a PREMUL_SUM factor tensor too); collectives that only move data
 move bytes (``ncclUint8``).
 
 Deliberately left out: routing CPU tensors to gloo and torch's coalescing protocol (the
@@ -40,6 +41,12 @@ def _ring_launch(cuda, plan: RingReduction, method: str, send_ptr, recv_ptr, cou
     return launch
 
 
+def _ring_prepare(cuda, plan: RingReduction, method: str, count) -> Callable:
+    """The prepare(comm) of a ring call: the ring's scratch and kernels, before any launch
+    (once a launch has begun, a failure faults the group)."""
+    return lambda comm: cuda.ring(comm).prepare(method, count, plan.dtype, plan.op)
+
+
 def _reduce_launch(red: _args.Reduction, dtype: torch.dtype,
                    call: Callable) -> Tuple[Callable, Optional[Callable]]:
     """``(launch, prepare)``: a launch(comm, stream) that runs ``call(comm, nccl_op, stream)``
@@ -62,7 +69,10 @@ def _reduce_launch(red: _args.Reduction, dtype: torch.dtype,
         try:
             call(comm, op, stream)
         finally:
-            comm.destroy_op(op)
+            # An aborted communicator took its ops with it (its comm_ptr is 0): destroying
+            # would fail with ncclInvalidArgument and hide the real error, the abort's.
+            if comm.state == "ok":
+                comm.destroy_op(op)
     return launch, prepare
 
 
@@ -97,15 +107,16 @@ def all_reduce(cuda, tensors, opts) -> CudaWork:
     tensor = _args.single(tensors, "all_reduce")
     device = cuda.check_device(tensor, "all_reduce tensor")
     plan = _plan(cuda, tensor, opts.reduceOp)
-    ptr = tensor.data_ptr()
+    ptr, keep = tensor.data_ptr(), (tensor, _args.factor_tensor(plan))
     if isinstance(plan, RingReduction):
         return cuda.submit("all_reduce", device, [tensor],
                            _ring_launch(cuda, plan, "all_reduce", ptr, ptr, tensor.numel()),
-                           keepalive=tensor, async_op=_async_requested(opts), own_group=True)
+                           keepalive=keep, async_op=_async_requested(opts), own_group=True,
+                           prepare=_ring_prepare(cuda, plan, "all_reduce", tensor.numel()))
     count = tensor.numel() * plan.count_scale
     launch, prepare = _reduce_launch(plan, tensor.dtype,
                                      lambda comm, op, s: comm.all_reduce(ptr, ptr, count, plan.dtype, op, s))
-    return cuda.submit("all_reduce", device, [tensor], launch, keepalive=tensor,
+    return cuda.submit("all_reduce", device, [tensor], launch, keepalive=keep,
                        async_op=_async_requested(opts), prepare=prepare)
 
 
@@ -127,8 +138,8 @@ def reduce(cuda, tensors, opts) -> CudaWork:
     ptr, count = tensor.data_ptr(), tensor.numel() * red.count_scale
     launch, prepare = _reduce_launch(red, tensor.dtype,
                                      lambda comm, op, s: comm.reduce(ptr, ptr, count, red.dtype, op, root, s))
-    return cuda.submit("reduce", device, [tensor], launch, keepalive=tensor, async_op=_async_requested(opts),
-                       prepare=prepare)
+    return cuda.submit("reduce", device, [tensor], launch, keepalive=(tensor, _args.factor_tensor(red)),
+                       async_op=_async_requested(opts), prepare=prepare)
 
 
 def all_gather(cuda, output_tensors, input_tensors, opts, op_name: str = "all_gather") -> CudaWork:
@@ -160,12 +171,19 @@ def all_gather(cuda, output_tensors, input_tensors, opts, op_name: str = "all_ga
                        async_op=_async_requested(opts), prepare=prepare)
 
 
+def _check_flat_pair(cuda, what: str, shard, shard_name: str, whole, whole_name: str):
+    """The one-tensor gather/scatter forms: both tensors on the group's device (the shard's is
+    returned), ``whole`` one ``shard`` per rank, in the shard's dtype."""
+    device = cuda.check_device(shard, f"{what} {shard_name}")
+    cuda.check_device(whole, f"{what} {whole_name}")
+    _args.check_numel(whole, shard.numel() * cuda.size, f"{what} {whole_name}")
+    _args.check_same_dtype([whole], shard, f"{what} {whole_name}")
+    return device
+
+
 def all_gather_into_tensor(cuda, output, input, opts) -> CudaWork:
     what = "all_gather_into_tensor"
-    device = cuda.check_device(input, f"{what} input")
-    cuda.check_device(output, f"{what} output")
-    _args.check_numel(output, input.numel() * cuda.size, f"{what} output")
-    _args.check_same_dtype([output], input, f"{what} output")
+    device = _check_flat_pair(cuda, what, input, "input", output, "output")
     size, in_ptr, out_ptr = nbytes(input), input.data_ptr(), output.data_ptr()
     return cuda.submit(what, device, [output],
                        lambda comm, s: comm.all_gather(in_ptr, out_ptr, size, NCCL_BYTE, s),
@@ -184,36 +202,36 @@ def reduce_scatter(cuda, output_tensors, input_tensors, opts) -> CudaWork:
     def stage(comm):  # a prepare: before the NCCL group, an OOM here launches nothing
         staged[0] = torch.cat([t.reshape(-1) for t in inputs])
 
-    out_ptr = output.data_ptr()
+    out_ptr, keep = output.data_ptr(), (output, inputs, staged, _args.factor_tensor(plan))
     if isinstance(plan, RingReduction):
         def launch(comm, s):
             cuda.ring(comm).reduce_scatter(staged[0].data_ptr(), out_ptr, output.numel(), plan.dtype, plan.op,
                                            s, premul=plan.premul, premul_ptr=plan.premul_ptr)
-        return cuda.submit("reduce_scatter", device, [output], launch, keepalive=(output, inputs, staged),
-                           async_op=_async_requested(opts), own_group=True, prepare=stage)
+        return cuda.submit("reduce_scatter", device, [output], launch, keepalive=keep,
+                           async_op=_async_requested(opts), own_group=True,
+                           prepare=_both(stage, _ring_prepare(cuda, plan, "reduce_scatter", output.numel())))
     count = output.numel() * plan.count_scale
     launch, premul = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
         staged[0].data_ptr(), out_ptr, count, plan.dtype, op, s))
-    return cuda.submit("reduce_scatter", device, [output], launch, keepalive=(output, inputs, staged),
+    return cuda.submit("reduce_scatter", device, [output], launch, keepalive=keep,
                        async_op=_async_requested(opts), prepare=_both(stage, premul))
 
 
 def reduce_scatter_tensor(cuda, output, input, opts) -> CudaWork:
     what = "reduce_scatter_tensor"
-    device = cuda.check_device(output, f"{what} output")
-    cuda.check_device(input, f"{what} input")
-    _args.check_numel(input, output.numel() * cuda.size, f"{what} input")
-    _args.check_same_dtype([input], output, f"{what} input")
+    device = _check_flat_pair(cuda, what, output, "output", input, "input")
     plan = _plan(cuda, output, opts.reduceOp)
     in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
+    keep = (input, output, _args.factor_tensor(plan))
     if isinstance(plan, RingReduction):
         return cuda.submit(what, device, [output],
                            _ring_launch(cuda, plan, "reduce_scatter", in_ptr, out_ptr, output.numel()),
-                           keepalive=(input, output), async_op=_async_requested(opts), own_group=True)
+                           keepalive=keep, async_op=_async_requested(opts), own_group=True,
+                           prepare=_ring_prepare(cuda, plan, "reduce_scatter", output.numel()))
     count = output.numel() * plan.count_scale
     launch, prepare = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
         in_ptr, out_ptr, count, plan.dtype, op, s))
-    return cuda.submit(what, device, [output], launch, keepalive=(input, output),
+    return cuda.submit(what, device, [output], launch, keepalive=keep,
                        async_op=_async_requested(opts), prepare=prepare)
 
 

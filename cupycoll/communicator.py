@@ -45,6 +45,10 @@ from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollVa
 
 DEFAULT_TIMEOUT_S = 600.0
 
+# How long abort (or destroy) waits for NCCL calls under way on other threads (see
+# Communicator._wait_for_callers) before it frees the communicator anyway.
+ENTER_WAIT_S = 1.0
+
 
 def _translate(exc: Exception, function: str) -> NcclError:
     status = getattr(exc, "status", 3)
@@ -93,8 +97,11 @@ class Communicator:
         # "initializing" | "ok" | "shut down" | "aborted"
         self.state = "initializing" if self.nonblocking else "ok"
         # Serialises the end of the communicator's life against the watchdog's queries, so
-        # that ncclCommGetAsyncError never reads a freed communicator.
+        # that ncclCommGetAsyncError never reads a freed communicator, and against the calls
+        # under way (``_callers``, see :meth:`_guarded`).
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._callers: list = []  # threads inside an NCCL call on this communicator
         with cupy.cuda.Device(device):
             # Non-blocking w.r.t. the legacy default stream, like ProcessGroupNCCL's.
             self._stream = cupy.cuda.Stream(non_blocking=True)
@@ -174,13 +181,12 @@ class Communicator:
               on_abort: Optional[Callable[[BaseException], None]] = None) -> Optional["Communicator"]:
         """ncclCommSplit: collective over this communicator. ``color < 0`` takes no part.
         ``on_abort``: the child's (a timed-out split aborts, and tells, this parent)."""
-        self._check_usable()
         cupy = _cuda.cupy_module()
         color = color if color >= 0 else nccl_bindings.NCCL_SPLIT_NOCOLOR
         with cupy.cuda.Device(self.device):
             if not self.nonblocking:
                 try:
-                    child = self._cupy_comm.commSplit(color, key)
+                    child = self._guarded("ncclCommSplit", lambda _: self._cupy_comm.commSplit(color, key))
                 except self._nccl_error as exc:
                     raise _translate(exc, "ncclCommSplit") from exc
                 if child is None:
@@ -189,7 +195,8 @@ class Communicator:
                                     cupy_comm=child, timeout=self.timeout, on_abort=on_abort)
             handle = nccl_bindings.ncclComm_t()
             config = nccl_bindings.make_config(blocking=False)
-            self._lib.ncclCommSplit(self._handle, color, key, ctypes.byref(handle), ctypes.byref(config))
+            self._guarded("ncclCommSplit", lambda parent: self._lib.ncclCommSplit(
+                parent, color, key, ctypes.byref(handle), ctypes.byref(config)))
             self._poll("ncclCommSplit")
         if not handle.value:
             return None
@@ -203,20 +210,53 @@ class Communicator:
         return child
 
     # -- collectives (pointers, counts and codes are plain ints) --------------------
+    def _guarded(self, function: str, call: Callable[[Optional[int]], object]):
+        """``call(handle)``, one NCCL call on this communicator, refused once it is aborted or
+        shut down (CuPy's handle is NULL then, and NCCL would say ncclInvalidArgument) and
+        counted while it runs, so that :meth:`abort` waits for it before freeing the
+        communicator under it (an abort that waited past ``ENTER_WAIT_S`` makes the call's
+        error a CommunicatorAbortedError). ``handle``: the nonblocking one, read under the lock."""
+        me = threading.get_ident()
+        with self._lock:
+            if self.state not in ("ok", "initializing") or (self.nonblocking and not self._handle):
+                raise CommunicatorAbortedError(
+                    f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
+            self._callers.append(me)
+            handle = self._handle
+        error = None
+        try:
+            return call(handle)
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            with self._lock:
+                self._callers.remove(me)
+                if not self._callers:
+                    self._idle.notify_all()
+                aborted = self.state in ("aborted", "shut down")
+            if error is not None and aborted:
+                raise CommunicatorAbortedError(f"{function}: the NCCL communicator on cuda:"
+                                               f"{self.device} was {self.state} during the call") from error
+
     def _call(self, c_name: str, cupy_name: str, *args) -> None:
         """Run one NCCL call: CuPy's method (blocking), or the C function with this
         communicator inserted before the stream, settled or left to the open group."""
-        # After an abort CuPy's handle is NULL: say why instead of ncclInvalidArgument.
-        self._check_usable()
         if self._cupy_comm is not None:
-            nccl_group.join(self)  # inside a group: polled (or aborted) at its end
-            try:
-                getattr(self._cupy_comm, cupy_name)(*args)
-            except self._nccl_error as exc:
-                raise _translate(exc, c_name) from exc
+            self._guarded(c_name, lambda handle: self._cupy_call(c_name, cupy_name, args))
             return
-        status = getattr(self._lib, c_name)(*args[:-1], self._handle, args[-1])
+        function = getattr(self._lib, c_name)
+        status = self._guarded(c_name, lambda handle: function(*args[:-1], handle, args[-1]))
+        # Outside the guard: a poll that fails or times out aborts this communicator from
+        # this very thread, which must not wait for itself.
         self._settle(c_name, status)
+
+    def _cupy_call(self, c_name: str, cupy_name: str, args) -> None:
+        nccl_group.join(self)  # inside a group: aborted at its end if it raises
+        try:
+            getattr(self._cupy_comm, cupy_name)(*args)
+        except self._nccl_error as exc:
+            raise _translate(exc, c_name) from exc
 
     def all_reduce(self, sendbuf, recvbuf, count, dtype, op, stream):
         self._call("ncclAllReduce", "allReduce", sendbuf, recvbuf, count, dtype, op, stream)
@@ -253,8 +293,9 @@ class Communicator:
             host = ctypes.create_string_buffer(bytes(scalar), len(scalar))
             scalar_ptr = ctypes.cast(host, ctypes.c_void_p)
             residence = nccl_bindings.ncclScalarHostImmediate
-        status = self._lib.ncclRedOpCreatePreMulSum(ctypes.byref(op), scalar_ptr, dtype, residence,
-                                                    ctypes.c_void_p(self.comm_ptr))
+        # Guarded: an aborted communicator has no comm_ptr (NCCL: ncclInvalidArgument).
+        status = self._guarded("ncclRedOpCreatePreMulSum", lambda handle: self._lib.ncclRedOpCreatePreMulSum(
+            ctypes.byref(op), scalar_ptr, dtype, residence, ctypes.c_void_p(self.comm_ptr)))
         if self.nonblocking:
             self._settle("ncclRedOpCreatePreMulSum", status)
         return op.value
@@ -355,11 +396,21 @@ class Communicator:
                 if self.state != "ok":
                     return
                 self.state = "shut down"
+                self._wait_for_callers()
                 if self.nonblocking:
                     handle, self._handle = self._handle, None
                     self._lib.ncclCommDestroy(handle)
                 else:
                     self._cupy_comm.destroy()  # its status is lost (D16, see the module's docstring)
+
+    def _wait_for_callers(self) -> None:
+        """Under the lock, with the state already changed: let the NCCL calls under way on
+        other threads return before the communicator is freed, at most ENTER_WAIT_S. An
+        enqueue takes microseconds; one still inside NCCL after that is blocked (a peer that
+        never connects, a full queue) and only ncclCommAbort can end it. A caller on this
+        thread (abort_all from a signal handler) is not waited for."""
+        me = threading.get_ident()
+        self._idle.wait_for(lambda: all(t == me for t in self._callers), ENTER_WAIT_S)
 
     def abort(self) -> Optional[int]:
         """ncclCommAbort: frees the communicator without waiting for peers or queued work,
@@ -372,8 +423,9 @@ class Communicator:
         with self._lock:
             if self.state in ("aborted", "shut down"):
                 return None
-            self.state = "aborted"
+            self.state = "aborted"  # from now on _guarded refuses new calls
             handle, self._handle = self._handle, None
+            self._wait_for_callers()
         with _cuda.cupy_module().cuda.Device(self.device):
             if self.nonblocking:
                 return self._lib.ncclCommAbort(handle) if handle else None

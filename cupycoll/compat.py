@@ -1,9 +1,10 @@
 """Every torch and CuPy version difference cupycoll copes with, in one place.
 
-cupycoll supports torch 2.4.1 to 2.15, CuPy 13 and 14, NCCL 2.20 onwards (the versions CI
-runs: see the README's compatibility table). Where those versions differ in something
-cupycoll uses, the difference is handled here, once, with a comment naming the version that
-changed it; the rest of the package calls these functions and never probes versions itself.
+cupycoll supports torch 2.4.1 to 2.15, CuPy 13 (from 13.0) and 14 (from 14.2), NCCL 2.20.5
+onwards (the versions CI runs: see the README's compatibility table). Where those versions
+differ in something cupycoll uses, the difference is handled here, once, with a comment
+naming the version that changed it; the rest of the package calls these functions and never
+probes versions itself.
 Each entry has a test in ``tests/test_compat.py`` that asserts the installed version's
 behaviour.
 
@@ -12,6 +13,11 @@ Left out: what every supported version has (``torch.uint32``, the fp8 dtypes, gl
 ``ncclConfig_t`` fields exist since which release), which are data in
 :mod:`cupycoll.nccl_bindings` next to the declarations they describe. This module imports
 no CuPy at import time: CuPy is handed in by the callers that already loaded it.
+
+Elsewhere on purpose, as a try/except at their one call site rather than a version check:
+:mod:`cupycoll.lifecycle`'s exit hook (Python 3.12+ refuses to start a thread while the
+interpreter finalizes) and :mod:`cupycoll.nccl_bindings`' library search (no
+``cuda.pathfinder`` with CuPy 13).
 """
 
 from __future__ import annotations
@@ -38,11 +44,26 @@ TORCH = _release(torch.__version__)
 
 # How "cupycoll" becomes known to init_process_group without ``import cupycoll``: torch 2.5
 # added the import-time autoload of "torch.backends" entry points (2.4 has none: there the
-# import is required); torch 2.15 also loads a "torch.distributed.backends" entry point
-# named like the backend when init_process_group meets an unknown name. pyproject.toml
-# declares both; cupycoll's code does not branch on these.
+# import is required); torch 2.14 also loads a "torch.distributed.backends" entry point
+# named like the backend when init_process_group meets an unknown name (2.13 has no
+# Backend._ensure_backend_registered, 2.15 has; 2.14 is not run, but 2.14.1's
+# distributed_c10d.py has it). pyproject.toml declares both; cupycoll's code does not
+# branch on these.
 TORCH_AUTOLOADS_BACKENDS = TORCH >= (2, 5)
-TORCH_LAZY_BACKEND_ENTRY_POINTS = TORCH >= (2, 15)
+TORCH_LAZY_BACKEND_ENTRY_POINTS = TORCH >= (2, 14)
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives all_gather_into_tensor and
+# reduce_scatter_tensor to all_gather_single and reduce_scatter_single; the old names, which
+# every supported version has, warn there ("... is deprecated"). 2.11 has only the old names; 2.12 is not run (the rename, the stack of
+# pytorch#186134, came in June 2026, after its release), and the old names work there
+# anyway. For callers outside the package (the benchmark): warning-free on every version.
+if TORCH >= (2, 13):
+    all_gather_single = dist.all_gather_single
+    reduce_scatter_single = dist.reduce_scatter_single
+else:
+    all_gather_single = dist.all_gather_into_tensor
+    reduce_scatter_single = dist.reduce_scatter_tensor
 
 
 def premul_factor(reduce_op) -> Optional[object]:
@@ -72,9 +93,11 @@ def async_requested(opts) -> bool:
 PYTHON_WORK_SURVIVES_CPP = TORCH >= (2, 7)
 
 
-# torch 2.12 gave ProcessGroupGloo the list form of alltoall (2.11 raises "Backend gloo does
-# not support alltoall"). alltoall_base (all_to_all_single) works on every supported
-# version, so before 2.12 cupycoll's CPU route builds the list form from it.
+# torch 2.12 gave ProcessGroupGloo the list form of alltoall: pytorch#165435 (for
+# pytorch#88245) landed in April 2026, between 2.11 and 2.12's release in May. Run here: 2.11
+# raises "Backend gloo does not support alltoall", 2.13 and 2.15 do not; 2.12 itself is not.
+# alltoall_base (all_to_all_single) works on every supported version, so before 2.12
+# cupycoll's CPU route builds the list form from it.
 GLOO_HAS_ALLTOALL = TORCH >= (2, 12)
 
 
@@ -102,8 +125,10 @@ def gloo_alltoall(gloo: ProcessGroup, outputs: Sequence[torch.Tensor],
 
 
 # torch 2.4's gloo _reduce_scatter_base (reduce_scatter_tensor) sums whatever the op:
-# MAX, MIN, PRODUCT and AVG all come back as SUM. 2.11's honours the op; the releases in
-# between are not tested here, so they take the fallback too (correct on every version).
+# MAX, MIN, PRODUCT and AVG all come back as SUM. 2.11's honours the op. Which release in
+# between fixed it is unknown: 2.5 - 2.10 are not run, and no fix was found in torch's
+# issues. So the gate is conservative: those releases take the fallback, which is correct on
+# every version (the tests run it on each CI leg) and costs only twice the traffic.
 GLOO_REDUCE_SCATTER_HONOURS_OP = TORCH >= (2, 11)
 
 
@@ -151,10 +176,19 @@ def set_default_backend(group: ProcessGroup, backend_type) -> None:
     A Python group that torch adopts whole has none otherwise, and torch 2.15's
     init_process_group attaches a flight-recorder hook that looks the default up ("Could not
     find the default backend type 0 ..."): every init failed without this."""
-    # torch 2.4 has no _set_default_backend (2.11 has): it derives the default from the
-    # Options given to the constructor (plain_process_group), and has no such hook.
+    # torch 2.4 has no _set_default_backend: it derives the default from the Options given to
+    # the constructor (plain_process_group), and has no such hook. 2.11 has it. It came with
+    # or after 2.6's constructor change (pytorch#132931, relanded as #135653); 2.5 - 2.10 are
+    # not run, so the method's presence decides (without it, nothing is missing: the hook
+    # arrived in 2.15, and 2.14.1's distributed_c10d.py has none).
     if hasattr(group, "_set_default_backend"):
         group._set_default_backend(backend_type)
+
+
+# ProcessGroup.shutdown (and abort) arrived with pytorch#148798 (March 2025), in torch 2.7
+# (its author's note in torchft#132). Run here: 2.4 has none, 2.11 - 2.15 have it; 2.5 - 2.10
+# are not run, so presence decides, not the version.
+PROCESS_GROUP_HAS_SHUTDOWN = hasattr(ProcessGroup, "shutdown")
 
 
 _KEPT_UNTIL_EXIT: List[ProcessGroup] = []
@@ -167,17 +201,21 @@ def keep_gloo_until_exit(gloo: ProcessGroup) -> None:
     # worker is at that moment freeing a tensor whose Python object it owns, it needs the
     # GIL, and the process hangs (pytorch#56297; seen at the end of DDP runs and of the GPU
     # probe's CPU mode on 2.4). Held here, a group is freed only at exit, with idle workers;
-    # the cost is its threads and sockets for the life of the process.
-    if not hasattr(ProcessGroup, "shutdown"):
+    # the cost is its threads and sockets for the life of the process. Whether a later
+    # torch's destructor is safe by itself is not known (not tested); the gate is whether
+    # shutdown exists (2.7, PROCESS_GROUP_HAS_SHUTDOWN), because with it cupycoll ends the
+    # workers before the group is freed, and without it keeping the group is the safe side.
+    if not PROCESS_GROUP_HAS_SHUTDOWN:
         _KEPT_UNTIL_EXIT.append(gloo)
 
 
-def shutdown(group: ProcessGroup) -> None:
-    """Shut a gloo-backed group down where torch can (its threads end now, not at exit)."""
-    # torch 2.4 has no ProcessGroup.shutdown (2.11 has): there the group is torn down when
-    # it is freed. Where it exists but a backend does not implement it, torch raises
-    # RuntimeError; that too leaves the teardown to the destructor.
-    if not hasattr(group, "shutdown"):
+def shutdown(group: Optional[ProcessGroup]) -> None:
+    """Shut a gloo-backed group down where torch can (its threads end now, not at exit);
+    None (a group without a CPU half, as the tests' CUDA stand-ins) has nothing to shut."""
+    # Before torch 2.7 there is no ProcessGroup.shutdown (PROCESS_GROUP_HAS_SHUTDOWN): the
+    # group is torn down when it is freed. Where it exists but a backend does not implement
+    # it, torch raises RuntimeError; that too leaves the teardown to the destructor.
+    if group is None or not PROCESS_GROUP_HAS_SHUTDOWN:
         return
     try:
         group.shutdown()

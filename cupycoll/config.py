@@ -229,8 +229,7 @@ def torch_default_timeouts() -> tuple:
         from torch.distributed import constants
     except ImportError:  # pragma: no cover - torch without distributed support
         return ()
-    value = getattr(constants, "default_pg_timeout", None)
-    return (value,) if isinstance(value, datetime.timedelta) else ()
+    return (constants.default_pg_timeout,)
 
 
 def _timeout(options: Options, group_timeout, env: Mapping[str, str]) -> datetime.timedelta:

@@ -14,7 +14,9 @@ where::
 A rank that is behind is not timing out itself: it may be computing, or waiting in another
 group. Its :class:`Responder` answers for it, a daemon thread per process that polls each
 served group's request counter in the store (one round trip per group per second) and
-publishes that rank's progress, and, with a trace folder, dumps its recorders too. A rank
+publishes that rank's progress (unless the rank published its own record for that
+collective), and, with a trace folder, dumps its recorders too. A store error ends the
+serving of that group, logged as a warning. A rank
 that neither times out nor answers (dead, or holding the GIL outside cupycoll) is named as
 not answering.
 
@@ -317,7 +319,14 @@ class _Served:
     def answer(self, seq: int) -> None:
         rank = self.recorder.rank
         base = f"{self.prefix}/{seq}"
-        self.store.set(f"{base}/{rank}", json.dumps(progress(self.recorder)))
+        key = f"{base}/{rank}"
+        # This rank published its own record (it timed out at ``seq`` too; the request may be
+        # its own): that one names the collective it is stuck in, while ours, taken later,
+        # may find it already failed and tell the peers it "completed #seq and went on". Its
+        # own diagnosis writes the record before the request, so the check sees it then.
+        if self.store.check([key]):
+            return
+        self.store.set(key, json.dumps(progress(self.recorder)))
         self.store.add(f"{base}/count", 1)
         dump_on_timeout(self.dump_dir, self.recorder.ranks[rank],
                         f"a peer's timeout in group {self.recorder.group!r} at #{seq}")
@@ -372,7 +381,10 @@ class Responder:
                 try:
                     item.poll()
                 except Exception as exc:  # noqa: BLE001 - a dead store: stop asking it
-                    logger.debug("cupycoll responder: group %r: %s", item.recorder.group, exc)
+                    # For good: this rank no longer answers its peers' timeouts in that group.
+                    logger.warning("cupycoll responder: group %r: the store failed (%s); no "
+                                   "longer answering diagnosis requests for it",
+                                   item.recorder.group, exc)
                     self.unserve(item.recorder)
             self._wake.wait(min(item.interval for item in served))
             self._wake.clear()

@@ -12,11 +12,16 @@ The rules these functions keep (the guarantees docs/design.md states):
   (the fault thread, abort_all) waits, at most ``watchdog.FAULT_DEADLINE`` seconds, for the
   first one's ncclCommAbort before it returns (and its caller releases anything).
   A claimed watchdog fault marks the group ``"aborting"`` at once: calls are refused while
-  the fault is diagnosed, before the abort itself.
+  the fault is diagnosed, before the abort itself; until that abort ran, the group's backend
+  is held here, so that torch dropping the group meanwhile cannot skip it (the fault thread
+  reaches the backend weakly, and CuPy's ``__dealloc__`` would ``ncclCommDestroy`` a
+  communicator with a hung kernel).
 * **shutdown** (``destroy_process_group``) never raises: it waits at most
   :data:`SHUTDOWN_GRACE` seconds (and never more than the group's timeout) for the work in
   flight, then finalizes and destroys the communicators; if the work does not finish,
-  anything fails, or a communicator cannot be finalized, it aborts instead.
+  anything fails, or a communicator cannot be finalized, it aborts instead. During a fault's
+  diagnosis (``"aborting"``) it runs the fault's abort at once (the fault thread's then
+  waits for it, as a second aborter).
 * **process exit**: an ``atexit`` hook stops the watchdog and aborts (never destroys: a
   destroy waits for peers and the GPU) every group still alive, warning that it was not
   destroyed, bounded by :data:`EXIT_DEADLINE` seconds in all. A forked child leaves the
@@ -54,6 +59,9 @@ EXIT_DEADLINE = 10.0
 # Makes abort's check-and-set of the state atomic (the watchdog's fault thread, abort_all in
 # a signal handler and the user may abort at once). Held only for the check, never across NCCL.
 _STATE_LOCK = threading.Lock()
+
+# The backends marked "aborting" whose abort has not run yet (see the module docstring).
+_ABORTING: set = set()
 
 
 def _warn(message: str) -> None:
@@ -110,6 +118,7 @@ def abort(backend, reason: Optional[BaseException] = None) -> None:
         interrupts.append(_step("releasing the Works' tensors", watch.release, failed))
         interrupts.append(_step("closing the rings", backend._close_rings))
         interrupts.append(_step("shutting down the group's CPU half", backend._on_abort))
+        _ABORTING.discard(backend)
     for exc in interrupts:
         if exc is not None and not isinstance(exc, Exception):
             raise exc
@@ -122,10 +131,15 @@ def refuse(backend, fault: BaseException) -> None:
         if backend.state == "ok":
             backend.fault = fault
             backend.state = "aborting"
+            _ABORTING.add(backend)  # until the abort ran, whatever torch drops
 
 
 def shutdown(backend) -> None:
     """``CudaBackend.shutdown``: see the module docstring. Never raises."""
+    if backend.state == "aborting":
+        # The fault thread is still diagnosing; the group may be gone once we return.
+        _step("aborting a group whose fault is being diagnosed", abort, backend, backend.fault)
+        return
     if backend.state != "ok":
         return
     timeout = backend.settings.timeout.total_seconds()
@@ -197,6 +211,7 @@ def _abort_at_exit() -> None:
 def _after_fork_in_child() -> None:
     global _STATE_LOCK
     _STATE_LOCK = threading.Lock()  # a thread of the parent may have held it
+    _ABORTING.clear()  # the parent's groups, whose fault threads are not in the child
 
 
 atexit.register(_abort_at_exit)

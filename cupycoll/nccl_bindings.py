@@ -246,7 +246,7 @@ FUNCTIONS = (
 
 _INSTALL_HINT = (
     "install NCCL with pip install 'cupycoll[cuda12]' (or 'cupycoll[cuda13]'; from a "
-    "checkout: pip install -e '.[cuda12]'), "
+    "checkout: pip install -e '.[cuda12]' or -e '.[cuda13]'), "
     "or set CUPYCOLL_NCCL_LIBRARY to the path of libnccl.so.2"
 )
 

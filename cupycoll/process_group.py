@@ -370,17 +370,14 @@ class ProcessGroupCupycoll(ProcessGroup):
         if calls.block_manager is not manager_ref or calls.block is None:
             return
         calls.discard_raised_block(stacklevel=3)
-        world = getattr(dist.distributed_c10d, "_world", None)
-        pending = getattr(world, "pg_coalesce_state", None)
-        if isinstance(pending, dict):
-            pending.pop(self, None)
+        dist.distributed_c10d._world.pg_coalesce_state.pop(self, None)
 
     # -- lifetime ---------------------------------------------------------------------
     def shutdown(self) -> None:
         """Finalize and destroy the NCCL communicators once their work is done (healthy),
         or abort them when the group has faulted or its work does not finish within the
         timeout; then shut the gloo half down. The group is unusable afterwards."""
-        if self._cuda.state != "ok":
+        if self._cuda.state not in ("ok", "aborting"):  # aborting: lifecycle.shutdown aborts now
             return
         self._cuda.shutdown()  # an abort instead shuts gloo down through on_abort
         if self._cuda.state == "shut down":

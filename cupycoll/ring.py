@@ -157,6 +157,15 @@ class Ring:
                              self._slice_elems(dtype), dtype, op)
         self._execute(commands, sendbuf, recvbuf, dtype, op, stream, premul, premul_ptr)
 
+    def prepare(self, kind: str, count: int, dtype: str, op: str) -> None:
+        """Compile the kernels a call of ``kind`` ("all_reduce", "reduce_scatter") needs, so
+        that a caller can fail before it launches anything (a compile error inside a launch
+        leaves the peers waiting for a collective this rank never ran); the call itself
+        then finds them in the cache."""
+        if count and _needs_kernels(_commands(kind, self._comm.rank, self._comm.size, count,
+                                              self._slice_elems(dtype), dtype, op)):
+            compile_module(self._comm.device, dtype, op)
+
     def close(self) -> None:
         """Free the scratch memory once the GPU is done with it. The Ring is then unusable."""
         if self._closed:

@@ -6,11 +6,17 @@ The hot path only calls :meth:`Watch.track` (a timestamp and a deque append). On
 thread per process (:class:`Watchdog`, started on demand, gone when nothing is watched)
 polls every watch each interval:
 
-* Works whose completion event has fired are dropped, releasing their tensors;
+* Works whose completion event has fired are dropped, releasing their tensors (the caller's
+  Work may live on: in torch < 2.7's list of kept Works, say);
 * a Work not done ``timeout`` after it was issued is a timeout fault;
 * ``ncclCommGetAsyncError`` reporting an error on any communicator is an async fault;
 * any exception from querying an event or the async error (a sticky CUDA error) is a
-  fault of that group too: it must not silence fault handling.
+  fault of that group too: it must not silence fault handling. Except a query refused
+  because another thread captures a CUDA graph: that Work is not done yet.
+
+Events are queried with the group's device current (``Watch.device``, once the group has
+one), and the watchdog thread runs in thread-local capture mode, so that it neither creates
+a context on cuda:0 nor invalidates a capture (:mod:`cupycoll.watchdog_cuda`).
 
 On a fault the watchdog thread only *detects*; a fault thread handles it, so that one hung
 ``ncclCommAbort`` cannot blind the other groups. Handling marks every Work in flight
@@ -19,7 +25,7 @@ group's ``on_fault`` (which aborts the communicators), then releases the Works' 
 With the ``terminate`` policy the process exits once that is done or after
 :data:`FAULT_DEADLINE` seconds, whichever comes first (like
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` with torch's bounded abort). A monitor thread checks
-the watchdog's heartbeat: a pass stuck for :func:`heartbeat_limit` seconds is logged with
+the watchdog's heartbeat (:mod:`cupycoll.heartbeat`): a pass stuck too long is logged with
 the watchdog's stack, and ends the process when a watched group's policy is ``terminate``.
 
 What a Work must offer the watch (duck-typed, testable with stand-ins): ``_query_done()``,
@@ -50,10 +56,10 @@ import os
 import sys
 import threading
 import time
-import traceback
 import weakref
 from typing import Callable, List, Optional, Tuple
 
+from . import heartbeat, watchdog_cuda
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 
 logger = logging.getLogger("cupycoll")
@@ -65,11 +71,6 @@ TERMINATE_EXIT_CODE = 70  # EX_SOFTWARE: an internal error ended the job on purp
 # ``raise`` logs that the abort hangs. torch bounds its abort the same way.
 FAULT_DEADLINE = 15.0
 
-# A watchdog pass only queries events and async errors (microseconds each); one that has
-# not finished in this long is stuck (the CUDA driver lock, a communicator lock held by a
-# hung abort). Scaled up for long poll intervals: see heartbeat_limit().
-HEARTBEAT_TIMEOUT = 60.0
-
 
 class Watch:
     """The watchdog's view of one group."""
@@ -77,8 +78,12 @@ class Watch:
     def __init__(self, name: str, timeout: float, interval: float,
                  communicators: Callable[[], list], on_fault: Callable[[CupycollError], None],
                  policy: str = "raise", on_done: Optional[Callable[[object], None]] = None,
-                 explain_timeout: Optional[Callable[[object, float], Optional[str]]] = None):
+                 explain_timeout: Optional[Callable[[object, float], Optional[str]]] = None,
+                 device=None):
         self.name = name
+        # The group's CUDA device (index or torch.device), current while events are queried;
+        # None until the group has one (then no guard). Settable: the device comes later.
+        self.device = device
         self.timeout = float(timeout)
         self.interval = float(interval)
         self.policy = policy
@@ -121,19 +126,24 @@ class Watch:
 
     # -- finding completed Works ---------------------------------------------------------
     def _pop_done(self) -> None:
-        """Drop the completed Works at the head. Raises what querying an event raises.
+        """Drop the completed Works at the head, releasing their tensors. Raises what querying
+        an event raises (but a refusal during a graph capture: see watchdog_cuda.query_done).
 
         The event is queried outside the lock (it may be slow); the pop then only happens if
         the head is still the Work queried, so two poppers never drop an unfinished one."""
         inflight = self.inflight
         while inflight:
             head = inflight[0]
-            if not head._query_done():
+            if not watchdog_cuda.query_done(head):
                 return
             with self._lock:
                 if not inflight or inflight[0] is not head:
                     continue
                 inflight.popleft()
+            # Its event fired: the GPU is done with its tensors. (Once closed, it may be done
+            # only because it was failed, its kernel still running: the abort releases it.)
+            if self.closed is None:
+                head._release()
             self._done(head)
 
     def _done(self, work) -> None:
@@ -151,7 +161,8 @@ class Watch:
             if self.fault is not None or self.closed is not None:
                 return False
             try:
-                self._pop_done()
+                with watchdog_cuda.on_device(self.device):
+                    self._pop_done()
             except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: not drained
                 logger.error("cupycoll: draining group %r failed: %r", self.name, exc)
                 return False
@@ -168,26 +179,30 @@ class Watch:
             return None, None
         now = time.monotonic() if now is None else now
         try:
-            self._pop_done()
-            for work in list(self.inflight):
-                if now - work._issued_at > self.timeout and not work._query_done():
-                    return CollectiveTimeoutError(
-                        f"process group {self.name!r}: {work.describe()} did not complete within "
-                        f"{self.timeout:g} s; a peer may have hung, died or skipped it"), work
-            for comm in self._communicators():
-                if self.closed is not None:  # aborted meanwhile: its comms are not ours to poll
-                    return None, None
-                error = comm.async_error()
-                if error is not None:
-                    return NcclError(error.status, error.function,
-                                     f"asynchronous error on process group {self.name!r}",
-                                     error.last_error), None
+            with watchdog_cuda.on_device(self.device):
+                return self._check(now)
         except Exception as exc:  # noqa: BLE001 - e.g. cudaEventQuery after an illegal address
             fault = CommunicatorAbortedError(
                 f"process group {self.name!r}: checking its work in flight failed ({exc!r}); "
                 f"the GPU or a communicator is in an error state")
             fault.__cause__ = exc
             return fault, None
+
+    def _check(self, now: float) -> Tuple[Optional[CupycollError], object]:
+        self._pop_done()
+        for work in list(self.inflight):
+            if now - work._issued_at > self.timeout and not watchdog_cuda.query_done(work):
+                return CollectiveTimeoutError(
+                    f"process group {self.name!r}: {work.describe()} did not complete within "
+                    f"{self.timeout:g} s; a peer may have hung, died or skipped it"), work
+        for comm in self._communicators():
+            if self.closed is not None:  # aborted meanwhile: its comms are not ours to poll
+                return None, None
+            error = comm.async_error()
+            if error is not None:
+                return NcclError(error.status, error.function,
+                                 f"asynchronous error on process group {self.name!r}",
+                                 error.last_error), None
         return None, None
 
     def poll(self, now: Optional[float] = None) -> Optional[CupycollError]:
@@ -268,11 +283,6 @@ class Watch:
         return failed
 
 
-def heartbeat_limit(interval: float) -> float:
-    """Seconds without a watchdog heartbeat after which the watchdog counts as stuck."""
-    return max(HEARTBEAT_TIMEOUT, 20 * interval)
-
-
 class Watchdog:
     """The process's watchdog thread over every registered :class:`Watch`, and the monitor
     thread that checks the watchdog's heartbeat."""
@@ -300,8 +310,9 @@ class Watchdog:
                 self._thread = threading.Thread(target=self._run, name="cupycoll-watchdog", daemon=True)
                 self._thread.start()
                 if self._monitor is None:
-                    self._monitor = threading.Thread(target=self._watch_heartbeat,
-                                                     name="cupycoll-watchdog-monitor", daemon=True)
+                    self._monitor = threading.Thread(
+                        target=heartbeat.monitor, args=(self._monitor_state, self._wake_monitor, _terminate),
+                        name="cupycoll-watchdog-monitor", daemon=True)
                     self._monitor.start()
 
     def unwatch(self, watch: Watch) -> None:
@@ -323,6 +334,8 @@ class Watchdog:
 
     def _run(self) -> None:
         try:
+            # Once per thread: querying events must not break another thread's graph capture.
+            watchdog_cuda.use_thread_local_capture_mode()
             while True:
                 interval = self._poll_once()
                 if interval is None:
@@ -357,24 +370,14 @@ class Watchdog:
             self.heartbeat = time.monotonic()
         return min(w.interval for w in watches)
 
-    def _watch_heartbeat(self) -> None:
-        """The monitor: while the watchdog runs, report (and with ``terminate``, exit) when
-        it has not completed a pass for heartbeat_limit() seconds."""
-        reported = None
-        while True:
-            with self._lock:
-                if self._thread is None:
-                    self._monitor = None
-                    return
-                watches = list(self._watches)
-                thread = self._thread
-            limit = heartbeat_limit(max((w.interval for w in watches), default=0.0))
-            beat = self.heartbeat
-            if time.monotonic() - beat > limit and reported != beat:
-                reported = beat
-                _watchdog_stuck(thread, limit, [w for w in watches if w.policy == "terminate"])
-            self._wake_monitor.wait(min(limit / 4, 5.0))
-            self._wake_monitor.clear()
+    def _monitor_state(self) -> Optional[Tuple[threading.Thread, List[Watch], float]]:
+        """For the heartbeat monitor: (the watchdog thread, the watches, the last heartbeat),
+        or None once the thread has ended (the monitor then ends too)."""
+        with self._lock:
+            if self._thread is None:
+                self._monitor = None
+                return None
+            return self._thread, list(self._watches), self.heartbeat
 
     def _after_fork_in_child(self) -> None:
         # The child has none of the parent's threads, and may hold copies of locks taken
@@ -404,17 +407,6 @@ def handle_fault(watch: Watch, fault: CupycollError, work=None) -> threading.Thr
                                   daemon=True)
     supervisor.start()
     return supervisor
-
-
-def _watchdog_stuck(thread: Optional[threading.Thread], limit: float, terminate: List[Watch]) -> None:
-    frame = sys._current_frames().get(thread.ident) if thread is not None else None
-    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(unavailable)\n"
-    message = (f"cupycoll watchdog: no heartbeat for {limit:g} s; the watchdog is stuck and no "
-               f"group's faults are being detected. Its stack:\n{stack}")
-    logger.critical(message)
-    print(message, file=sys.stderr, flush=True)
-    if terminate:
-        _terminate(terminate[0], CupycollError("the cupycoll watchdog is stuck"))
 
 
 def _terminate(watch: Watch, fault: BaseException) -> None:

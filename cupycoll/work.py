@@ -22,6 +22,7 @@ Deliberately left out: the fault detection itself (the watchdog) and any retry.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import time
 from typing import Callable, List, Optional
@@ -74,7 +75,7 @@ class CudaWork(dist.Work):
     def _failed(self, error: BaseException) -> None:
         """Issuing the queue this Work was in raised: it will never run."""
         self._flush = None
-        self._fail(CupycollError(f"{self.op_name} was never issued: {error}"), cause=error)
+        self._fail(_never_issued(self.op_name, error), cause=error)
 
     def _fail(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
         """The watchdog (or a failed issue) ends this Work with ``error``; tensors are released."""
@@ -196,6 +197,21 @@ class CudaWork(dist.Work):
 
     def get_future_result(self):
         return self.get_future()
+
+
+def _never_issued(op_name: str, error: BaseException) -> CupycollError:
+    """The error of a Work whose queue failed to issue: "<op> was never issued: <error>", of
+    ``error``'s own class when that is cupycoll's, so that ``except dist.DistBackendError``
+    and an NcclError's ``status``/``function`` still work (each Work gets its own copy)."""
+    message = f"{op_name} was never issued: {error}"
+    if isinstance(error, CupycollError):
+        try:
+            typed = copy.copy(error)  # NcclError rebuilds from its status; others keep __dict__
+            typed.args = (message,)
+            return typed
+        except Exception:  # noqa: BLE001 - a subclass that cannot be copied: the base class
+            pass
+    return CupycollError(message)
 
 
 def empty_work() -> dist.Work:

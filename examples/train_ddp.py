@@ -18,6 +18,7 @@ import gc
 import os
 import sys
 import time
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -141,13 +142,28 @@ def train(args, backend: str, store, device, initial_state, data):
     return params, mean_loss
 
 
+def share_gpu_env(rank, environ=None, nodename: Optional[str] = None) -> Dict[str, str]:
+    """What --share-gpu sets for ``rank`` before NCCL starts.
+
+    NCCL refuses two ranks on one GPU unless they look like different hosts, so each rank
+    gets a host id of its own, always (one inherited from the environment would be the same
+    on every rank). NCCL then talks to the other "hosts" over the network: it prefers
+    InfiniBand/RoCE to the loopback socket whenever the machine has an HCA, and it skips the
+    loopback interface unless told to use it; the gloo group (cupycoll's side group, and the
+    gloo half of "cpu:gloo,cuda:cupycoll") stays on loopback too, so a hostname that resolves
+    to a dead interface cannot stall the rendezvous. Those three keep a value the user set.
+    """
+    environ = os.environ if environ is None else environ
+    env = {"NCCL_HOSTID": f"{nodename or os.uname().nodename}-rank{rank}"}
+    for name, default in (("NCCL_SOCKET_IFNAME", "lo"), ("NCCL_IB_DISABLE", "1"), ("GLOO_SOCKET_IFNAME", "lo")):
+        env[name] = environ.get(name, default)
+    return env
+
+
 def main() -> int:
     args = parse_args()
     if args.share_gpu:
-        # NCCL refuses two ranks on one GPU unless they look like different hosts; it then
-        # talks over sockets, and it skips the loopback interface unless told to use it.
-        os.environ["NCCL_HOSTID"] = f"{os.uname().nodename}-rank{os.environ.get('RANK', 0)}"
-        os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+        os.environ.update(share_gpu_env(os.environ.get("RANK", 0)))
     for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         os.environ.setdefault(name, default)  # without torchrun: one rank

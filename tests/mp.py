@@ -228,18 +228,10 @@ def start_ranks(
                  expect_success if fail_fast is None else fail_fast)
 
 
-def run_ranks(
-    script: str,
-    world: int,
-    args: Sequence[str] = (),
-    timeout: float = 120.0,
-    env: Optional[Dict[str, str]] = None,
-    expect_success: bool = True,
-    share_gpu: bool = False,
-    log_dir: Optional[str] = None,
-) -> List[RankResult]:
-    """Start ``world`` ranks of ``tests/workers/<script>`` and wait for all of them."""
-    return start_ranks(script, world, args, timeout, env, expect_success, share_gpu, log_dir).wait()
+def run_ranks(script: str, world: int, *args, **kwargs) -> List[RankResult]:
+    """Start ``world`` ranks of ``tests/workers/<script>`` (:func:`start_ranks`'s arguments)
+    and wait for all of them."""
+    return start_ranks(script, world, *args, **kwargs).wait()
 
 
 def wait_all(jobs: Sequence[Ranks]) -> List[List[RankResult]]:

@@ -153,7 +153,9 @@ def test_parse_all_and_backends():
     (["-z", "2"], "-z/--blocking"),
     (["-C", "all_reduce"], "-C/--report_cputime"),
     (["-m", "0"], "-m/--agg_iters"),
-    (["-T", "soon"], "-T/--coll_timeout"),
+    (["-T", "soon"], "-T/--timeout 'soon'"),
+    (["--timeout", "-1"], "-T/--timeout"),
+    (["--run_timeout", "soon"], "--run_timeout 'soon'"),
     (["-r", "first"], "-r/--root"),
     (["--plot", "out.xyz"], "matplotlib cannot write .xyz"),
     (["--format", "csv"], "invalid choice"),
@@ -179,14 +181,35 @@ def test_parse_errors_are_one_line_usage_errors(argv, fragment):
 def test_parse_the_other_nccl_tests_flags(tmp_path):
     cfg = cli.parse(["broadcast", "-C", "1", "-a", "3", "-m", "4", "-z", "1", "-T", "60", "-r", "all",
                      "-J", str(tmp_path / "r.json"), "-F", str(tmp_path / "r.csv"), "--format", "nccl-tests",
-                     "-o", "mulsum", "-d", "f8e4m3", "--timeout", "900"])
+                     "-o", "mulsum", "-d", "f8e4m3", "--run_timeout", "900"])
     assert (cfg.report_cputime, cfg.average, cfg.agg_iters, cfg.blocking) == (True, 3, 4, True)
-    assert cfg.coll_timeout == 60 and cfg.timeout == 900 and cfg.all_roots and cfg.root == 0
+    assert cfg.coll_timeout == 60 and cfg.run_timeout == 900 and cfg.all_roots and cfg.root == 0
     assert cfg.json.endswith("r.json") and cfg.csv.endswith("r.csv") and cfg.format == "nccl-tests"
     assert cfg.ops == ["mulsum"] and cfg.dtypes == ["f8e4m3"]
     default = cli.parse([])
     assert (default.report_cputime, default.average, default.agg_iters, default.blocking) == (False, 1, 1, False)
-    assert (default.timeout, default.coll_timeout, default.all_roots, default.format) == (0, 0, False, "side-by-side")
+    assert (default.run_timeout, default.coll_timeout, default.all_roots, default.format) == (0, 0, False, "side-by-side")
+
+
+@pytest.mark.parametrize("flag", ["-T", "--timeout", "--coll_timeout"])
+def test_timeout_is_the_per_collective_timeout_as_in_nccl_tests(flag):
+    # an nccl-tests script passing --timeout 60 means each collective's limit, not the run's
+    cfg = cli.parse([flag, "60"])
+    assert cfg.coll_timeout == 60 and cfg.run_timeout == 0
+
+
+def test_run_timeout_is_the_wall_clock_limit(monkeypatch):
+    cfg = cli.parse(["--timeout", "60", "--run_timeout", "900"])
+    assert (cfg.coll_timeout, cfg.run_timeout) == (60, 900)
+    deadlines = []
+
+    def spawn(plan, argv, package, deadline):
+        deadlines.append(deadline)
+        return 0
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(launch, "spawn", spawn)
+    assert cli.main(["--device", "cpu", "--timeout", "60", "--run_timeout", "900"]) == 0
+    assert deadlines == [900]  # the launcher's deadline is --run_timeout's, never -T's
 
 
 def test_long_option_names_other_tools_use(tmp_path):
@@ -194,9 +217,10 @@ def test_long_option_names_other_tools_use(tmp_path):
     cfg = cli.parse(["all_reduce", "reduce_scatter", "--minbytes", "8", "--maxbytes", "1K", "--datatype", "float",
                      "--op", "sum", "--iters", "2", "--warmup_iters", "1", "--check", "1", "--ranks", "2",
                      "--json", str(tmp_path / "a.json"), "--plot", str(tmp_path / "a.png"),
-                     "--scenario", "overhead", "--backends", "cupycoll:nccl,torch:nccl", "--timeout", "300",
-                     "--no-progress"])
-    assert cfg.collectives == ["all_reduce", "reduce_scatter"] and cfg.ranks == 2 and cfg.timeout == 300
+                     "--scenario", "overhead", "--backends", "cupycoll:nccl,torch:nccl", "--run_timeout", "300",
+                     "--coll_timeout", "30", "--no-progress"])
+    assert cfg.collectives == ["all_reduce", "reduce_scatter"] and cfg.ranks == 2 and cfg.run_timeout == 300
+    assert cfg.coll_timeout == 30
     assert cfg.plot.endswith("a.png") and cfg.progress is False
 
 

@@ -3,7 +3,7 @@
 The ranks here are a stand-in package whose behaviour the test picks through the
 environment, so that what the launcher promises is checked directly: every rank gets its
 own environment (a distinct NCCL_HOSTID when GPUs are shared) and a rendezvous store, a
-failing rank stops the others and its stderr is shown, --timeout ends a hung run, and a
+failing rank stops the others and its stderr is shown, --run_timeout ends a hung run, and a
 killed launcher takes its ranks with it.
 """
 
@@ -90,7 +90,7 @@ def test_deadline_stops_a_hung_run(fake_package, monkeypatch, capfd):
     assert launch.spawn(launch.Plan(2, [], False, "test"), [], "fakebench", deadline=8.0) == 124
     assert time.monotonic() - start < 60
     err = capfd.readouterr().err
-    assert "--timeout 8 s" in err
+    assert "--run_timeout 8 s" in err
     assert "rank 1 is stuck in all_reduce" in err  # the other ranks' logs are shown, not lost
 
 

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import datetime
 import sys
+import types
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ class RecordingComm:
         self.calls = []
         self.size = 2
         self.rank = 0
+        self.state = "ok"  # healthy: a PREMUL_SUM launch destroys its op
 
     def __getattr__(self, verb):
         if verb == "destroy_op":
@@ -231,10 +233,17 @@ def test_mixed_device_types(group):
 
 
 def test_wrong_output_size(group):
-    expect(group, CupycollValueError, r"has 5 elements .* expected 4",
+    expect(group, CupycollValueError, r"all_gather_into_tensor output has 5 elements .* expected 4",
            lambda: group.all_gather_single(t(5), t(2), c10d.AllgatherOptions()))
-    expect(group, CupycollValueError, r"expected 6",
+    expect(group, CupycollValueError, r"reduce_scatter_tensor input has 7 elements .* expected 6",
            lambda: group.reduce_scatter_single(t(3), t(7), dist.ReduceScatterOptions()))
+
+
+def test_one_tensor_forms_name_the_tensor_whose_dtype_differs(group):
+    expect(group, CupycollTypeError, r"all_gather_into_tensor output: dtype torch.float64 differs",
+           lambda: group.all_gather_single(t(4).double(), t(2), c10d.AllgatherOptions()))
+    expect(group, CupycollTypeError, r"reduce_scatter_tensor input: dtype torch.float64 differs",
+           lambda: group.reduce_scatter_single(t(3), t(6).double(), dist.ReduceScatterOptions()))
 
 
 def test_list_length(group):
@@ -269,8 +278,11 @@ def test_bitwise_ops_rejected_by_nccl(group, op):
 
 
 class RecordingRing:
-    def __init__(self, calls):
-        self.calls = calls
+    def __init__(self, calls, prepared, backend):
+        self.calls, self.prepared, self.backend = calls, prepared, backend
+
+    def prepare(self, kind, count, dtype, op):
+        self.prepared.append((self.backend.phase, kind, count, dtype, op))
 
     def __getattr__(self, method):
         return lambda *args, **kwargs: self.calls.append((method, *args[3:5], kwargs))
@@ -278,9 +290,44 @@ class RecordingRing:
 
 @pytest.fixture
 def ring_group(group):
-    group.ring_calls = []
-    group._cuda.ring = lambda comm: RecordingRing(group.ring_calls)
+    group.ring_calls, group.ring_prepared = [], []
+    group._cuda.ring = lambda comm: RecordingRing(group.ring_calls, group.ring_prepared, group._cuda)
     return group
+
+
+def test_a_ring_call_compiles_its_kernels_before_anything_launches(ring_group):
+    with cupycoll.algorithm("ring"):
+        ring_group.allreduce([t(3, dtype=torch.bfloat16)], ar_opts(R.SUM))
+        rs = c10d.ReduceScatterOptions()
+        ring_group.reduce_scatter_single(t(2), t(4), rs)
+        ring_group.reduce_scatter([t(2)], [[t(2), t(2)]], rs)
+    assert ring_group.ring_prepared == [("prepare", "all_reduce", 3, "bfloat16", "sum"),
+                                        ("prepare", "reduce_scatter", 2, "float32", "sum"),
+                                        ("prepare", "reduce_scatter", 2, "float32", "sum")]
+    assert [c[0] for c in ring_group.ring_calls] == ["all_reduce", "reduce_scatter", "reduce_scatter"]
+
+
+def test_a_ring_whose_kernels_fail_to_compile_launches_nothing(ring_group):
+    def fail(kind, count, dtype, op):
+        raise CupycollError(f"NVRTC could not compile the {dtype} {op} ring kernels")
+
+    ring_group._cuda.ring = lambda comm: types.SimpleNamespace(prepare=fail, all_reduce=ring_group.ring_calls.append)
+    with cupycoll.algorithm("ring"), pytest.raises(CupycollError, match="could not compile"):
+        ring_group.allreduce([t(2, dtype=torch.int32)], ar_opts(R.BXOR))
+    assert ring_group.ring_calls == [] and ring_group.submitted == []
+
+
+@pytest.mark.parametrize("world, compiles", [(1, False), (2, True), (4, True)])
+def test_ring_prepare_compiles_only_what_the_call_needs(monkeypatch, world, compiles):
+    from cupycoll import ring as ring_module
+    compiled = []
+    monkeypatch.setattr(ring_module, "compile_module", lambda *key: compiled.append(key))
+    ring = object.__new__(ring_module.Ring)  # no scratch, no stream: prepare needs neither
+    ring._comm = types.SimpleNamespace(rank=0, size=world, device=3)
+    ring.scratch_bytes = ring_module.DEFAULT_RING_SCRATCH_BYTES
+    ring.prepare("all_reduce", 1000, "float16", "sum")
+    ring.prepare("reduce_scatter", 0, "float16", "sum")  # nothing to reduce: nothing to compile
+    assert compiled == ([(3, "float16", "sum")] if compiles else [])
 
 
 @pytest.mark.parametrize("op", [R.BAND, R.BOR, R.BXOR])
@@ -398,6 +445,19 @@ def test_missing_cupy_names_the_extra(monkeypatch):
             _cuda.nccl_module()
     finally:
         _cuda.nccl_module.cache_clear()
+
+
+def test_missing_cupy_names_the_checkout_install(monkeypatch):
+    _cuda.nccl_module.cache_clear()
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    try:
+        with pytest.raises(MissingDependencyError) as raised:
+            _cuda.nccl_module()
+    finally:
+        _cuda.nccl_module.cache_clear()
+    # a user of a checkout (not of the PyPI name) gets the command that works there
+    assert "pip install -e '.[cuda12]'" in str(raised.value)
+    assert "-e '.[cuda13]'" in str(raised.value)
 
 
 def test_missing_nccl_names_the_extra(monkeypatch):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import _args, compat
+from cupycoll import _args, compat, config
 from cupycoll.errors import CupycollValueError
 from installed import cupycoll_entry_points
 from mp import run_ranks
@@ -206,6 +206,40 @@ def test_gloo_reduce_scatter_base_by_version(gloo_cases):
 # ------------------------------------------------------- group construction and init
 
 
+def test_process_group_shutdown_by_version():
+    # pytorch#148798 added it for torch 2.7; run here: absent on 2.4, present on 2.11 - 2.15
+    assert compat.PROCESS_GROUP_HAS_SHUTDOWN == hasattr(dist.ProcessGroup, "shutdown")
+    assert compat.PROCESS_GROUP_HAS_SHUTDOWN == (compat.TORCH >= (2, 7))
+
+
+def test_set_default_backend_by_version():
+    group = compat.plain_process_group(dist.HashStore(), 0, 1)
+    has = hasattr(group, "_set_default_backend")
+    if compat.TORCH >= (2, 11):
+        assert has
+    elif compat.TORCH < (2, 5):  # 2.4: the default comes from the constructor's Options
+        assert not has
+    compat.set_default_backend(group, dist.ProcessGroup.BackendType.GLOO)  # no error either way
+
+
+def test_tensor_collective_names_by_version(recwarn):
+    # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to the *_single names
+    renamed = compat.TORCH >= (2, 13)
+    assert hasattr(dist, "all_gather_single") == hasattr(dist, "reduce_scatter_single") == renamed
+    expected = ((dist.all_gather_single, dist.reduce_scatter_single) if renamed
+                else (dist.all_gather_into_tensor, dist.reduce_scatter_tensor))
+    assert (compat.all_gather_single, compat.reduce_scatter_single) == expected
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out = torch.zeros(2)
+        compat.all_gather_single(out, torch.ones(2))
+        compat.reduce_scatter_single(out, torch.full((2,), 3.0))
+        assert torch.equal(out, torch.full((2,), 3.0))
+    finally:
+        dist.destroy_process_group()
+    assert not [w for w in recwarn if "deprecated" in str(w.message)]  # what the rename is for
+
+
 def test_plain_process_group():
     group = compat.plain_process_group(dist.HashStore(), 1, 3)
     assert isinstance(group, dist.ProcessGroup)
@@ -216,7 +250,7 @@ def test_gloo_kept_until_exit_only_without_shutdown():
     before = len(compat._KEPT_UNTIL_EXIT)
     group = cupycoll.ProcessGroupCupycoll(dist.HashStore(), 0, 1)
     kept = compat._KEPT_UNTIL_EXIT[before:]
-    if hasattr(dist.ProcessGroup, "shutdown"):
+    if compat.PROCESS_GROUP_HAS_SHUTDOWN:
         assert kept == []
     else:  # torch 2.4: freeing it could hang (pytorch#56297)
         assert len(kept) == 1 and isinstance(kept[0], dist.ProcessGroupGloo)
@@ -263,18 +297,80 @@ def test_split_source_offered_only_to_cupycoll_groups(world_of_one):
     pg.bound_device_id = cuda0  # as init_process_group(device_id=...) does; no GPU needed here
     try:
         if len(inspect.signature(source).parameters) == 2:
-            # torch 2.15 (not 2.13) compares the backend names itself: a new "nccl" group
-            # (nccl2 by default in 2.15) never gets cupycoll's handle to split from.
-            assert compat.TORCH >= (2, 14)
+            # torch 2.15 compares the backend names itself: a new "nccl" group (nccl2 by
+            # default in 2.15) never gets cupycoll's handle to split from.
+            assert compat.TORCH >= (2, 15)
             assert source(pg, "nccl") is None
             assert source(pg, "cupycoll") is pg._get_backend(cuda0)
         else:
-            # Older torch asks the handle alone; it answers "yes" only while torch builds a
-            # cupycoll group (its frame check), and here, outside any build, it does.
+            # Older torch (2.13 run here; 2.14.1's distributed_c10d.py too) asks the handle
+            # alone; it answers "yes" only while torch builds a cupycoll group (its frame
+            # check), and here, outside any build, it does.
             assert compat.TORCH <= (2, 14)
             assert source(pg) is pg._get_backend(cuda0)
     finally:
         pg.bound_device_id = None
+
+
+def test_pg_options_reach_the_group_settings():
+    """``pg_options=cupycoll.Options(...)`` given to init_process_group with a per-device
+    backend string, and to new_group, reaches the group cupycoll builds: torch hands it to
+    the creator on every supported version."""
+    dist.init_process_group("cpu:gloo,cuda:cupycoll", store=dist.HashStore(), rank=0,
+                            world_size=1, pg_options=cupycoll.Options(timeout=42, algorithm="ring"))
+    try:
+        world = dist.group.WORLD
+        assert isinstance(world, cupycoll.ProcessGroupCupycoll)
+        assert world.settings.timeout == datetime.timedelta(seconds=42)
+        assert world.settings.algorithm == "ring"
+        # the CPU route's gloo runs with the same timeout
+        gloo = world._get_backend(torch.device("cpu"))
+        assert gloo.options._timeout == datetime.timedelta(seconds=42)
+        sub = dist.new_group([0], pg_options=cupycoll.Options(timeout=17, check_collectives=True))
+        plain = dist.new_group([0])
+        assert all(isinstance(g, cupycoll.ProcessGroupCupycoll) for g in (sub, plain))
+        assert sub.settings.timeout == datetime.timedelta(seconds=17)
+        assert sub.settings.check_collectives and sub.settings.algorithm == "auto"
+        # without options a subgroup gets the defaults, not the default group's options
+        assert plain.settings == config.resolve(None, None)
+        t = torch.ones(2)
+        dist.all_reduce(t, group=sub)
+        assert torch.equal(t, torch.ones(2))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(compat.TORCH < (2, 15),
+                    reason="torch < 2.15 attaches no flight-recorder hook to a new group")
+def test_torch_flight_recorder_hook_on_a_cupycoll_group(monkeypatch):
+    """What torch 2.15's auto-attached flight-recorder hook records for a cupycoll group: the
+    hook itself nothing (cupycoll's Python methods replace the C++ ones it wraps), so torch's
+    dump holds each CPU call once, as the inner gloo's own entry, under an empty group name
+    (the inner gloo has none), as on 2.11 and 2.13 without a hook."""
+    import json
+
+    from torch._C import _distributed_c10d as c10d
+
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)  # 0 would attach no hook
+    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
+    dist.init_process_group("cpu:gloo,cuda:cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pg = dist.group.WORLD
+        assert pg in dist.distributed_c10d._world.pg_flight_recorder_hooks
+        c10d._reset_fr_trace()  # the recorder is per process: drop other tests' entries
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        dist.broadcast(t, 0)
+        dist.all_reduce(torch.ones(5))
+        entries = json.loads(c10d._dump_fr_trace_json()).get("entries", [])
+        assert [(e["collective_seq_id"], e["profiling_name"], e["input_sizes"], e["process_group"])
+                for e in entries] == [(1, "gloo:all_reduce", [[3]], ["", ""]),
+                                      (2, "gloo:broadcast", [[3]], ["", ""]),
+                                      (3, "gloo:all_reduce", [[5]], ["", ""])]
+        # the hook would file its own entries under the backend serving the call: none
+        assert json.loads(c10d._dump_fr_trace_json(backend="cupycoll")).get("entries", []) == []
+    finally:
+        dist.destroy_process_group()
 
 
 def test_pg_options_do_not_shadow_torch(world_of_one):
@@ -286,12 +382,12 @@ def test_pg_options_do_not_shadow_torch(world_of_one):
 
 
 def test_lazy_backend_entry_point():
-    """torch 2.15 loads the ``torch.distributed.backends`` entry point named like the
+    """torch 2.14+ loads the ``torch.distributed.backends`` entry point named like the
     backend string when init_process_group meets an unknown name; cupycoll declares one,
     so it works with the import-time ``torch.backends`` autoload switched off."""
     assert hasattr(dist.Backend, "_ensure_backend_registered") == compat.TORCH_LAZY_BACKEND_ENTRY_POINTS
     if not compat.TORCH_LAZY_BACKEND_ENTRY_POINTS:
-        pytest.skip(f"torch {torch.__version__} has no lazy backend entry points (2.15 added them)")
+        pytest.skip(f"torch {torch.__version__} has no lazy backend entry points (2.14 added them)")
     if not cupycoll_entry_points("torch.distributed.backends"):
         pytest.skip("cupycoll is not pip-installed here, so its entry points are absent")
     code = ("import torch.distributed as dist, sys\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import subprocess
 import sys
 
@@ -208,6 +209,125 @@ def test_backend_errors_are_torch_dist_backend_errors():
             raise error
     assert isinstance(CollectiveTimeoutError("late"), TimeoutError)
     assert not isinstance(CupycollValueError("x"), dist.DistBackendError)
+
+
+def _readme_error_table():
+    """The README's errors table as {class name: the names in "also an instance of"}."""
+    readme = os.path.join(os.path.dirname(config.__file__), "..", "README.md")
+    section = open(readme).read().split("\n### Errors\n", 1)[1].split("\n### ", 1)[0]
+    table = {}
+    for row in section.splitlines():
+        if not row.startswith("| `"):
+            continue
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        assert len(cells) == 3, row
+        bases = [name.rsplit(".", 1)[-1] for name in re.findall(r"`([\w.]+)`", cells[2])]
+        for name in re.findall(r"`(\w+)`", cells[0]):
+            assert name not in table, f"{name} has two rows"
+            table[name] = bases
+    return table
+
+
+def test_every_exported_error_is_in_the_readme_errors_table_and_nothing_else():
+    from cupycoll import errors
+
+    defined = {name for name, value in vars(errors).items()
+               if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == errors.__name__}
+    exported = {name for name in cupycoll.__all__ if name not in cupycoll._LAZY
+                and isinstance(getattr(cupycoll, name), type) and issubclass(getattr(cupycoll, name), BaseException)}
+    assert exported == defined  # every public class of errors.py is exported, and only those
+    table = _readme_error_table()
+    assert set(table) == exported
+    for name, documented in table.items():
+        # "also an instance of" lists exactly the class's bases from outside the family
+        outside = {base.__name__ for base in getattr(cupycoll, name).__bases__
+                   if not issubclass(base, cupycoll.CupycollError)}
+        assert set(documented) == outside, name
+
+
+@pytest.mark.parametrize("torch_cuda, cupy_major, expected", [
+    (None, 12, None),             # a CPU (or ROCm) torch build: nothing to agree with
+    ("12.1", 12, None),
+    ("13.0", 13, None),
+    ("12.8", None, None),         # CuPy's major unknown (a ROCm CuPy)
+    ("13.0", 12, ("CUDA 13 build", "built for CUDA 12", "cupy-cuda12x", "pip install 'cupycoll[cuda13]'",
+                  "pip install -e '.[cuda13]'")),
+    ("12.6", 13, ("CUDA 12 build", "built for CUDA 13", "pip install 'cupycoll[cuda12]'",
+                  "pip install -e '.[cuda12]'")),
+])
+def test_mixed_cuda_stack_warning_names_both_majors_and_the_extra(torch_cuda, cupy_major, expected):
+    from cupycoll import _cuda
+
+    message = _cuda.mixed_stack_warning(torch_cuda, cupy_major)
+    if expected is None:
+        assert message is None
+    else:
+        for part in expected:
+            assert part in message, (part, message)
+
+
+def test_mixed_cuda_stack_without_an_extra_names_no_extra():
+    from cupycoll import _cuda
+
+    message = _cuda.mixed_stack_warning("14.0", 13)
+    assert "CUDA 14 build" in message and "cupycoll[" not in message
+
+
+def _cupy_wheel_major():
+    import importlib.metadata
+
+    names = [(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()]
+    majors = [int(m.group(1)) for m in (re.fullmatch(r"cupy-cuda(\d+)x", n) for n in names) if m]
+    return majors[0] if len(majors) == 1 else None
+
+
+def test_cupy_cuda_major_needs_no_gpu_and_matches_the_wheel(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    from cupycoll import _cuda
+
+    wheel = _cupy_wheel_major()
+    if wheel is None:
+        pytest.skip("no single cupy-cudaNNx wheel installed")
+    assert _cuda.cupy_cuda_major(cupy) == wheel
+
+    def fails():
+        raise cupy.cuda.runtime.CUDARuntimeError(35)  # cudaErrorInsufficientDriver
+    monkeypatch.setattr(cupy.cuda.runtime, "runtimeGetVersion", fails)
+    assert _cuda.cupy_cuda_major(cupy) == wheel  # from the wheel's name instead
+
+
+def test_the_installed_stack_is_consistent_and_does_not_warn():
+    import warnings
+
+    cupy = pytest.importorskip("cupy")
+    from cupycoll import _cuda
+
+    # Every CI leg installs torch and CuPy for one CUDA major (or a CPU torch build)
+    if torch.version.cuda:
+        assert int(torch.version.cuda.split(".")[0]) == _cuda.cupy_cuda_major(cupy)
+    _cuda._warn_on_mixed_stack.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _cuda._warn_on_mixed_stack() is None
+    finally:
+        _cuda._warn_on_mixed_stack.cache_clear()
+
+
+def test_a_mixed_stack_warns_once(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    from cupycoll import _cuda
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(_cuda, "cupy_cuda_major", lambda module: 12)
+    _cuda._warn_on_mixed_stack.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"CUDA 13 build.*built for CUDA 12") as caught:
+            _cuda._cupy_ready_to_compile()
+            _cuda._cupy_ready_to_compile()
+        assert len([w for w in caught if "CUDA 13 build" in str(w.message)]) == 1
+    finally:
+        _cuda._warn_on_mixed_stack.cache_clear()
 
 
 def test_import_registers_idempotently():

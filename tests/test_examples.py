@@ -7,6 +7,8 @@ torch's C++ reducer) trains exactly as DDP on plain gloo. The GPU runs are in th
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -84,3 +86,55 @@ def test_demo_without_gpu_says_what_it_needs():
     message = proc.stdout + proc.stderr
     assert "NVIDIA GPU" in message, explain(proc)
     assert "[cuda12]" in message and "CuPy" in message and "NCCL" in message, explain(proc)
+
+
+def _load_train_ddp():
+    spec = importlib.util.spec_from_file_location("train_ddp_under_test", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_share_gpu_env_gives_each_rank_a_host_on_loopback_without_infiniband():
+    train_ddp = _load_train_ddp()
+    assert train_ddp.share_gpu_env(0, environ={}, nodename="box") == {
+        "NCCL_HOSTID": "box-rank0", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    assert train_ddp.share_gpu_env("1", environ={}, nodename="box")["NCCL_HOSTID"] == "box-rank1"
+    # the user's interfaces and IB choice win; a host id shared by every rank would not work
+    user = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "0", "GLOO_SOCKET_IFNAME": "eth0",
+            "NCCL_HOSTID": "same-on-every-rank"}
+    assert train_ddp.share_gpu_env(1, environ=user, nodename="box") == dict(user, NCCL_HOSTID="box-rank1")
+
+
+class _StopAfterEnv(Exception):
+    pass
+
+
+def test_share_gpu_flag_puts_that_environment_in_place_before_the_device_is_picked(monkeypatch):
+    train_ddp = _load_train_ddp()
+    environ = {"RANK": "1", "NCCL_SOCKET_IFNAME": "ib0"}
+    seen = {}
+
+    def pick_device(args):
+        seen.update(environ)
+        raise _StopAfterEnv
+
+    # os.environ replaced for main() only: what it sets must not leak into this process
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr(train_ddp, "pick_device", pick_device)
+    monkeypatch.setattr("sys.argv", ["train_ddp.py", "--share-gpu"])
+    with pytest.raises(_StopAfterEnv):
+        train_ddp.main()
+    assert seen["NCCL_HOSTID"] == f"{os.uname().nodename}-rank1"
+    assert seen["NCCL_IB_DISABLE"] == "1" and seen["GLOO_SOCKET_IFNAME"] == "lo"
+    assert seen["NCCL_SOCKET_IFNAME"] == "ib0"  # set by the user: kept
+
+    # without the flag, nothing of it is set
+    environ.clear()
+    seen.clear()
+    environ["RANK"] = "0"
+    monkeypatch.setattr("sys.argv", ["train_ddp.py"])
+    with pytest.raises(_StopAfterEnv):
+        train_ddp.main()
+    assert seen["RANK"] == "0"
+    assert not {"NCCL_HOSTID", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} & set(seen)

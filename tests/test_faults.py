@@ -354,6 +354,8 @@ def polling_comm(states, timeout=5.0):
     comm.timeout = timeout
     comm.state = "ok"
     comm._lock = threading.Lock()
+    comm._idle = threading.Condition(comm._lock)
+    comm._callers = []
     return comm
 
 
@@ -499,10 +501,10 @@ def test_a_communicator_that_aborts_itself_faults_its_group(monkeypatch, no_devi
         group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
 
 
-def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device):
-    # D9: ncclGroupEnd launched the calls enqueued before the error, a batch the peers'
-    # full one no longer matches; the communicator must be aborted and its owner told.
-    events, told = [], []
+def grouping_comm():
+    """A communicator whose library records ``ncclGroupStart``/``End`` and ``ncclCommAbort``
+    in order; (communicator, the list they are recorded in)."""
+    events = []
 
     class GroupLibrary(ScriptedLibrary):
         def ncclGroupStart(self):
@@ -519,6 +521,14 @@ def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device)
 
     comm = polling_comm([nb.ncclSuccess])
     comm._lib = GroupLibrary([nb.ncclSuccess])
+    return comm, events
+
+
+def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device):
+    # D9: ncclGroupEnd launched the calls enqueued before the error, a batch the peers'
+    # full one no longer matches; the communicator must be aborted and its owner told.
+    told = []
+    comm, events = grouping_comm()
     comm.on_abort = told.append
     staging = torch.ones(4)
     with pytest.raises(MemoryError):
@@ -529,11 +539,10 @@ def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device)
     assert events == ["start", "start", "end", "end", "abort"]
     assert comm.state == "aborted" and isinstance(told[0], MemoryError) and staging.sum() == 4
     # a healthy group afterwards polls, aborts nothing
-    other = polling_comm([nb.ncclSuccess])
-    other._lib = GroupLibrary([nb.ncclSuccess])
+    other, other_events = grouping_comm()
     with other.group():
         other._settle("ncclSend", nb.ncclSuccess)
-    assert other.state == "ok"
+    assert other.state == "ok" and other_events == ["start", "end"]
 
 
 def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
@@ -610,22 +619,10 @@ def test_a_hung_abort_does_not_stall_async_error(no_device):
 def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):
     # D9: fallible Python steps (staging, PREMUL_SUM ops) run as prepares before the NCCL
     # group opens; one that raises leaves NCCL untouched, fails the batch, faults nothing.
-    events = []
-
-    class GroupLibrary(ScriptedLibrary):
-        def ncclGroupStart(self):
-            events.append("start")
-            return 0
-
-        def ncclGroupEnd(self):
-            events.append("end")
-            return 0
-
     from cupycoll.call_queue import Issue
     group = make_group()
     cuda = group._cuda
-    comm = polling_comm([nb.ncclSuccess])
-    comm._lib = GroupLibrary([nb.ncclSuccess])
+    comm, events = grouping_comm()
     comm.on_abort = cuda._fault_once
     cuda.comm, cuda.device = comm, CUDA
     cuda.calls._enqueue = lambda issues: cuda._launch_all(issues, {1: comm}, 0)

@@ -7,9 +7,12 @@ a communicator creation that times out, and the tier's split into parts with bud
 
 from __future__ import annotations
 
+import ast
+import collections
 import datetime
 import importlib
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +28,9 @@ from cupycoll import _args, _cuda
 from cupycoll import bootstrap as bootstrap_module
 from cupycoll import nccl_bindings as nb
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
-from gpu.tier import COMMAND_LIMIT_S, GPU_TIER, GPU_TIER_BUDGETS_S, GPU_TIER_ESTIMATES_S, pytest_command
+from gpu import tier
+from gpu.tier import (COMMAND_LIMIT_S, GPU_TIER, GPU_TIER_BUDGETS_S, GPU_TIER_ESTIMATES_S, PART_START_S,
+                      pytest_command)
 from standins import CUDA, CpuAsCudaGroup
 from workers import api_plan, api_worker
 
@@ -323,13 +328,168 @@ def test_the_tier_runs_semantics_first_and_every_part_fits_one_command():
                                                       "tests/gpu/x.py"]
 
 
+# How each part's subprocesses run, read from its test file: stages one after another, the
+# runs of a stage side by side. A string is a key of the file's SUBPROCESS_LIMITS_S, a number
+# a limit written at the call. The bench part declares its order (SEQUENTIAL_RUNS).
+RUN_STAGES = {
+    # one torchrun (test_ddp_parity_with_torch_nccl); the other tests run in pytest's process
+    "semantics": [["ddp parity"]],
+    # the `runs` fixture starts all four suite runs, then waits for them
+    "api": [["suite runs"]],
+    # test_ring_under_algorithm_context_and_options starts three runs, then wait_all
+    "ring": [["ring run"]],
+    # the `launched` fixture starts the suites and every §5.1 launch at once; after the CUDA
+    # hang's launch, `python -m cupycoll.trace` reads its dumps (timeout=60)
+    "faults": [["suite launch", "cold skip", "kill mid-DDP", "cycles", "CUDA hang"], [60]],
+}
+
+
+def _stages(name, module):
+    if name in RUN_STAGES:
+        return RUN_STAGES[name]
+    return [[label] for label in module.SEQUENTIAL_RUNS]
+
+
+def _limits_at_calls(path):
+    """What each ``timeout=`` keyword of a call in ``path`` says: a SUBPROCESS_LIMITS_S key, a
+    number, or nothing (a variable passed on, a timedelta, a helper such as _limit)."""
+    found = []
+    for node in ast.walk(ast.parse((ROOT / path).read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        for keyword in node.keywords:
+            value = keyword.value
+            if keyword.arg != "timeout":
+                continue
+            if (isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name)
+                    and value.value.id == "SUBPROCESS_LIMITS_S" and isinstance(value.slice, ast.Constant)):
+                found.append(value.slice.value)
+            elif isinstance(value, ast.Constant) and isinstance(value.value, (int, float)):
+                found.append(value.value)
+    return found
+
+
 @pytest.mark.parametrize("name, path, budget", GPU_TIER, ids=[p[0] for p in GPU_TIER])
 def test_every_subprocess_limit_is_below_its_parts_budget(name, path, budget):
-    # so that a hang fails inside the part, with the ranks' output, before the part is killed
+    # so that a hang fails inside the part, with the ranks' output, before the part is killed:
+    # pytest's start plus each stage's longest limit, stage after stage, must fit the budget
     module = importlib.import_module("gpu." + Path(path).stem)
     limits = module.SUBPROCESS_LIMITS_S
     assert limits and max(limits.values()) < budget, limits
     assert module.BUDGET_S == budget
+    stages = _stages(name, module)
+    named = [entry for stage in stages for entry in stage]
+    # the plan names every limit the file declares, and every limit its calls use
+    assert {e for e in named if isinstance(e, str)} == set(limits), (named, limits)
+    assert set(_limits_at_calls(path)) <= set(named), (_limits_at_calls(path), named)
+    worst = PART_START_S + sum(max(limits[e] if isinstance(e, str) else e for e in stage) for stage in stages)
+    assert worst <= budget, f"{name}: {PART_START_S} s start + {stages} = {worst} s > budget {budget} s"
+
+
+def test_the_bench_part_declares_each_run_once_per_call_that_makes_it():
+    # each call site runs once, so its SEQUENTIAL_RUNS must list each limit once per call
+    bench = importlib.import_module("gpu.test_gpu_bench")
+    assert collections.Counter(_limits_at_calls("tests/gpu/test_gpu_bench.py")) == collections.Counter(
+        bench.SEQUENTIAL_RUNS)
+    assert PART_START_S + sum(bench.SUBPROCESS_LIMITS_S[r] for r in bench.SEQUENTIAL_RUNS) <= bench.BUDGET_S
+
+
+def test_the_sequential_check_catches_runs_that_add_up_past_the_budget():
+    # the old bench part: limits 100+45+60+60+100+90 = 455 s in turn in a 180 s part
+    old = {"smoke": 100, "plot": 45, "types": 60, "scenarios": 100, "torchrun": 90}
+    runs = ["smoke", "plot", "types", "types", "scenarios", "torchrun"]
+    assert max(old.values()) < 180  # what the old check looked at: it passed
+    assert PART_START_S + sum(old[r] for r in runs) > 180
+
+
+# -- --run within one command's budget (tests/gpu/tier.py run_parts) ---------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _simulate(parts, budget_s, takes):
+    """run_parts with each part taking ``takes(name, budget)`` seconds of a fake clock."""
+    clock, ran = FakeClock(), []
+
+    def run(name, path, budget):
+        ran.append(name)
+        clock.now += takes(name, budget)
+        return 0
+
+    return tier.run_parts(parts, budget_s, run=run, clock=clock), ran
+
+
+def test_the_tier_runs_in_one_command_when_parts_take_their_estimates(capsys):
+    statuses, ran = _simulate(GPU_TIER, COMMAND_LIMIT_S, lambda name, budget: GPU_TIER_ESTIMATES_S[name])
+    assert ran == [name for name, _, _ in GPU_TIER]
+    assert tier.summary(statuses) == ("=== GPU tier: semantics passed, api passed, ring passed, faults passed, "
+                                      "bench passed", 0)
+    assert "NOT RUN" not in capsys.readouterr().out
+
+
+def test_a_part_that_no_longer_fits_is_not_run_and_named(capsys):
+    # the worst case: every part takes its whole budget; the first four still fit one command
+    first_four = [name for name, _, _ in GPU_TIER][:4]
+    assert sum(GPU_TIER_BUDGETS_S[n] for n in first_four) <= COMMAND_LIMIT_S
+    statuses, ran = _simulate(GPU_TIER, COMMAND_LIMIT_S, lambda name, budget: budget)
+    assert ran == first_four
+    line, status = tier.summary(statuses)
+    assert status == tier.NOT_RUN_EXIT == 3
+    assert line.endswith("faults passed, bench not run: over the command budget, run `make test-gpu-bench`")
+    out = capsys.readouterr().out
+    assert "part 'bench' NOT RUN" in out and "run `make test-gpu-bench`" in out
+    # ... and it fits a command of its own
+    statuses, ran = _simulate([p for p in GPU_TIER if p[0] == "bench"], COMMAND_LIMIT_S, lambda n, b: b)
+    assert ran == ["bench"] and tier.summary(statuses)[1] == 0
+
+
+def test_a_later_part_that_still_fits_runs_and_a_failure_outranks_a_skip():
+    parts = [("a", "-", 100), ("big", "-", 300), ("small", "-", 50)]
+    clock, ran = FakeClock(), []
+
+    def run(name, path, budget):
+        ran.append(name)
+        clock.now += 100
+        return 1 if name == "small" else 0
+
+    statuses = tier.run_parts(parts, 300, run=run, clock=clock)
+    assert ran == ["a", "small"] and statuses["big"] == tier.NOT_RUN
+    line, status = tier.summary(statuses)
+    assert status == 1
+    assert line == ("=== GPU tier: a passed, big not run: over the command budget, run `make test-gpu-big`, "
+                    "small FAILED (exit 1)")
+
+
+def test_tier_run_with_stand_in_commands_kills_overruns_and_skips_what_does_not_fit(monkeypatch, capsys):
+    # main() end to end, real processes: stand-in parts instead of pytest on the GPU files
+    commands = {"quick": "pass", "failing": "raise SystemExit(1)", "hung": "import time; time.sleep(60)",
+                "big": "pass", "late": "pass"}
+    parts = [("quick", "-", 5), ("failing", "-", 5), ("hung", "-", 1), ("big", "-", 60), ("late", "-", 5)]
+    real_run_part = tier.run_part
+    monkeypatch.setattr(tier, "check", lambda: [])
+    monkeypatch.setattr(tier, "GPU_TIER", parts)
+    monkeypatch.setattr(tier, "run_part", lambda name, path, budget: real_run_part(
+        name, path, budget, cmd=[sys.executable, "-c", commands[name]]))
+    start = time.monotonic()
+    status = tier.main(["--run", "--budget", "12"])
+    assert time.monotonic() - start < 10  # the hung stand-in was killed after its 1 s
+    out = capsys.readouterr().out
+    assert status == 1
+    assert out.rstrip().splitlines()[-1] == (
+        "=== GPU tier: quick passed, failing FAILED (exit 1), hung FAILED (exit 124), "
+        "big not run: over the command budget, run `make test-gpu-big`, late passed")
+    assert "part 'hung' ran past its budget of 1 s and was killed" in out
+    assert "part 'big' NOT RUN: its budget is 60 s" in out
+
+    # nothing failed, something not run: its own exit status
+    assert tier.main(["--run", "quick", "big", "--budget", "12"]) == tier.NOT_RUN_EXIT
+    assert tier.main(["--run", "quick", "late"]) == 0
 
 
 def test_the_fault_suite_runs_every_scenario_and_kills_a_rank_last():
@@ -426,3 +586,92 @@ def test_verify_gpu_records_the_figures_a_tier_part_prints():
     assert figures["passed"] == 7 and figures["failed"] == 0
     assert figures["cold skip nonblocking"] == "error after 5.21 s (timeout 5 s)"
     assert figures["CUDA hang error"] == "after 6.80 s (timeout 5 s)"
+
+
+# -- the environment stage's nvidia-smi figures (tools/gpu_env.py) -----------------------------
+
+H100_SMI = "NVIDIA H100 80GB HBM3, 580.65.06, 81559 MiB, {mode}, {mig}\n"
+
+
+def test_nvidia_smi_figures_in_the_default_compute_mode_are_no_problem():
+    from tools import gpu_env
+
+    info = gpu_env.parse_nvidia_smi(H100_SMI.format(mode="Default", mig="Disabled"))
+    assert info == {"smi_name": "NVIDIA H100 80GB HBM3", "driver": "580.65.06", "smi_memory": "81559 MiB",
+                    "compute_modes": ["Default"], "compute_mode": "Default", "mig_mode": "Disabled"}
+    assert gpu_env.smi_problems(info) == []
+
+
+@pytest.mark.parametrize("mode", ["Exclusive_Process", "Prohibited"])
+def test_a_compute_mode_other_than_default_is_a_problem(mode):
+    from tools import gpu_env
+
+    info = gpu_env.parse_nvidia_smi(H100_SMI.format(mode=mode, mig="Disabled"))
+    (problem,) = gpu_env.smi_problems(info)
+    assert f"GPU 0 is in compute mode {mode}, not Default" in problem
+    assert "nvidia-smi -i 0 -c DEFAULT" in problem
+
+
+def test_each_gpus_modes_are_read_and_the_odd_one_named():
+    from tools import gpu_env
+
+    text = ("NVIDIA A100-SXM4-80GB, 550.54.15, 81920 MiB, Default, Enabled\n"
+            "NVIDIA A100-SXM4-80GB, 550.54.15, 81920 MiB, Exclusive_Process, Disabled\n")
+    info = gpu_env.parse_nvidia_smi(text)
+    assert info["compute_mode"] == "GPU 0: Default; GPU 1: Exclusive_Process"
+    assert info["mig_mode"] == "GPU 0: Enabled; GPU 1: Disabled"
+    (problem,) = gpu_env.smi_problems(info)
+    assert problem.startswith("GPU 1 is in compute mode Exclusive_Process")
+    # a GPU without MIG says [N/A]; a driver without the field gives four columns
+    assert gpu_env.parse_nvidia_smi(H100_SMI.format(mode="Default", mig="[N/A]"))["mig_mode"] == "[N/A]"
+    assert "mig_mode" not in gpu_env.parse_nvidia_smi("Tesla V100-SXM2-16GB, 418.87.01, 16130 MiB, Default\n")
+
+
+def test_unreadable_nvidia_smi_output_is_recorded_as_is():
+    from tools import gpu_env
+
+    assert gpu_env.parse_nvidia_smi("", "No devices were found\n") == {"nvidia_smi": "No devices were found"}
+    assert gpu_env.parse_nvidia_smi("") == {"nvidia_smi": "no output"}
+    assert gpu_env.smi_problems(gpu_env.parse_nvidia_smi("garbage")) == []
+
+
+def _fake_smi(calls, mode="Exclusive_Process", knows_mig=True):
+    def run(argv, **kwargs):
+        calls.append(argv)
+        if "mig.mode.current" in argv[1] and not knows_mig:
+            return subprocess.CompletedProcess(argv, 2, "", 'Field "mig.mode.current" is not a valid field to query.\n')
+        columns = H100_SMI.format(mode=mode, mig="Disabled") if knows_mig else \
+            H100_SMI.format(mode=mode, mig="").rstrip(", \n") + "\n"
+        return subprocess.CompletedProcess(argv, 0, columns, "")
+    return run
+
+
+def test_a_driver_without_the_mig_field_is_asked_again_without_it(monkeypatch):
+    from tools import gpu_env
+
+    calls = []
+    monkeypatch.setattr(gpu_env.subprocess, "run", _fake_smi(calls, mode="Default", knows_mig=False))
+    info = gpu_env._nvidia_smi()
+    assert [c[1] for c in calls] == ["--query-gpu=name,driver_version,memory.total,compute_mode,mig.mode.current",
+                                     "--query-gpu=name,driver_version,memory.total,compute_mode"]
+    assert info["compute_mode"] == "Default" and "mig_mode" not in info and "nvidia_smi" not in info
+
+
+def test_the_environment_stage_reports_an_exclusive_gpu_as_a_problem(monkeypatch, tmp_path, capsys):
+    # collect() and main() as make verify-gpu runs them, with nvidia-smi's answer canned
+    from tools import gpu_env
+
+    monkeypatch.setattr(gpu_env.subprocess, "run", _fake_smi([]))
+    out_json = tmp_path / "env.json"
+    status = gpu_env.main(["--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert "compute_mode: Exclusive_Process" in printed and "mig_mode: Disabled" in printed
+    assert "problem: GPU 0 is in compute mode Exclusive_Process, not Default" in printed
+    recorded = json.loads(out_json.read_text())
+    assert recorded["compute_mode"] == "Exclusive_Process" and recorded["mig_mode"] == "Disabled"
+    assert "compute_modes" not in recorded
+    assert any("compute mode Exclusive_Process" in p for p in recorded["problems"])
+    if not torch.cuda.is_available():  # this machine: torch's missing GPU decides the status
+        assert status == gpu_env.NO_GPU_EXIT
+    else:
+        assert status == 1

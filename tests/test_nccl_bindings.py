@@ -391,6 +391,15 @@ def test_find_library_bogus_path(tmp_path):
         nb.load(bogus)
 
 
+def test_missing_nccl_names_the_extra_and_the_checkout_install(tmp_path):
+    with pytest.raises(MissingDependencyError) as raised:
+        nb.find_library(str(tmp_path / "libnccl.so.2"))  # a path that does not exist
+    text = str(raised.value)
+    assert "pip install 'cupycoll[cuda12]'" in text and "'cupycoll[cuda13]'" in text
+    assert "pip install -e '.[cuda12]'" in text and "-e '.[cuda13]'" in text
+    assert "CUPYCOLL_NCCL_LIBRARY" in text
+
+
 def test_module_imports_neither_torch_nor_cupy():
     with open(nb.__file__) as f:
         tree = ast.parse(f.read())

@@ -70,7 +70,8 @@ def test_a_step_stops_itself_before_the_limit_it_really_gets(tmp_path):
     assert "argv ['--timeout', '30']" in result.tail
     bench_steps = [s for s in verify_gpu.plan("full", sys.executable, str(tmp_path), str(tmp_path))
                    if s.stage == "bench"]
-    assert bench_steps and all(s.own_timeout_flag == "--timeout" and "--timeout" not in s.argv
+    # the bench's wall-clock flag (its --timeout is nccl-tests' per-collective -T)
+    assert bench_steps and all(s.own_timeout_flag == "--run_timeout" and "--run_timeout" not in s.argv
                                for s in bench_steps)
 
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import cupycoll
 from cupycoll import config, lifecycle
 from cupycoll import watchdog as watchdog_module
+from cupycoll import watchdog_cuda
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
 from cupycoll.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
 from test_faults import FakeComm, FakeEvent, eventually, issued_work, make_group
@@ -158,8 +160,8 @@ def test_d3_a_stuck_watchdog_is_detected_by_its_heartbeat_and_terminate_exits():
     result = run_script("""
         import threading, time
         from test_watchdog import stuck_work
-        from cupycoll import watchdog
-        watchdog.HEARTBEAT_TIMEOUT = 0.3
+        from cupycoll import heartbeat, watchdog
+        heartbeat.HEARTBEAT_TIMEOUT = 0.3
         stuck = threading.Event()
         def communicators():
             stuck.wait()  # e.g. a communicator lock held by a hung ncclCommAbort
@@ -402,3 +404,208 @@ def test_explain_timeout_becomes_the_timeout_message():
     fault = watch.poll()
     assert asked == [(3, 0.01)] and str(fault) == "rank 1 never reached all_reduce #3 (it is at #2)"
     assert isinstance(fault, CollectiveTimeoutError) and faults == [fault] and work.exception() is fault
+
+
+# -- the CUDA path review (2026-11-23), findings 1-3 --------------------------------------
+
+
+def _released_when_done(how):
+    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
+    work, event = issued_work()
+    staging = torch.ones(8)  # held by nothing but the Work's keepalive
+    gone = weakref.ref(staging)
+    work._issued(None, event, keepalive=(work._outputs[0], staging))
+    del staging
+    watch.track(work)
+    event.fired.set()
+    assert watch.poll() is None if how == "watchdog" else watch.drain(1.0)
+    return watch, work, gone
+
+
+@pytest.mark.parametrize("how", ["watchdog", "drain"])
+def test_review1_a_completed_work_still_held_releases_its_tensors(how):
+    # torch < 2.7 keeps the last 1,024 Works alive (backend._kept): a completed one must not
+    # pin its inputs and staging buffers until the caller happens to ask is_completed().
+    watch, work, gone = _released_when_done(how)
+    assert not watch.inflight and work._keepalive is None and gone() is None
+    assert work.is_success() and work.result()  # the outputs are the caller's, kept
+
+
+def test_review1_a_work_done_only_because_it_failed_late_keeps_its_tensors_for_the_abort():
+    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
+    watch.close(CommunicatorAbortedError("the group is being aborted"))
+    work, _ = issued_work()
+    watch.track(work)  # a late Work: failed, its kernel may run until the abort returns
+    watch._pop_done()  # a popper that started before the close
+    assert work.exception() is not None and work._keepalive is not None
+
+
+class FakeDeviceGuard:
+    """torch.cuda.device on CPU: records the device current on each thread."""
+
+    current = {}
+
+    def __init__(self, index):
+        self.index = index
+
+    def __enter__(self):
+        self.previous = self.current.get(threading.get_ident())
+        self.current[threading.get_ident()] = self.index
+
+    def __exit__(self, *exc):
+        self.current[threading.get_ident()] = self.previous
+
+
+class DeviceSeeingEvent:
+    """Records which device was current on the querying thread at each query."""
+
+    def __init__(self, done=False):
+        self.seen, self.done = [], done
+
+    def query(self):
+        device = FakeDeviceGuard.current.get(threading.get_ident())
+        self.seen.append((threading.current_thread().name, device))
+        return self.done
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    FakeDeviceGuard.current = {}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", FakeDeviceGuard)
+
+
+def test_review2_the_watchdog_thread_queries_events_on_the_groups_device(fake_cuda):
+    # Else cudaEventQuery on a thread that never chose a device creates a context on cuda:0.
+    watchdog = Watchdog()
+    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
+    watch.device = 3  # what the backend sets once its first call picked the device
+    work = stuck_work()
+    work._event = event = DeviceSeeingEvent()
+    watch.track(work)
+    watchdog.watch(watch)
+    try:
+        assert eventually(lambda: ("cupycoll-watchdog", 3) in event.seen)
+        assert all(device == 3 for _, device in event.seen)
+    finally:
+        watchdog.stop()
+
+
+def test_review2_drain_queries_on_the_groups_device_and_restores_the_callers(fake_cuda):
+    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail, device=1)
+    work = stuck_work()
+    work._event = event = DeviceSeeingEvent(done=True)
+    watch.track(work)
+    assert watch.drain(1.0)
+    assert event.seen == [(threading.current_thread().name, 1)]
+    assert FakeDeviceGuard.current[threading.get_ident()] is None  # the caller's, back
+
+
+def test_review2_no_device_yet_no_guard(fake_cuda):
+    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
+    work = stuck_work()
+    work._event = event = DeviceSeeingEvent(done=True)
+    watch.track(work)
+    assert watch.poll() is None and event.seen == [(threading.current_thread().name, None)]
+
+
+class FakeDriver:
+    def __init__(self, status=0):
+        self.status, self.calls = status, []
+
+    def cuThreadExchangeStreamCaptureMode(self, mode):
+        self.calls.append((threading.current_thread().name, mode.contents.value))
+        return self.status
+
+
+def test_review3_the_watchdog_thread_puts_itself_in_thread_local_capture_mode(monkeypatch):
+    driver = FakeDriver()
+    monkeypatch.setattr(watchdog_cuda, "_driver", lambda: driver)
+    watchdog = Watchdog()
+    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
+    watch.track(stuck_work())
+    watchdog.watch(watch)
+    try:
+        assert eventually(lambda: driver.calls)
+        assert driver.calls == [("cupycoll-watchdog", watchdog_cuda.CAPTURE_MODE_THREAD_LOCAL)]
+    finally:
+        watchdog.stop()
+
+
+def _missing_driver():
+    raise OSError("libcuda.so.1: cannot open shared object file: No such file or directory")
+
+
+@pytest.mark.parametrize("driver", [_missing_driver, lambda: FakeDriver(status=3), lambda: object()])
+def test_review3_without_a_usable_driver_the_watchdog_still_watches(monkeypatch, driver):
+    monkeypatch.setattr(watchdog_cuda, "_driver", driver)
+    assert watchdog_cuda.use_thread_local_capture_mode() is False  # fails soft
+    watchdog = Watchdog()
+    faulted = threading.Event()
+    watch = Watch("g", timeout=0.05, interval=0.01, communicators=list, on_fault=lambda f: faulted.set())
+    watch.track(stuck_work())
+    watchdog.watch(watch)
+    assert faulted.wait(5)
+
+
+class AcceleratorErrorLike(RuntimeError):
+    """torch >= 2.8's AcceleratorError: the cudaError_t in ``error_code``."""
+
+    def __init__(self, message, error_code):
+        super().__init__(message)
+        self.error_code = error_code
+
+
+def _capture_errors():
+    errors = [
+        RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel "
+                     "errors might be asynchronously reported at some other API call"),  # torch 2.4
+        RuntimeError("CUDA error: operation failed due to a previous error during capture"),
+        AcceleratorErrorLike("CUDA error: (text of a newer runtime)", 906),
+    ]
+    try:
+        from cupy_backends.cuda.api.runtime import CUDARuntimeError
+        errors.append(CUDARuntimeError(900))
+    except ImportError:
+        pass
+    return errors
+
+
+class CaptureRefusedEvent:
+    """cudaEventQuery while another thread captures a CUDA graph in global mode."""
+
+    def __init__(self, error):
+        self.error, self.capturing = error, True
+
+    def query(self):
+        if self.capturing:
+            raise self.error
+        return True
+
+
+@pytest.mark.parametrize("error", _capture_errors(), ids=repr)
+def test_review3_a_query_refused_during_a_capture_is_not_done_yet_not_a_fault(error):
+    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
+    work = stuck_work()
+    work._event = event = CaptureRefusedEvent(error)
+    watch.track(work)
+    assert watch.poll() is None and list(watch.inflight) == [work] and work.exception() is None
+    event.capturing = False  # the capture ended
+    assert watch.poll() is None and not watch.inflight and work.is_success()
+
+
+def test_review3_a_capture_refusing_queries_past_the_timeout_is_a_timeout():
+    faults = []
+    watch = Watch("g", timeout=0.01, interval=0.01, communicators=list, on_fault=faults.append)
+    work = stuck_work(seq=4)
+    work._event = CaptureRefusedEvent(_capture_errors()[0])
+    watch.track(work)
+    time.sleep(0.02)
+    fault = watch.poll()
+    assert isinstance(fault, CollectiveTimeoutError) and "all_reduce #4" in str(fault)
+
+
+def test_review3_other_query_errors_stay_faults():
+    illegal = RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert not watchdog_cuda.is_capture_error(illegal)
+    assert not watchdog_cuda.is_capture_error(AcceleratorErrorLike("CUDA error: unspecified launch failure", 719))

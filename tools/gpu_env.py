@@ -1,6 +1,7 @@
 """Stage 1 of ``make verify-gpu``: what this GPU machine has, as JSON.
 
-GPU name, count, compute capability and memory, driver, Python, torch (and its CUDA and
+GPU name, count, compute capability and memory, driver, compute mode (anything but Default
+is a problem: ranks sharing a GPU need it) and MIG mode, Python, torch (and its CUDA and
 NCCL), CuPy, the CUDA runtime, the NCCL version as CuPy loaded it and as cupycoll's ctypes
 bindings loaded it (with the library path; the two must agree, or cupycoll would drive two
 different NCCLs), and one tiny CUDA computation through torch and through CuPy.
@@ -31,17 +32,55 @@ def _cuda_text(code: int) -> str:
     return f"{code // 1000}.{code // 10 % 100}"
 
 
+# What nvidia-smi is asked, one line per GPU. A driver that does not know the MIG field
+# rejects the whole query: then it is asked again without it.
+SMI_FIELDS = ("name", "driver_version", "memory.total", "compute_mode", "mig.mode.current")
+
+
+def parse_nvidia_smi(stdout: str, stderr: str = "") -> Dict:
+    """The figures of ``nvidia-smi --query-gpu=<SMI_FIELDS> --format=csv,noheader`` (the MIG
+    field may be missing): name, driver and memory of the first GPU; the compute mode and
+    the MIG mode of all of them ("Default", or "GPU 0: Default; GPU 1: Exclusive_Process"
+    where they differ). Unreadable output comes back as ``nvidia_smi``: what it said."""
+    rows = [[p.strip() for p in line.split(",")] for line in stdout.strip().splitlines() if line.strip()]
+    if not rows or any(len(row) < 4 for row in rows):
+        return {"nvidia_smi": (stderr or stdout).strip()[:200] or "no output"}
+    info = {"smi_name": rows[0][0], "driver": rows[0][1], "smi_memory": rows[0][2],
+            "compute_modes": [row[3] for row in rows]}
+    info["compute_mode"] = _per_gpu(info["compute_modes"])
+    if all(len(row) > 4 for row in rows):
+        info["mig_mode"] = _per_gpu([row[4] for row in rows])
+    return info
+
+
+def _per_gpu(values: List[str]) -> str:
+    if len(set(values)) == 1:
+        return values[0]
+    return "; ".join(f"GPU {index}: {value}" for index, value in enumerate(values))
+
+
+def smi_problems(info: Dict) -> List[str]:
+    """Ranks sharing one GPU (the tier, the demo and the benchmarks on a one-GPU machine) each
+    open a CUDA context on it: only the Default compute mode allows that (Exclusive_Process
+    lets one process in, Prohibited none), so any other mode fails them at their first CUDA
+    call, on every test."""
+    return [f"GPU {index} is in compute mode {mode}, not Default: several ranks sharing one GPU each need a "
+            f"CUDA context on it, which only Default allows (set it with `nvidia-smi -i {index} -c DEFAULT`, "
+            "as root)"
+            for index, mode in enumerate(info.get("compute_modes", [])) if mode != "Default"]
+
+
 def _nvidia_smi() -> Dict:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_mode",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"nvidia_smi": f"not usable: {exc}"}
-    first = out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
-    parts = [p.strip() for p in first.split(",")]
-    if len(parts) < 4:
-        return {"nvidia_smi": (out.stderr or out.stdout).strip()[:200] or "no output"}
-    return {"smi_name": parts[0], "driver": parts[1], "smi_memory": parts[2], "compute_mode": parts[3]}
+    for fields in (SMI_FIELDS, SMI_FIELDS[:4]):
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return {"nvidia_smi": f"not usable: {exc}"}
+        info = parse_nvidia_smi(out.stdout if out.returncode == 0 else "", out.stderr or out.stdout)
+        if "nvidia_smi" not in info:
+            return info
+    return info
 
 
 def collect() -> (Dict, List[str], int):
@@ -49,6 +88,8 @@ def collect() -> (Dict, List[str], int):
                   "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)")}
     problems: List[str] = []
     info.update(_nvidia_smi())
+    problems += smi_problems(info)
+    info.pop("compute_modes", None)  # in compute_mode, per GPU where they differ
     import torch
 
     info["torch"] = torch.__version__

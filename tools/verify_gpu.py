@@ -139,11 +139,11 @@ def no_gpu_message() -> str:
 def _bench(name: str, est: float, limit: float, json_name: str, args: List[str], py: str, work: str) -> Step:
     # --coll_timeout: a hung collective becomes an error row within 30 s (the largest call,
     # 256 MiB over loopback sockets, takes about a second) instead of eating the step.
-    # --timeout (the bench's own wall-clock stop) is appended by the runner, 10 s below the
+    # --run_timeout (the bench's own wall-clock stop) is appended by the runner, 10 s below the
     # limit the step really gets, so a step cut short by the budget still writes its JSON.
     argv = [py, "-m", "bench", *args, "--no-progress",
             "--coll_timeout", "30", "--json", os.path.join(work, json_name)]
-    return Step("bench", name, argv, limit, est, own_timeout_flag="--timeout",
+    return Step("bench", name, argv, limit, est, own_timeout_flag="--run_timeout",
                 read=lambda r: verify_figures.bench_counts(os.path.join(work, json_name)))
 
 

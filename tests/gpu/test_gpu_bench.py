@@ -1,13 +1,14 @@
 """GPU tier, part "bench": cupycoll-bench end to end on CUDA, two ranks (sharing one GPU when
 there is one).
 
-Short runs, each a subprocess with a hard timeout below the part's budget that kills the
-launcher and all its ranks: every collective for every candidate with checks on (#wrong must
-be 0, cupycoll:ring "n/a" exactly where the ring has no implementation), then `bench plot`
-from its JSON; the ring-capable collectives across types and ops; the coalescing and
-overhead scenarios at a small scale (targets are reported PASS or MISS: whether a target is
-met is a measurement, recorded with the run, not a test outcome; this test requires that
-each was measured, with positive times); and a run under torchrun.
+Short runs, one after another, each a subprocess with a hard timeout that kills the
+launcher and all its ranks (the limits add up to less than the part's budget): every
+collective for every candidate with checks on (#wrong must be 0, cupycoll:ring "n/a" exactly
+where the ring has no implementation), then `bench plot` from its JSON; the ring-capable
+collectives across types and ops; the coalescing and overhead scenarios at a small scale
+(targets are reported PASS or MISS: whether a target is met is a measurement, recorded with
+the run, not a test outcome; this test requires that each was measured, with positive
+times); and a run under torchrun.
 """
 
 from __future__ import annotations
@@ -30,9 +31,19 @@ pytestmark = pytest.mark.gpu
 CANDIDATES = ("cupycoll:nccl", "cupycoll:ring", "torch:nccl")
 
 BUDGET_S = GPU_TIER_BUDGETS_S["bench"]
-# Each bench run starts 2 ranks (~10 s), initialises cupycoll and torch's nccl (~3 s), then
-# measures a few hundred points of a few milliseconds each over sockets.
-SUBPROCESS_LIMITS_S = {"smoke": 100, "types": 60, "scenarios": 100, "plot": 45, "torchrun": 90}
+# The runs go one after another, so the part's budget must hold pytest's start plus the sum
+# of their limits (tests/test_gpu_tier_cpu.py checks it), not just the longest. Each bench run
+# starts 2 ranks (~10 s), initialises cupycoll and torch's nccl (~3 s), then measures over
+# sockets; each limit is ~2x what the run should take:
+#   smoke      3 sizes x 7 collectives x 3 candidates, each point checked, ~25 s
+#   plot       matplotlib import and one figure, ~8 s
+#   types      2 collectives x 7 dtypes x 6 ops x 3 candidates at 64K (ring kernels compiled
+#              on first use, NVRTC), ~22 s; avg: the same on 3 float dtypes, ~15 s
+#   scenarios  coalescing (6 cases x 2 candidates x 20 iterations of 8 MiB) and overhead, ~25 s
+#   torchrun   torchrun's start, 2 candidates x 3 sizes, ~22 s
+SUBPROCESS_LIMITS_S = {"smoke": 60, "plot": 25, "types": 45, "avg": 30, "scenarios": 50, "torchrun": 45}
+# The order the tests run them in, one at a time (the plot only with matplotlib).
+SEQUENTIAL_RUNS = ["smoke", "plot", "types", "avg", "scenarios", "torchrun"]
 
 
 def _run(argv, timeout: float) -> subprocess.CompletedProcess:
@@ -40,8 +51,8 @@ def _run(argv, timeout: float) -> subprocess.CompletedProcess:
 
 
 def bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    # --timeout makes the launcher stop its ranks a little before the test gives up.
-    return _run(["-m", "bench", *args, "--timeout", str(int(timeout - 10))], timeout)
+    # --run_timeout makes the launcher stop its ranks a little before the test gives up.
+    return _run(["-m", "bench", *args, "--run_timeout", str(int(timeout - 10))], timeout)
 
 
 def _have_matplotlib() -> bool:
@@ -110,7 +121,7 @@ def test_ring_capable_collectives_across_types_and_ops(tmp_path):
     # avg separately, on floats only (NCCL averages floats by pre-multiplying by 1/n)
     js_avg = tmp_path / "avg.json"
     proc = bench("all_reduce,reduce_scatter", "--ranks", "2", "-b", "64K", "-e", "64K", "-n", "2", "-w", "1",
-                 "-d", "float,half,bfloat16", "-o", "avg", "--json", str(js_avg), timeout=SUBPROCESS_LIMITS_S["types"])
+                 "-d", "float,half,bfloat16", "-o", "avg", "--json", str(js_avg), timeout=SUBPROCESS_LIMITS_S["avg"])
     assert proc.returncode == 0, explain(proc)
     rows += output.read_json(str(js_avg))["rows"]
     assert not [r for r in rows if r["status"] == "error"]

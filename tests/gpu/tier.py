@@ -12,10 +12,23 @@ and CuPy imported 5-10 s, cold page cache on the first one; NCCL init over socke
 5 s group timeouts in the fault scenarios) is in docs/gpu-verification.md; replace the
 estimates with measured times after the first run.
 
+The budgets add up to more than one device command may take (the device tool stops a
+command after 600 s; we plan for 540 s), so ``--run`` has a budget of its own, 540 s unless
+``--budget`` says otherwise: it starts a part only while the part's whole budget fits in what
+is left, and names every part it did not start, in its output, in the last line and in its
+exit status (3; 1 when a part failed). The first four parts always fit together; the bench
+part fits after them when they take about their estimates. A device call should therefore
+run the tier part by part when needed: ``make test-gpu`` first, then ``make test-gpu-PART``
+for each part it reports as not run, in a call of its own.
+
 Importable without pytest, torch or a GPU (tools/verify_gpu.py imports it), and runnable:
 
     python tests/gpu/tier.py --check           what is installed and what is missing
-    python tests/gpu/tier.py --run [PART ...]  the parts in order, each under its budget
+    python tests/gpu/tier.py --run [PART ...]  the parts in order, each under its budget,
+        [--budget SECONDS]                     all of them within SECONDS (default 540)
+
+Exit status of ``--run``: 0 every chosen part ran and passed; 1 a part failed (or the tier
+cannot run here); 3 none failed, but some were not run for want of time.
 """
 
 from __future__ import annotations
@@ -28,26 +41,42 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
-# (part name, test file, budget in seconds), in the order the parts run.
+# (part name, test file, budget in seconds), in the order the parts run. A part's budget
+# covers pytest's start (PART_START_S) plus the limits of the subprocesses its tests run one
+# after another (runs started side by side count once, at the longest limit): a hang then
+# fails inside the part, with the ranks' output, before the part itself is killed
+# (tests/test_gpu_tier_cpu.py checks it against each file's SUBPROCESS_LIMITS_S).
+#   semantics  15 + DDP parity 50, and ~10 s of tests in process: 90 leaves room for a cold start
+#   api        15 + the four suite runs together 100
+#   ring       15 + the three ring runs together 75
+#   faults     15 + every launch together 130 + the trace analysis after the CUDA hang 60
+#   bench      15 + six runs one after another, 255 (tests/gpu/test_gpu_bench.py)
 GPU_TIER: List[Tuple[str, str, int]] = [
-    ("semantics", "tests/gpu/test_gpu_semantics.py", 60),
+    ("semantics", "tests/gpu/test_gpu_semantics.py", 90),
     ("api", "tests/gpu/test_gpu_api.py", 120),
     ("ring", "tests/gpu/test_gpu_ring.py", 90),
-    ("faults", "tests/gpu/test_gpu_faults.py", 150),
-    ("bench", "tests/gpu/test_gpu_bench.py", 180),
+    ("faults", "tests/gpu/test_gpu_faults.py", 205),
+    ("bench", "tests/gpu/test_gpu_bench.py", 270),
 ]
 GPU_TIER_BUDGETS_S = {name: budget for name, _path, budget in GPU_TIER}
-# What each part should take (s), from the same reasoning; the budgets leave ~1.3-1.5x. The
-# semantics estimate includes its DDP parity run (~30 s of it). The faults part runs the §5.1
-# launches (cold skip, kill mid-DDP, 24 init/abort cycles, CUDA hang) beside its suites: +15 s.
+# What each part should take (s), from the same reasoning. The semantics estimate includes
+# its DDP parity run (~30 s of it). The faults part runs the §5.1 launches (cold skip, kill
+# mid-DDP, 24 init/abort cycles, CUDA hang) beside its suites: +15 s.
 GPU_TIER_ESTIMATES_S = {"semantics": 40, "api": 75, "ring": 55, "faults": 95, "bench": 140}
 
-# A part's command is killed after its budget; the device tool's limit per command is 600 s.
+# pytest's own start in a part's command, before its first subprocess: the interpreter,
+# torch and CuPy imported, test collection (more on a cold page cache).
+PART_START_S = 15
+
+# What one device command may take: the device tool stops a command after 600 s; 60 s are
+# left for the machine's start-up and the transfers. The default of --run --budget.
 COMMAND_LIMIT_S = 540
+# --run's exit status when no part failed but some were not run for want of time.
+NOT_RUN_EXIT = 3
 
 # What the tier imports: without the first group nothing runs; without the second, the
 # tests that need it say so (the benchmark's plots and progress bar).
@@ -117,13 +146,15 @@ def _compute_mode() -> Optional[str]:
     return out.splitlines()[0] if out else None
 
 
-def run_part(name: str, path: str, budget: int, python: Optional[str] = None) -> int:
-    """One part under its budget; its exit status (124 when the budget ran out)."""
+def run_part(name: str, path: str, budget: float, python: Optional[str] = None,
+             cmd: Optional[Sequence[str]] = None) -> int:
+    """One part under its budget; its exit status (124 when the budget ran out). ``cmd``
+    replaces the part's pytest command (the CPU tests run stand-ins)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("NCCL_DEBUG", "WARN")
-    cmd = pytest_command(path, python)
-    print(f"\n=== GPU tier part {name!r}: {' '.join(cmd[1:])} (budget {budget} s)", flush=True)
+    cmd = list(cmd) if cmd is not None else pytest_command(path, python)
+    print(f"\n=== GPU tier part {name!r}: {' '.join(cmd[1:])} (budget {budget:g} s)", flush=True)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
     try:
@@ -137,17 +168,65 @@ def run_part(name: str, path: str, budget: int, python: Optional[str] = None) ->
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        print(f"=== part {name!r} ran past its budget of {budget} s and was killed", flush=True)
+        print(f"=== part {name!r} ran past its budget of {budget:g} s and was killed", flush=True)
         status = 124
     print(f"=== part {name!r}: exit {status} after {time.monotonic() - start:.0f} s", flush=True)
     return status
+
+
+NOT_RUN = "not run"
+
+
+def not_run_text(name: str) -> str:
+    return f"{name} {NOT_RUN}: over the command budget, run `make test-gpu-{name}`"
+
+
+def run_parts(parts: Sequence[Tuple[str, str, float]], budget_s: float,
+              run: Optional[Callable[[str, str, float], int]] = None,
+              clock: Callable[[], float] = time.monotonic) -> Dict[str, object]:
+    """Run ``parts`` in order within ``budget_s`` seconds: a part starts only when its whole
+    budget fits in what is left (it can take all of it), else it is not run, and said so at
+    once; a later, shorter part may still fit. Each part's exit status, or NOT_RUN. (A part
+    killed at its budget has up to 10 s more to end: 540 s leaves that room under 600.)"""
+    run = run or run_part
+    start = clock()
+    statuses: Dict[str, object] = {}
+    for name, path, budget in parts:
+        left = budget_s - (clock() - start)
+        if budget > left:
+            print(f"\n=== GPU tier part {name!r} NOT RUN: its budget is {budget:g} s and {max(0.0, left):.0f} s "
+                  f"of this command's {budget_s:g} s are left; run `make test-gpu-{name}` "
+                  f"(tests/gpu/tier.py --run {name}) in a command of its own", flush=True)
+            statuses[name] = NOT_RUN
+            continue
+        statuses[name] = run(name, path, budget)
+    return statuses
+
+
+def summary(statuses: Dict[str, object]) -> Tuple[str, int]:
+    """The last line of --run and its exit status: 1 if a part failed, NOT_RUN_EXIT if none
+    failed but some were not run, else 0."""
+    words = [not_run_text(n) if s == NOT_RUN else f"{n} {'passed' if s == 0 else 'FAILED (exit %s)' % s}"
+             for n, s in statuses.items()]
+    if any(s not in (0, NOT_RUN) for s in statuses.values()):
+        status = 1
+    elif NOT_RUN in statuses.values():
+        status = NOT_RUN_EXIT
+    else:
+        status = 0
+    return "=== GPU tier: " + ", ".join(words), status
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="report the prerequisites and exit")
     ap.add_argument("--run", nargs="*", metavar="PART", help="run these parts (default: all, in order)")
+    ap.add_argument("--budget", type=float, default=COMMAND_LIMIT_S, metavar="SECONDS",
+                    help=f"seconds for all the parts together (default {COMMAND_LIMIT_S}: one device command); "
+                         "a part whose budget no longer fits is not run, and named")
     args = ap.parse_args(argv)
+    if args.budget <= 0:
+        ap.error("--budget must be positive")
     if args.run is None and not args.check:
         ap.error("give --check or --run")
     missing = check()
@@ -161,10 +240,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         ap.error(f"unknown part(s) {unknown}; the parts are {names}")
     chosen = [part for part in GPU_TIER if not args.run or part[0] in args.run]
-    statuses = {name: run_part(name, path, budget) for name, path, budget in chosen}
-    print("\n=== GPU tier: " + ", ".join(f"{n} {'passed' if s == 0 else 'FAILED (exit %d)' % s}"
-                                         for n, s in statuses.items()), flush=True)
-    return 0 if all(s == 0 for s in statuses.values()) else 1
+    line, status = summary(run_parts(chosen, args.budget))
+    print("\n" + line, flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -25,10 +25,7 @@ LARGE = (1 << 20) + 3
 
 # Relative half-spacing of each fp8 format at the bottom of a binade (its worst case):
 # e4m3 has 3 mantissa bits, e5m2 two.
-_FP8_HALF_ULP = {}
-for _name, _bits in (("float8_e4m3fn", 3), ("float8_e5m2", 2)):
-    if hasattr(torch, _name):
-        _FP8_HALF_ULP[getattr(torch, _name)] = 2.0 ** -(_bits + 1)
+_FP8_HALF_ULP = {torch.float8_e4m3fn: 2.0 ** -(3 + 1), torch.float8_e5m2: 2.0 ** -(2 + 1)}
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -67,7 +64,7 @@ def self_p2p_cases_apply(world: int) -> bool:
     return world > 1
 
 
-_TORCH_NCCL_NO_DTYPE = (torch.int16,) + ((torch.uint16,) if hasattr(torch, "uint16") else ())
+_TORCH_NCCL_NO_DTYPE = (torch.int16, torch.uint16)
 
 
 def reference_lacks(backend: str, family: str, dtype: torch.dtype = None) -> str:

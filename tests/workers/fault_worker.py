@@ -162,17 +162,20 @@ def skip_lazy(ctx):
     return skip(ctx, eager=False)
 
 
-def killed(ctx):
-    """The last rank is SIGKILLed in the middle of a training loop."""
-    ctx.init()
-    model = torch.nn.Linear(256, 256).to(ctx.device)
+def train_until_killed(ctx, model, kill_at_step=20, before_step=None):
+    """DDP training of ``model`` in which the last rank SIGKILLs itself at ``kill_at_step``;
+    the survivors train until the fault. ``before_step(step, optimizer)`` runs first in each
+    step. Returns the DDP module, its optimizer and ``{"steps", "seconds", "error",
+    "since_last_step"}`` (seconds from the last finished step to the error)."""
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index])
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     result = {}
 
     def train():
         for step in range(10_000):
-            if ctx.rank == ctx.world - 1 and step == 20:
+            if before_step is not None:
+                before_step(step, optimizer)
+            if ctx.rank == ctx.world - 1 and step == kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = ddp(torch.randn(32, 256, device=ctx.device)).square().mean()
             optimizer.zero_grad()
@@ -183,6 +186,13 @@ def killed(ctx):
             result["last_step_at"] = time.monotonic()
     result["seconds"], result["error"] = expect_fault(train)
     result["since_last_step"] = time.monotonic() - result.pop("last_step_at")
+    return ddp, optimizer, result
+
+
+def killed(ctx):
+    """The last rank is SIGKILLed in the middle of a training loop."""
+    ctx.init()
+    _, _, result = train_until_killed(ctx, torch.nn.Linear(256, 256).to(ctx.device))
     dist.destroy_process_group()
     return result
 

@@ -29,7 +29,6 @@ import datetime
 import faulthandler
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,9 +42,9 @@ from torch.distributed import PrefixStore
 
 import cupycoll
 try:  # run as a script (tests/workers on sys.path) or imported as workers.gpu_hang_worker
-    from fault_worker import TIMEOUT_S, Context, expect_fault
+    from fault_worker import TIMEOUT_S, Context, expect_fault, train_until_killed
 except ImportError:
-    from workers.fault_worker import TIMEOUT_S, Context, expect_fault
+    from workers.fault_worker import TIMEOUT_S, Context, expect_fault, train_until_killed
 
 SCENARIOS = ("cold_skip", "kill_mid_ddp", "cycles", "cuda_hang")
 WORLDS = {"cold_skip": 2, "kill_mid_ddp": 3, "cycles": 2, "cuda_hang": 2}
@@ -193,29 +192,19 @@ def kill_mid_ddp(ctx):
     ctx.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256).to(ctx.device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index])
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    result = {"timeout_s": TIMEOUT_S}
     checkpoint = {}
+    before = {}
 
-    def train():
-        for step in range(10_000):
-            if step == CHECKPOINT_AT_STEP:
-                checkpoint["model"] = {k: v.clone() for k, v in model.state_dict().items()}
-                checkpoint["optimizer"] = optimizer.state_dict()
-                result["before"] = _resources()
-            if ctx.rank == ctx.world - 1 and step == KILL_AT_STEP:
-                os.kill(os.getpid(), signal.SIGKILL)
-            loss = ddp(torch.randn(32, 256, device=ctx.device)).square().mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            torch.cuda.synchronize()
-            result["steps"] = step + 1
-            result["last_step_at"] = time.monotonic()
+    def save_checkpoint(step, optimizer):
+        if step == CHECKPOINT_AT_STEP:
+            checkpoint["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+            checkpoint["optimizer"] = optimizer.state_dict()
+            before["resources"] = _resources()
 
-    result["seconds"], result["error"] = expect_fault(train)
-    result["error_after_last_step_s"] = time.monotonic() - result.pop("last_step_at")
+    ddp, optimizer, trained = train_until_killed(ctx, model, KILL_AT_STEP, save_checkpoint)
+    result = {"timeout_s": TIMEOUT_S, "before": before.get("resources"), "steps": trained.get("steps"),
+              "seconds": trained["seconds"], "error": trained["error"],
+              "error_after_last_step_s": trained["since_last_step"]}
     del ddp
     start = time.monotonic()
     dist.destroy_process_group()

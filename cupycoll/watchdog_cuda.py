@@ -1,0 +1,97 @@
+"""The CUDA thread state the watchdog queries events under: which device is current, and
+how the querying thread interacts with a CUDA graph capture on another thread.
+
+* :func:`on_device`: an event query on a thread that never chose a device (the watchdog's,
+  a fault thread) makes the runtime create a primary context on cuda:0, ~500 MiB in every
+  rank (torch's ``CUDAEvent::query`` has no device guard). The watch queries with its
+  group's device current instead, restoring the previous one afterwards (torch's
+  ``torch.cuda.device``, whose exit creates no context on the device it returns to).
+* :func:`use_thread_local_capture_mode`: in the default (global) capture mode a thread may
+  not query events while *any* thread captures a CUDA graph in global mode; the query fails
+  and invalidates that capture. The watchdog thread switches itself to thread-local mode
+  once, at its start. Neither CuPy (13, 14: only the mode constants) nor torch (2.4 to
+  2.15) exposes ``cudaThreadExchangeStreamCaptureMode``, so this calls the driver's
+  ``cuThreadExchangeStreamCaptureMode`` (what the runtime function forwards to: the mode is
+  per thread in the driver, whichever runtime torch or CuPy linked, and a driver call never
+  creates a context). Without a driver it does nothing.
+* :func:`query_done`: a query refused because of a capture (torch's or CuPy's exception
+  for cudaErrorStreamCaptureUnsupported/Invalidated/Implicit, :func:`is_capture_error`)
+  means "not done yet", not a fault of the group.
+
+Deliberately left out: skipping Works issued during a capture (the backend's, at issue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+
+import torch
+
+logger = logging.getLogger("cupycoll")
+
+# CUstreamCaptureMode / cudaStreamCaptureMode (the same values): GLOBAL 0, THREAD_LOCAL 1.
+CAPTURE_MODE_THREAD_LOCAL = 1
+
+# cudaError_t values (driver_types.h) and the runtime's texts for them, which torch's error
+# message carries ("CUDA error: <text>"; its AcceleratorError also has .error_code, CuPy's
+# CUDARuntimeError .status).
+CAPTURE_ERRORS = {
+    900: "operation not permitted when stream is capturing",  # cudaErrorStreamCaptureUnsupported
+    901: "operation failed due to a previous error during capture",  # ...Invalidated
+    906: "operation would make the legacy stream depend on a capturing blocking stream",  # ...Implicit
+}
+_CAPTURE_ERROR_NAMES = ("cudaErrorStreamCaptureUnsupported", "cudaErrorStreamCaptureInvalidated",
+                        "cudaErrorStreamCaptureImplicit")
+
+
+def on_device(index):
+    """The context to query a group's events in: its device (an index or torch.device)
+    current. None (the group has no device yet), or torch's CUDA not initialised (then no
+    torch event exists to query; a CPU-only build): nothing to do."""
+    if index is None or not torch.cuda.is_initialized():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
+
+
+def _driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def use_thread_local_capture_mode() -> bool:
+    """Put the calling thread in thread-local stream capture mode; False (logged at DEBUG)
+    where that cannot be done: no driver (no GPU), no such function, or an error status."""
+    try:
+        exchange = _driver().cuThreadExchangeStreamCaptureMode
+        mode = ctypes.c_int(CAPTURE_MODE_THREAD_LOCAL)
+        status = exchange(ctypes.pointer(mode))  # mode now holds the previous one
+    except (OSError, AttributeError) as exc:
+        logger.debug("cupycoll watchdog: stays in global capture mode (%r)", exc)
+        return False
+    if status != 0:  # e.g. CUDA_ERROR_NOT_INITIALIZED
+        logger.debug("cupycoll watchdog: cuThreadExchangeStreamCaptureMode returned %s", status)
+        return False
+    return True
+
+
+def is_capture_error(exc: BaseException) -> bool:
+    """Was a CUDA call refused because a stream capture is under way (or was invalidated)?"""
+    for attribute in ("error_code", "status"):  # torch >= 2.8's AcceleratorError; CuPy's
+        code = getattr(exc, attribute, None)
+        if isinstance(code, int) and code in CAPTURE_ERRORS:
+            return True
+    text = str(exc)
+    return (any(message in text for message in CAPTURE_ERRORS.values())
+            or any(name in text for name in _CAPTURE_ERROR_NAMES))
+
+
+def query_done(work) -> bool:
+    """``work._query_done()``; a query refused because another thread is capturing a CUDA
+    graph (or its capture was invalidated) says nothing of this Work: not done yet."""
+    try:
+        return work._query_done()
+    except Exception as exc:  # noqa: BLE001 - anything else is for the caller to judge
+        if is_capture_error(exc):
+            return False
+        raise
