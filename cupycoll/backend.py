@@ -343,7 +343,7 @@ class CudaBackend:
                     self._track(issues, stream, async_op)
                 except Exception:  # noqa: BLE001 - untracked, the queue fails them after the abort
                     pass
-                self._fault_once(exc)
+                self._fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
             raise
         self._track(issues, stream, async_op)
 

@@ -111,20 +111,24 @@ class KeptWorks:
         self.works: collections.deque = collections.deque(maxlen=limit)
         self._capturing = capturing
         self._added = 0  # since the last prune
+        # Adds come from the issuing thread and from close_block; a prune replaces the deque
+        # (its event queries release the GIL), so an add in between must not be lost.
+        self._lock = threading.Lock()
 
     def add(self, work: CudaWork) -> None:
-        works = self.works
-        works.append(work)
-        self._added += 1
-        # A prune is one pass, after at least half as many additions: O(1) per Work.
-        if self._added < max(64, len(works) // 2) or self._capturing():
-            return
-        self._added = 0
-        try:
-            left = [w for w in works if not w._claimed or not w._query_done()]
-        except Exception:  # noqa: BLE001 - a sticky CUDA error: the watchdog reports it
-            return
-        self.works = collections.deque(left, maxlen=works.maxlen)
+        with self._lock:
+            works = self.works
+            works.append(work)
+            self._added += 1
+            # A prune is one pass, after at least half as many additions: O(1) per Work.
+            if self._added < max(64, len(works) // 2) or self._capturing():
+                return
+            self._added = 0
+            try:
+                left = [w for w in works if not w._claimed or not w._query_done()]
+            except Exception:  # noqa: BLE001 - a sticky CUDA error: the watchdog reports it
+                return
+            self.works = collections.deque(left, maxlen=works.maxlen)
 
 
 class CallQueue:

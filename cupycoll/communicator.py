@@ -36,18 +36,15 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import time
 from typing import Callable, Optional
 
 from . import _cuda, compat, nccl_bindings, nccl_group
+from .call_guard import GuardedCalls
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 
 DEFAULT_TIMEOUT_S = 600.0
 
-# How long abort (or destroy) waits for NCCL calls under way on other threads (see
-# Communicator._wait_for_callers) before it frees the communicator anyway.
-ENTER_WAIT_S = 1.0
 
 
 def _translate(exc: Exception, function: str) -> NcclError:
@@ -73,7 +70,7 @@ def _unique_id_for_cupy(unique_id: bytes):
 # -- the communicator ----------------------------------------------------------------------
 
 
-class Communicator:
+class Communicator(GuardedCalls):
     """An NCCL communicator bound to one device, with the verbs the backend needs."""
 
     on_abort: Optional[Callable[[BaseException], None]] = None
@@ -98,10 +95,8 @@ class Communicator:
         self.state = "initializing" if self.nonblocking else "ok"
         # Serialises the end of the communicator's life against the watchdog's queries, so
         # that ncclCommGetAsyncError never reads a freed communicator, and against the calls
-        # under way (``_callers``, see :meth:`_guarded`).
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._callers: list = []  # threads inside an NCCL call on this communicator
+        # under way (cupycoll.call_guard).
+        self._init_guard()
         with cupy.cuda.Device(device):
             # Non-blocking w.r.t. the legacy default stream, like ProcessGroupNCCL's.
             self._stream = cupy.cuda.Stream(non_blocking=True)
@@ -210,35 +205,6 @@ class Communicator:
         return child
 
     # -- collectives (pointers, counts and codes are plain ints) --------------------
-    def _guarded(self, function: str, call: Callable[[Optional[int]], object]):
-        """``call(handle)``, one NCCL call on this communicator, refused once it is aborted or
-        shut down (CuPy's handle is NULL then, and NCCL would say ncclInvalidArgument) and
-        counted while it runs, so that :meth:`abort` waits for it before freeing the
-        communicator under it (an abort that waited past ``ENTER_WAIT_S`` makes the call's
-        error a CommunicatorAbortedError). ``handle``: the nonblocking one, read under the lock."""
-        me = threading.get_ident()
-        with self._lock:
-            if self.state not in ("ok", "initializing") or (self.nonblocking and not self._handle):
-                raise CommunicatorAbortedError(
-                    f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
-            self._callers.append(me)
-            handle = self._handle
-        error = None
-        try:
-            return call(handle)
-        except Exception as exc:
-            error = exc
-            raise
-        finally:
-            with self._lock:
-                self._callers.remove(me)
-                if not self._callers:
-                    self._idle.notify_all()
-                aborted = self.state in ("aborted", "shut down")
-            if error is not None and aborted:
-                raise CommunicatorAbortedError(f"{function}: the NCCL communicator on cuda:"
-                                               f"{self.device} was {self.state} during the call") from error
-
     def _call(self, c_name: str, cupy_name: str, *args) -> None:
         """Run one NCCL call: CuPy's method (blocking), or the C function with this
         communicator inserted before the stream, settled or left to the open group."""
@@ -301,8 +267,13 @@ class Communicator:
         return op.value
 
     def destroy_op(self, op: int) -> None:
-        # NCCL allows this as soon as the last call using ``op`` has returned.
-        self._lib.ncclRedOpDestroy(op, ctypes.c_void_p(self.comm_ptr))
+        # NCCL allows this as soon as the last call using ``op`` has returned. Guarded: an
+        # abort in between frees the op with the communicator, and this must not touch it.
+        try:
+            self._guarded("ncclRedOpDestroy", lambda handle: self._lib.ncclRedOpDestroy(
+                op, ctypes.c_void_p(self.comm_ptr)))
+        except CommunicatorAbortedError:
+            pass
 
     # -- nonblocking progress ---------------------------------------------------------
     def _settle(self, function: str, status: int) -> None:
@@ -402,15 +373,6 @@ class Communicator:
                     self._lib.ncclCommDestroy(handle)
                 else:
                     self._cupy_comm.destroy()  # its status is lost (D16, see the module's docstring)
-
-    def _wait_for_callers(self) -> None:
-        """Under the lock, with the state already changed: let the NCCL calls under way on
-        other threads return before the communicator is freed, at most ENTER_WAIT_S. An
-        enqueue takes microseconds; one still inside NCCL after that is blocked (a peer that
-        never connects, a full queue) and only ncclCommAbort can end it. A caller on this
-        thread (abort_all from a signal handler) is not waited for."""
-        me = threading.get_ident()
-        self._idle.wait_for(lambda: all(t == me for t in self._callers), ENTER_WAIT_S)
 
     def abort(self) -> Optional[int]:
         """ncclCommAbort: frees the communicator without waiting for peers or queued work,

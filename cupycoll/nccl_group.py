@@ -59,6 +59,8 @@ def nccl_group(lib: "nccl_bindings.NcclLibrary"):
             lib.ncclGroupEnd()
         finally:
             for comm in members:
+                comm._leave_group()
+            for comm in members:
                 comm._abort_for(raised) if raised is not None else comm._poll("ncclGroupEnd")
 
 
@@ -69,5 +71,6 @@ def join(comm) -> bool:
     if not state["depth"]:
         return False
     if comm not in state["members"]:
+        comm._enter_group()  # until ncclGroupEnd: an abort elsewhere waits for it
         state["members"].append(comm)
     return True

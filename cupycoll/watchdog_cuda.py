@@ -69,8 +69,10 @@ def use_thread_local_capture_mode() -> bool:
     except (OSError, AttributeError) as exc:
         logger.debug("cupycoll watchdog: stays in global capture mode (%r)", exc)
         return False
-    if status != 0:  # e.g. CUDA_ERROR_NOT_INITIALIZED
-        logger.debug("cupycoll watchdog: cuThreadExchangeStreamCaptureMode returned %s", status)
+    if status != 0:  # a driver is there but refused: graph captures elsewhere are at risk
+        logger.warning("cupycoll watchdog: cuThreadExchangeStreamCaptureMode returned %s; the "
+                       "watchdog stays in global capture mode, and its event queries may "
+                       "invalidate a CUDA graph captured on another thread", status)
         return False
     return True
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from cupycoll import communicator as communicator_module
+from cupycoll import call_guard
 from cupycoll import compat, diagnosis, lifecycle, tracking
 from cupycoll import nccl_bindings as nb
 from cupycoll import recorder as rec_mod
@@ -356,7 +356,7 @@ def test_f6_abort_waits_for_an_nccl_call_under_way(no_device):
 
 
 def test_f6_a_call_an_abort_freed_its_communicator_under_says_aborted(no_device, monkeypatch):
-    monkeypatch.setattr(communicator_module, "ENTER_WAIT_S", 0.05)  # a call blocked in NCCL
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)  # a call blocked in NCCL
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
     lib.fail_with = NcclError(4, "ncclAllReduce", "invalid argument")
@@ -604,3 +604,85 @@ def test_f2_the_watch_gets_the_device_the_first_call_picks(kept_group):
     assert kept_group._cuda._watch.device is None
     kept_group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
     assert kept_group._cuda._watch.device == CUDA  # its events are queried with it current
+
+
+# -- the second review: re-entrant lock, NCCL groups guarded, interrupts --------------------
+
+
+def test_an_abort_on_a_thread_holding_the_communicator_lock_does_not_hang(no_device):
+    # A signal handler (abort_all) runs between bytecodes, also inside one of the lock's
+    # blocks on the issuing thread: the abort must get through on that same thread.
+    comm = polling_comm([nb.ncclSuccess])
+    done = threading.Event()
+
+    def interrupted_inside_the_lock():
+        with comm._lock:
+            comm.abort()
+        done.set()
+    threading.Thread(target=interrupted_inside_the_lock, daemon=True).start()
+    assert done.wait(3) and comm.state == "aborted"
+
+
+def test_an_abort_waits_for_an_open_nccl_group_to_end(no_device):
+    # The calls of a group really launch (and connect) in ncclGroupEnd: an abort on another
+    # thread must not free the communicator under it.
+    events, inside_end, release = [], threading.Event(), threading.Event()
+
+    class SlowGroupEnd(ScriptedLibrary):
+        def ncclGroupStart(self):
+            return 0
+
+        def ncclGroupEnd(self):
+            inside_end.set()
+            release.wait(10)
+            events.append("ncclGroupEnd returned")
+            return 0
+
+        def ncclCommAbort(self, comm):
+            events.append("ncclCommAbort")
+            return 0
+
+    comm = polling_comm([nb.ncclSuccess])
+    comm._lib = SlowGroupEnd([nb.ncclSuccess])
+
+    raised = []
+
+    def grouped_send():
+        try:
+            with comm.group():
+                comm._settle("ncclSend", nb.ncclSuccess)
+        except CommunicatorAbortedError as exc:  # polled after the end: aborted meanwhile
+            raised.append(exc)
+    caller = threading.Thread(target=grouped_send)
+    caller.start()
+    assert inside_end.wait(5)
+    aborter = threading.Thread(target=comm.abort)
+    aborter.start()
+    aborter.join(0.2)
+    assert aborter.is_alive() and events == []
+    release.set()
+    caller.join(5)
+    aborter.join(5)
+    assert events == ["ncclGroupEnd returned", "ncclCommAbort"] and comm._callers == []
+    assert len(raised) == 1
+
+
+def test_an_interrupt_after_launch_faults_the_group_with_a_typed_error(cuda_standins):
+    group, cuda, comm = p2p_backend()
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    def launch(c, stream, peer):
+        c.launched.append("send")
+
+    send = cuda.submit("send", CUDA, [torch.ones(2)], launch, keepalive=torch.ones(2), peer=1)
+    recv = cuda.submit("recv", CUDA, [torch.ones(2)], launch, finish=interrupt, keepalive=torch.ones(2), peer=1)
+    with pytest.raises(KeyboardInterrupt):
+        recv.wait()
+    assert cuda.state == "aborted" and isinstance(cuda.fault, CommunicatorAbortedError)
+    assert isinstance(cuda.fault.__cause__, KeyboardInterrupt) and "interrupted" in str(cuda.fault)
+    for work in (send, recv):
+        assert work.exception() is cuda.fault and work._keepalive is None
+    with pytest.raises(CommunicatorAbortedError):
+        send.wait()

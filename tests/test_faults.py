@@ -353,9 +353,7 @@ def polling_comm(states, timeout=5.0):
     comm.device, comm.rank, comm.size = 0, 0, 2
     comm.timeout = timeout
     comm.state = "ok"
-    comm._lock = threading.Lock()
-    comm._idle = threading.Condition(comm._lock)
-    comm._callers = []
+    comm._init_guard()
     return comm
 
 

@@ -1,0 +1,91 @@
+"""NCCL calls counted while they run, so that an abort never frees a communicator under one.
+
+:class:`GuardedCalls` is a part of :class:`cupycoll.communicator.Communicator`: each NCCL
+call on a communicator runs through :meth:`GuardedCalls._guarded` (refused once the
+communicator is aborted or shut down; the thread noted while NCCL has it), an NCCL group
+that used the communicator is noted until its ``ncclGroupEnd`` (where its calls really
+launch, and connect), and ``abort``/``shutdown`` first wait, at most :data:`ENTER_WAIT_S`,
+for the calls of other threads to return.
+
+What the class needs of its host: ``state``, ``nonblocking``, ``_handle`` and ``device``.
+
+Deliberately left out: ending a call that does not return (only ncclCommAbort can, so the
+wait is bounded and the abort goes ahead), and waiting for a call on the aborting thread
+itself (``abort_all`` from a signal handler that interrupted it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+from .errors import CommunicatorAbortedError
+
+# How long abort (or destroy) waits for NCCL calls under way on other threads before it
+# frees the communicator anyway: an enqueue takes microseconds.
+ENTER_WAIT_S = 1.0
+_USABLE = frozenset(("ok", "initializing"))
+
+
+class GuardedCalls:
+    """The calls under way on one communicator, and the wait for them (see the module)."""
+
+    def _init_guard(self) -> None:
+        # Re-entrant: abort_all from a signal handler may run on a thread that the signal
+        # interrupted inside one of this lock's blocks.
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._callers: list = []  # threads inside an NCCL call (or group) on this communicator
+        self._aborter_waiting = False  # an abort or destroy waits in _wait_for_callers
+
+    def _guarded(self, function: str, call: Callable[[Optional[int]], object]):
+        """``call(handle)``, one NCCL call on this communicator, refused once it is aborted or
+        shut down (CuPy's handle is NULL then, and NCCL would say ncclInvalidArgument) and
+        counted while it runs, so that :meth:`abort` waits for it before freeing the
+        communicator under it (an abort that waited past ``ENTER_WAIT_S`` makes the call's
+        error a CommunicatorAbortedError). ``handle``: the nonblocking one, read under the lock."""
+        me = threading.get_ident()
+        with self._lock:
+            if self.state not in _USABLE or (self.nonblocking and not self._handle):
+                raise CommunicatorAbortedError(
+                    f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
+            self._callers.append(me)
+            handle = self._handle
+        try:
+            return call(handle)
+        except Exception as exc:
+            if self.state in ("aborted", "shut down"):  # terminal states: no lock needed to read
+                raise CommunicatorAbortedError(f"{function}: the NCCL communicator on cuda:"
+                                               f"{self.device} was {self.state} during the call") from exc
+            raise
+        finally:
+            # No lock on the way out (list.remove is atomic): an aborter sets the flag before
+            # it first checks ``_callers``, so either it sees this removal or this sees the flag.
+            self._callers.remove(me)
+            if self._aborter_waiting:
+                with self._lock:
+                    self._idle.notify_all()
+
+    def _enter_group(self) -> None:
+        """An NCCL group open on this thread uses this communicator until its ncclGroupEnd
+        (where the calls really launch, and connect): an abort waits for it as for a call."""
+        self._callers.append(threading.get_ident())
+
+    def _leave_group(self) -> None:
+        self._callers.remove(threading.get_ident())
+        if self._aborter_waiting:
+            with self._lock:
+                self._idle.notify_all()
+
+    def _wait_for_callers(self) -> None:
+        """Under the lock, with the state already changed: let the NCCL calls under way on
+        other threads return before the communicator is freed, at most ENTER_WAIT_S. An
+        enqueue takes microseconds; one still inside NCCL after that is blocked (a peer that
+        never connects, a full queue) and only ncclCommAbort can end it. A caller on this
+        thread (abort_all from a signal handler) is not waited for."""
+        me = threading.get_ident()
+        self._aborter_waiting = True
+        try:
+            self._idle.wait_for(lambda: all(t == me for t in self._callers), ENTER_WAIT_S)
+        finally:
+            self._aborter_waiting = False
