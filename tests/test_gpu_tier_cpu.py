@@ -332,8 +332,9 @@ def test_the_tier_runs_semantics_first_and_every_part_fits_one_command():
 # runs of a stage side by side. A string is a key of the file's SUBPROCESS_LIMITS_S, a number
 # a limit written at the call. The bench part declares its order (SEQUENTIAL_RUNS).
 RUN_STAGES = {
-    # one torchrun (test_ddp_parity_with_torch_nccl); the other tests run in pytest's process
-    "semantics": [["ddp parity"]],
+    # one torchrun (test_ddp_parity_with_torch_nccl), then the no-context-on-cuda:0 check;
+    # the other tests run in pytest's process
+    "semantics": [["ddp parity"], ["no context on cuda:0"]],
     # the `runs` fixture starts all four suite runs, then waits for them
     "api": [["suite runs"]],
     # test_ring_under_algorithm_context_and_options starts three runs, then wait_all

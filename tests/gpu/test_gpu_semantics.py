@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 BUDGET_S = GPU_TIER_BUDGETS_S["semantics"]
 # torchrun with 2 ranks: ~10 s to start them, NCCL init for cupycoll and torch's nccl, a few
 # training steps each.
-SUBPROCESS_LIMITS_S = {"ddp parity": 50}
+SUBPROCESS_LIMITS_S = {"ddp parity": 50, "no context on cuda:0": 25}
 
 
 @pytest.fixture
@@ -163,3 +163,76 @@ def _bopts(root):
     o = torch._C._distributed_c10d.BroadcastOptions()
     o.rootRank = root
     return o
+
+
+# -- the watchdog next to CUDA graph capture and other devices (review of the CUDA path) ----
+
+
+def test_the_watchdog_thread_can_take_thread_local_capture_mode():
+    import threading
+
+    from cupycoll import watchdog_cuda
+    torch.cuda.init()
+    got = []
+    thread = threading.Thread(target=lambda: got.append(watchdog_cuda.use_thread_local_capture_mode()))
+    thread.start()
+    thread.join(10)
+    assert got == [True], "the driver refused cuThreadExchangeStreamCaptureMode"
+
+
+def test_a_graph_captures_while_the_watchdog_polls_a_collective_in_flight():
+    # The watchdog queries the in-flight all_reduce's event every millisecond while this
+    # thread captures in torch's default (global) mode: in global mode on the watchdog's
+    # thread too, the query would be refused and the capture invalidated.
+    torch.cuda.set_device(0)
+    dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 0),
+                            pg_options=cupycoll.Options(watchdog_interval=0.001))
+    try:
+        x = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(x)  # the watchdog now watches this group
+        torch.cuda._sleep(int(2e9))  # ~1 s: the next all_reduce stays in flight meanwhile
+        work = dist.all_reduce(x, async_op=True)
+        assert not work.is_completed()
+        static = torch.full((1024,), 3.0, device="cuda")
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.stream(side):  # no dependency on the sleeping stream
+            graph.capture_begin()
+            out = static * 2
+            time.sleep(0.05)  # about 50 watchdog passes inside the capture
+            graph.capture_end()
+        static.fill_(5.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), torch.full((1024,), 10.0))
+        work.wait()
+        dist.all_reduce(x)  # the group was not faulted
+        torch.cuda.synchronize()
+        assert torch.equal(x.cpu(), torch.ones(1 << 20))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs: a rank on cuda:1, none on cuda:0")
+def test_the_watchdog_creates_no_context_on_cuda0_for_a_rank_on_cuda1():
+    script = """
+import ctypes, datetime, time, torch, torch.distributed as dist, cupycoll
+torch.cuda.set_device(1)
+dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 1),
+                        pg_options=cupycoll.Options(watchdog_interval=0.001))
+x = torch.ones(1 << 20, device="cuda:1")
+torch.cuda._sleep(int(1e9))
+dist.all_reduce(x, async_op=True)
+time.sleep(0.2)  # the watchdog queries the event in flight
+torch.cuda.synchronize()
+cuda = ctypes.CDLL("libcuda.so.1")
+device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+assert cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+print("cuda0 context active:", active.value)
+dist.destroy_process_group()
+"""
+    proc = run_python("-c", script, timeout=SUBPROCESS_LIMITS_S["no context on cuda:0"])
+    assert proc.returncode == 0, proc.stderr
+    assert "cuda0 context active: 0" in proc.stdout
