@@ -1,5 +1,5 @@
 """The CI version matrix is written in three places that must agree: the legs of ``.ci/run``
-(each leg's ``run_leg`` line, and the table in its header comment), the README's
+(each leg's ``leg`` line, and the table in its header comment), the README's
 compatibility table, and the floors in ``pyproject.toml``. Read from the files (nothing is
 installed or run), so a version changed in one place and not the others fails here, on every
 CI leg.
@@ -32,11 +32,11 @@ def _version(text: str) -> Tuple[int, ...]:
 
 
 def ci_legs(text: str) -> Dict[str, dict]:
-    """The ``run_leg`` lines of .ci/run: name -> python, torch, extra, CuPy and NCCL pins."""
+    """The ``leg`` lines of .ci/run: name -> python, torch, extra, CuPy and NCCL pins."""
     legs = {}
     # one leg per case arm; a backslash continues the line (the environment for pip)
     joined = text.replace("\\\n", " ")
-    for match in re.finditer(r"^\s*([\w-]+)\)\s+run_leg\s+(.*?)\s*;;", joined, re.M):
+    for match in re.finditer(r"^\s*([\w-]+)\)\s+leg\s+(.*?)\s*;;", joined, re.M):
         arm, args = match.group(1), match.group(2).split()
         name, python, torch, extra, cupy, nccl = args[:6]
         assert name == arm, f"case arm {arm!r} runs leg {name!r}"
