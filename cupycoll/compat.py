@@ -55,9 +55,10 @@ TORCH_LAZY_BACKEND_ENTRY_POINTS = TORCH >= (2, 14)
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives all_gather_into_tensor and
 # reduce_scatter_tensor to all_gather_single and reduce_scatter_single; the old names, which
-# every supported version has, warn there ("... is deprecated"). 2.11 has only the old names; 2.12 is not run (the rename, the stack of
-# pytorch#186134, came in June 2026, after its release), and the old names work there
-# anyway. For callers outside the package (the benchmark): warning-free on every version.
+# every supported version has, warn there ("... is deprecated"). 2.11 has only the old
+# names; 2.12 is not run (the rename, the stack of pytorch#186134, came in June 2026, after
+# its release), and the old names work there anyway. For callers outside the package (the
+# benchmark): warning-free on every version.
 if TORCH >= (2, 13):
     all_gather_single = dist.all_gather_single
     reduce_scatter_single = dist.reduce_scatter_single

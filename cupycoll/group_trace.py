@@ -133,13 +133,14 @@ class GroupTrace:
             entry, work = open_works.popleft()
             mark(entry, "completed" if work.is_success() else "failed")  # (2.4: no exception())
 
-    def explain_failure(self, entry: Optional[list], error: BaseException) -> str:
-        """What gloo raised from a wait, as a message that names the rank behind: gloo raises
-        there only for what happened between the ranks (bad input raises at the call), a
-        timeout or a peer that died or closed its connection."""
+    def failure(self, entry: Optional[list], error: BaseException):
+        """What gloo raised from a wait, as cupycoll's error naming the rank behind: gloo
+        raises there only for what happened between the ranks (bad input raises at the
+        call), a timeout (CollectiveTimeoutError) or a peer that died or closed its
+        connection (PeerFailedError)."""
         if diagnosis.looks_like_timeout(error):
-            return self.explain_timeout(entry, self.settings.timeout.total_seconds())
-        return self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})")
+            return CollectiveTimeoutError(self.explain_timeout(entry, self.settings.timeout.total_seconds()))
+        return PeerFailedError(self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})"))
 
     def explain_timeout(self, entry: Optional[list], timeout_s: Optional[float],
                         what: str = "timed out") -> str:
@@ -172,9 +173,7 @@ class TracedWork(dist.Work):
             done = self._work.wait(timeout) if timeout else self._work.wait()
         except Exception as exc:  # noqa: BLE001 - explained, then raised again
             self._trace.recorder.mark(self._entry, "failed")
-            message = self._trace.explain_failure(self._entry, exc)
-            kind = CollectiveTimeoutError if diagnosis.looks_like_timeout(exc) else PeerFailedError
-            raise kind(message) from exc
+            raise self._trace.failure(self._entry, exc) from exc
         self._trace.recorder.mark(self._entry, "completed")
         return done
 

@@ -208,6 +208,15 @@ def _abort_at_exit() -> None:
               f"exiting anyway", file=sys.stderr, flush=True)
 
 
+def interrupted(exc: BaseException) -> CommunicatorAbortedError:
+    """The group's fault for a KeyboardInterrupt (or exit) after part of a batch launched: a
+    typed error every later call can raise (torch's futures reject a BaseException)."""
+    fault = CommunicatorAbortedError(f"interrupted ({type(exc).__name__}) after part of a batch "
+                                     "was launched; the peers wait for the rest")
+    fault.__cause__ = exc
+    return fault
+
+
 def _after_fork_in_child() -> None:
     global _STATE_LOCK
     _STATE_LOCK = threading.Lock()  # a thread of the parent may have held it
@@ -217,11 +226,3 @@ def _after_fork_in_child() -> None:
 atexit.register(_abort_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-def interrupted(exc: BaseException) -> CommunicatorAbortedError:
-    """The group's fault for a KeyboardInterrupt (or exit) after part of a batch launched: a
-    typed error every later call can raise (torch's futures reject a BaseException)."""
-    fault = CommunicatorAbortedError(f"interrupted ({type(exc).__name__}) after part of a batch "
-                                     "was launched; the peers wait for the rest")
-    fault.__cause__ = exc
-    return fault

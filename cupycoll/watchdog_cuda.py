@@ -60,8 +60,9 @@ def _driver():
 
 
 def use_thread_local_capture_mode() -> bool:
-    """Put the calling thread in thread-local stream capture mode; False (logged at DEBUG)
-    where that cannot be done: no driver (no GPU), no such function, or an error status."""
+    """Put the calling thread in thread-local stream capture mode; False where that cannot
+    be done: no driver (no GPU) or no such function (logged at DEBUG), or the driver refused
+    (logged as a warning: graph captures on other threads are then at risk)."""
     try:
         exchange = _driver().cuThreadExchangeStreamCaptureMode
         mode = ctypes.c_int(CAPTURE_MODE_THREAD_LOCAL)

@@ -29,8 +29,8 @@ from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, Cu
 from cupycoll.watchdog import Watchdog
 from cupycoll.work import CudaWork
 from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup
-from test_faults import (FakeComm, FakeEvent, ScriptedLibrary, eventually, issued_work, make_group,
-                         no_device, polling_comm)  # noqa: F401 - no_device: a fixture
+from test_faults import (FakeComm, FakeEvent, ScriptedLibrary, eventually, grouping_comm, issued_work,
+                         make_group, no_device, polling_comm)  # noqa: F401 - no_device: a fixture
 
 
 class FakeStream:
@@ -626,24 +626,13 @@ def test_an_abort_on_a_thread_holding_the_communicator_lock_does_not_hang(no_dev
 def test_an_abort_waits_for_an_open_nccl_group_to_end(no_device):
     # The calls of a group really launch (and connect) in ncclGroupEnd: an abort on another
     # thread must not free the communicator under it.
-    events, inside_end, release = [], threading.Event(), threading.Event()
+    inside_end, release = threading.Event(), threading.Event()
 
-    class SlowGroupEnd(ScriptedLibrary):
-        def ncclGroupStart(self):
-            return 0
+    def slow_group_end():
+        inside_end.set()
+        release.wait(10)
 
-        def ncclGroupEnd(self):
-            inside_end.set()
-            release.wait(10)
-            events.append("ncclGroupEnd returned")
-            return 0
-
-        def ncclCommAbort(self, comm):
-            events.append("ncclCommAbort")
-            return 0
-
-    comm = polling_comm([nb.ncclSuccess])
-    comm._lib = SlowGroupEnd([nb.ncclSuccess])
+    comm, events = grouping_comm(slow_group_end)
 
     raised = []
 
@@ -659,11 +648,11 @@ def test_an_abort_waits_for_an_open_nccl_group_to_end(no_device):
     aborter = threading.Thread(target=comm.abort)
     aborter.start()
     aborter.join(0.2)
-    assert aborter.is_alive() and events == []
+    assert aborter.is_alive() and events == ["start"]
     release.set()
     caller.join(5)
     aborter.join(5)
-    assert events == ["ncclGroupEnd returned", "ncclCommAbort"] and comm._callers == []
+    assert events == ["start", "end", "abort"] and comm._callers == []
     assert len(raised) == 1
 
 

@@ -499,9 +499,10 @@ def test_a_communicator_that_aborts_itself_faults_its_group(monkeypatch, no_devi
         group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
 
 
-def grouping_comm():
+def grouping_comm(at_group_end=None):
     """A communicator whose library records ``ncclGroupStart``/``End`` and ``ncclCommAbort``
-    in order; (communicator, the list they are recorded in)."""
+    in order; (communicator, the list they are recorded in). ``at_group_end()`` runs inside
+    ``ncclGroupEnd``, before it is recorded."""
     events = []
 
     class GroupLibrary(ScriptedLibrary):
@@ -510,6 +511,8 @@ def grouping_comm():
             return 0
 
         def ncclGroupEnd(self):
+            if at_group_end is not None:
+                at_group_end()
             events.append("end")
             return 0
 
