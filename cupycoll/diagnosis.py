@@ -54,6 +54,14 @@ KEY_ROOT = "cupycoll-diag"
 _STATE_TEXT = {"completed": "", "issued": "not completed", "queued": "not yet issued",
                "failed": "failed", "aborted": "aborted"}
 
+# A rank's own record (its own timeout) and its responder's answer for the same collective
+# are written by two threads of one process, often at the same moment (two ranks time out
+# together, each one's request wakes the other's responder). The responder checks and
+# writes under this lock, and never writes a key this process claimed for its own record;
+# the own record is claimed under it and written after, so it is the one that stays.
+_records_lock = threading.Lock()
+_own_records: collections.deque = collections.deque(maxlen=256)
+
 
 def key_prefix(group: str, incarnation: int) -> str:
     return f"{KEY_ROOT}/{group}/{incarnation}"
@@ -249,6 +257,8 @@ def diagnose(store, group: str, rank: int, size: int, mine: dict, timeout_s: Opt
 def _exchange(store, prefix, seq, rank, size, mine, results, notes, stop, deadline) -> None:
     try:
         base = f"{prefix}/{seq}"
+        with _records_lock:  # waits while this process' responder writes that key
+            _own_records.append(f"{base}/{rank}")
         store.set(f"{base}/{rank}", json.dumps(mine))
         store.add(f"{base}/count", 1)
         number = store.add(f"{prefix}/requests", 1)  # wakes the other ranks' responders
@@ -320,13 +330,13 @@ class _Served:
         rank = self.recorder.rank
         base = f"{self.prefix}/{seq}"
         key = f"{base}/{rank}"
-        # This rank published its own record (it timed out at ``seq`` too; the request may be
-        # its own): that one names the collective it is stuck in, while ours, taken later,
-        # may find it already failed and tell the peers it "completed #seq and went on". Its
-        # own diagnosis writes the record before the request, so the check sees it then.
-        if self.store.check([key]):
-            return
-        self.store.set(key, json.dumps(progress(self.recorder)))
+        # This rank publishes its own record when it timed out at ``seq`` too (the request may
+        # be its own): that one names the collective it is stuck in, while ours, taken later,
+        # may find it already failed and tell the peers it "completed #seq and went on".
+        with _records_lock:
+            if key in _own_records:
+                return
+            self.store.set(key, json.dumps(progress(self.recorder)))
         self.store.add(f"{base}/count", 1)
         dump_on_timeout(self.dump_dir, self.recorder.ranks[rank],
                         f"a peer's timeout in group {self.recorder.group!r} at #{seq}")
@@ -399,8 +409,11 @@ def _after_fork_in_child() -> None:
     # The parent's responder thread is not in the child, and a thread of the parent may have
     # held its lock or the recorders' when it forked; the parent's groups are not the child's
     # to answer for. Start afresh (serve() starts a thread again).
+    global _records_lock
     RESPONDER.__init__()
     _recorder._lock = threading.Lock()
+    _records_lock = threading.Lock()
+    _own_records.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -1,8 +1,9 @@
 """Run a worker script as N ranks, each in its own process, like torchrun would.
 
-Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (a free port), its own
-NCCL_HOSTID when several ranks share a GPU, and a hard timeout: a hang fails the test
-instead of eating the suite. On failure the message shows every rank's output.
+Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (a free port, see
+:func:`free_port`), its own NCCL_HOSTID when several ranks share a GPU, and a hard timeout:
+a hang fails the test instead of eating the suite. On failure the message shows every
+rank's output.
 
 Every rank writes its stdout and stderr to files, never to a pipe: a pipe the harness is
 not reading at that moment fills at 64 KiB, the rank blocks in write(), and its peers then
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,7 +34,34 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 FAIL_GRACE_S = 15.0
 
 
+_PORTS = random.Random()  # its own generator: a test seeding ``random`` must not pin ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
+    """A port free now that nothing else is likely to take before rank 0 binds it.
+
+    Rank 0 binds it only after importing torch (seconds on a loaded box). A port the kernel
+    handed out for ``bind(0)`` lies in its ephemeral range, from which every outgoing
+    connection meanwhile (store clients, gloo, a download) draws too; one below that range is
+    only ever taken by an explicit bind."""
+    low = _ephemeral_low()
+    if low > 20000:
+        for _ in range(100):
+            port = _PORTS.randrange(low - 10000, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -337,7 +337,8 @@ class SlowCallLibrary(ScriptedLibrary):
         return 0
 
 
-def test_f6_abort_waits_for_an_nccl_call_under_way(no_device):
+def test_f6_abort_waits_for_an_nccl_call_under_way(no_device, monkeypatch):
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # a late main thread must not outwait it
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
     caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
@@ -513,20 +514,61 @@ def test_f11a_a_dead_watchdog_thread_is_restarted_by_the_next_tracked_call(monke
 # -- finding 11b: the diagnosis responder -----------------------------------------------------
 
 
+def timed_out_in_the_first_collective(group):
+    # a group name of its own per test: the store keys (and the process' claims) are per
+    # group, incarnation and collective, and these recorders are all incarnation 0
+    recorder = rec_mod.Recorder(group, [0, 1], 1)
+    entry = recorder.record("all_reduce", ((4,),), (torch.float32,))
+    mine = diagnosis.progress(recorder)  # it timed out in #1 and publishes that
+    recorder.mark(entry, "failed")  # the gloo route then marks the entry failed
+    return recorder, mine, diagnosis.key_prefix(group, recorder.incarnation)
+
+
+def publish_own_record(store, recorder, mine):
+    # the rank's own diagnosis (rank 0 stays silent: it returns after its short wait)
+    return diagnosis.diagnose(store, recorder.group, 1, 2, mine, 30, wait_s=0.3,
+                              incarnation=recorder.incarnation)
+
+
 def test_f11b_the_responder_keeps_its_ranks_own_record():
     store = dist.HashStore()
-    recorder = rec_mod.Recorder("g", [0, 1], 1)
-    entry = recorder.record("all_reduce", ((4,),), (torch.float32,))
-    mine = diagnosis.progress(recorder)  # it timed out in #1 and published that
-    recorder.mark(entry, "failed")  # the gloo route then marks the entry failed
-    prefix = diagnosis.key_prefix("g", recorder.incarnation)
-    store.set(f"{prefix}/1/1", json.dumps(mine))
-    store.add(f"{prefix}/1/count", 1)
-    store.add(f"{prefix}/requests", 1)  # its own request, as _exchange makes it
-    store.set(f"{prefix}/request/1", "1")
+    recorder, mine, prefix = timed_out_in_the_first_collective("own record kept")
+    publish_own_record(store, recorder, mine)  # with its own request, #1 of the group
     diagnosis._Served(store, recorder, None, 0.01).poll()
     assert json.loads(store.get(f"{prefix}/1/1")) == mine
     assert store.add(f"{prefix}/1/count", 0) == 1
+
+
+def test_f11b_the_own_record_outlasts_an_answer_being_written_at_that_moment():
+    # Ranks 0 and 1 time out together: rank 0's request wakes rank 1's responder while rank 1
+    # publishes its own record. The responder's answer must not land on top of it.
+    store = dist.HashStore()
+    recorder, mine, prefix = timed_out_in_the_first_collective("own record outlasts")
+    store.add(f"{prefix}/requests", 1)
+    store.set(f"{prefix}/request/1", "1")  # rank 0's request for #1
+    writing, release = threading.Event(), threading.Event()
+
+    class PausedAnswers:  # the responder's store: its write waits for the test
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def set(self, key, value):
+            writing.set()
+            release.wait(5)
+            store.set(key, value)
+    responder = threading.Thread(target=diagnosis._Served(PausedAnswers(), recorder, None, 0.01).poll)
+    responder.start()
+    assert writing.wait(5)  # the responder decided to answer and is writing
+    own = threading.Thread(target=publish_own_record, args=(store, recorder, mine))
+    own.start()
+    deadline = time.monotonic() + 0.5  # the own record waits for the answer (or, unfixed, lands)
+    while not store.check([f"{prefix}/1/1"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    responder.join(5)
+    own.join(5)
+    # (the publishing thread may outlive the short diagnosis: wait for its write)
+    assert eventually(lambda: json.loads(store.get(f"{prefix}/1/1")) == mine)
 
 
 def test_f11b_a_peers_request_is_still_answered():
@@ -623,9 +665,10 @@ def test_an_abort_on_a_thread_holding_the_communicator_lock_does_not_hang(no_dev
     assert done.wait(3) and comm.state == "aborted"
 
 
-def test_an_abort_waits_for_an_open_nccl_group_to_end(no_device):
+def test_an_abort_waits_for_an_open_nccl_group_to_end(no_device, monkeypatch):
     # The calls of a group really launch (and connect) in ncclGroupEnd: an abort on another
     # thread must not free the communicator under it.
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # a late main thread must not outwait it
     inside_end, release = threading.Event(), threading.Event()
 
     def slow_group_end():

@@ -5,6 +5,7 @@ has arrived, and local checks before the gate. CPU only; the real libnccl where 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import threading
 import time
@@ -170,11 +171,16 @@ def test_failed_creations_leave_threads_and_fds_flat():
     def counts():
         return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
     store = dist.HashStore()
+    gc.collect()  # what earlier tests left for the collector must not close mid-count
     before = counts()
     for _ in range(5):
         with pytest.raises(CollectiveTimeoutError):
             StoreBootstrap(store, 0, 0.05).unique_id("comm", True, 2)
-    assert counts() == before
+    gc.collect()
+    after = counts()
+    # a leak only adds (5 creations: 5 threads and sockets); another test's daemon thread
+    # ending meanwhile may take one away
+    assert after[0] <= before[0] and after[1] <= before[1], (before, after)
 
 
 def test_local_failures_raise_before_the_store_gate(monkeypatch):

@@ -4,6 +4,7 @@ one NCCL group (the GPU tier issues the same batches for real)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import warnings
@@ -318,4 +319,8 @@ def test_two_issuing_threads_never_enqueue_at_once():
         thread.start()
     for thread in threads:
         thread.join(30)
-    assert not errors and Overlap.peak == 1 and len(group.batches) == 120
+    # A send queued by one thread may leave in the other thread's batch (both sit in the
+    # group's one queue): count calls, not batches. Each of the 120 is issued once.
+    issued = collections.Counter(op for batch in group.batches for op in batch)
+    assert not errors and Overlap.peak == 1
+    assert issued == {"all_reduce": 60, "send": 60}

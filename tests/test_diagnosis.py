@@ -151,7 +151,8 @@ def test_diagnose_through_a_real_store(stores, tmp_path):
             "process group '0': all_reduce #42 (float32[1048576]) timed out after 30 s on "
             "ranks 0,1; rank 2 is behind: its last collective was #41 (broadcast) — it never "
             "reached #42")
-        assert sorted(report.records) == [0, 1, 2] and report.elapsed_s < 4
+        # every rank answered, so it returned before its 5 s wait ran out
+        assert sorted(report.records) == [0, 1, 2] and report.elapsed_s < 5
     # The responder dumped rank 2's recorder (nothing registered: an empty process trace).
     # (it writes a temporary file and renames it: wait for the rename)
     deadline = time.monotonic() + 5
@@ -164,7 +165,7 @@ def test_diagnose_through_a_real_store(stores, tmp_path):
     started = time.monotonic()
     later = diagnosis.diagnose(stores[0], "0", 0, 3, diagnosis.progress(recs[0], recs[0].find(43)),
                                30, wait_s=1.0)
-    assert 0.9 < time.monotonic() - started < 3
+    assert 0.9 < time.monotonic() - started < 1 + 3
     assert sorted(later.records) == [0] and later.store_error is None
     assert later.message.endswith("ranks 1,2 did not answer within 1 s (dead, or stuck "
                                   "outside cupycoll)")
@@ -192,12 +193,12 @@ def test_a_dead_store_cannot_hang_the_diagnosis():
     store = BlockingStore()
     started = time.monotonic()
     report = diagnosis.diagnose_timeout(store, recorder, timeout_s=30, wait_s=0.5)
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 0.5 + 3  # not the blocked store's (endless) wait
     assert report.store_error == "no reply"
     assert "the store did not answer within 0.5 s (no reply)" in report.message
     store.release.set()
-    report = diagnosis.diagnose_timeout(RaisingStore(), recorder, timeout_s=30, wait_s=5)
-    assert report.elapsed_s < 1
+    report = diagnosis.diagnose_timeout(RaisingStore(), recorder, timeout_s=30, wait_s=20)
+    assert report.elapsed_s < 10  # the first error ends it, not the 20 s wait
     assert "(RuntimeError: Connection reset by peer)" in report.message
 
 
@@ -274,8 +275,8 @@ def test_diagnosis_across_processes(tmp_path):
         assert result["message"] == (
             "process group '0': all_reduce #42 (float32[1048576]) timed out after 30 s on ranks 0,1; rank 2 is "
             "behind: its last collective was #41 (broadcast) — it never reached #42; rank 3 "
-            "did not answer within 2 s (dead, or stuck outside cupycoll)")
-        assert result["answered"] == [0, 1, 2] and result["elapsed_s"] < 4
+            "did not answer within 4 s (dead, or stuck outside cupycoll)")
+        assert result["answered"] == [0, 1, 2] and result["elapsed_s"] < 4 + 3
     traces = tmp_path / "traces"
     assert sorted(os.listdir(traces)) == [f"cupycoll_trace_rank{r}.json" for r in range(3)]
     found, lines = trace.analyze(trace.load_dir(str(traces)))

@@ -298,7 +298,8 @@ def test_a_communicator_creation_that_times_out_faults_the_group(monkeypatch):
     start = time.monotonic()
     with pytest.raises(CommunicatorAbortedError, match="timed out") as info:
         group._cuda.comm_for(CUDA)
-    assert time.monotonic() - start < 0.1 and isinstance(info.value.__cause__, CollectiveTimeoutError)
+    # fails fast: well inside the 0.3 s a second creation would wait (and no arrival below)
+    assert time.monotonic() - start < 0.25 and isinstance(info.value.__cause__, CollectiveTimeoutError)
     assert store.add("cupycoll/comm/0/arrived", 0) == joined  # no second arrival counted
     assert not store.check(["cupycoll/comm/1/arrived"])
 
@@ -676,3 +677,12 @@ def test_the_environment_stage_reports_an_exclusive_gpu_as_a_problem(monkeypatch
         assert status == gpu_env.NO_GPU_EXIT
     else:
         assert status == 1
+
+
+def test_free_ports_lie_below_the_kernels_ephemeral_range():
+    # outgoing connections draw from that range: one could take the port before rank 0 binds it
+    low = mp._ephemeral_low()
+    if low <= 20000:
+        pytest.skip(f"no usable ephemeral range here (lowest port {low})")
+    ports = [mp.free_port() for _ in range(20)]
+    assert all(low - 10000 <= port < low for port in ports) and len(set(ports)) > 1, ports

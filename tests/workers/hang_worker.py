@@ -36,7 +36,13 @@ def main() -> int:
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
     logging.getLogger("cupycoll").addHandler(handler)
-    dist.init_process_group("cpu:gloo,cuda:cupycoll", timeout=datetime.timedelta(seconds=5))
+    # The rendezvous gets its own generous timeout: with env:// the 5 s below would also bound
+    # how far apart the ranks' imports may finish, which a loaded 2-core box can exceed.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("cpu:gloo,cuda:cupycoll", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=5))
+    store.set_timeout(datetime.timedelta(seconds=5))  # as env:// leaves it
     report = {"rank": rank, "group": type(dist.group.WORLD).__name__}
     t = torch.ones(1024)
     for _ in range(3):

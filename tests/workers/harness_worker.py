@@ -14,8 +14,6 @@ import os
 import sys
 import time
 
-from torch.distributed import TCPStore
-
 CHATTY_BYTES = 256 * 1024
 
 
@@ -23,6 +21,10 @@ def main() -> int:
     scenario = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if scenario == "chatty":
+        # imported here, not at the top: "hang" and "fail" must speak within ms, not after
+        # the seconds torch's import takes on a loaded box
+        from torch.distributed import TCPStore
+
         store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                          timeout=datetime.timedelta(seconds=60))
         if rank == 1:
