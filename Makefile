@@ -21,10 +21,10 @@ CUDA_EXTRA  ?=
 # More requirements installed with cupycoll, e.g. CI's oldest leg: "cupy-cuda12x==13.0.0".
 PIP_PINS    ?=
 PYTEST_ARGS ?=
-# Worker processes for the CPU tier (pytest-xdist; 0: in pytest's own process). One worker
-# leaves a core idle while a test waits on a timeout or a deadline; two brought the four CI
-# legs from 24.6 to 19.4 min on a 2-core machine (issue 13: 30 at most on the CI machine).
-# More would oversubscribe 2 cores with the rank processes the multi-process tests start.
+# Worker processes for the CPU tier (pytest-xdist; 0: in pytest's own process). Half its time
+# the suite waits (ranks importing torch, timeouts, deadlines): two workers finish the four CI
+# legs within 30 minutes on the 2-core CI machine. More would oversubscribe 2 cores with the
+# rank processes the multi-process tests start.
 TEST_WORKERS ?= 2
 
 .PHONY: install test test-gpu test-gpu-quick demo verify-gpu bench clean
