@@ -25,6 +25,16 @@ from workers.gloo_compat_worker import rank_input
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def destroy_default_group():
+    """``dist.destroy_process_group()`` for a default group whose gloo torch built: on a
+    torch without ProcessGroup.shutdown (2.4) the group is held until exit instead of freed,
+    as cupycoll holds its own gloo (compat.keep_gloo_until_exit). Freeing it joins gloo's
+    workers holding the GIL, and one still dropping a tensor it used needs the GIL: this
+    test process hung there once, at a test's end, under two pytest-xdist workers."""
+    compat.keep_gloo_until_exit(dist.group.WORLD)
+    dist.destroy_process_group()
+
+
 def test_torch_release_parsing():
     assert compat._release("2.15.0+cu132") == (2, 15)
     assert compat._release("2.4.1") == (2, 4)
@@ -236,7 +246,7 @@ def test_tensor_collective_names_by_version(recwarn):
         compat.reduce_scatter_single(out, torch.full((2,), 3.0))
         assert torch.equal(out, torch.full((2,), 3.0))
     finally:
-        dist.destroy_process_group()
+        destroy_default_group()
     assert not [w for w in recwarn if "deprecated" in str(w.message)]  # what the rename is for
 
 
@@ -337,7 +347,7 @@ def test_pg_options_reach_the_group_settings():
         dist.all_reduce(t, group=sub)
         assert torch.equal(t, torch.ones(2))
     finally:
-        dist.destroy_process_group()
+        destroy_default_group()
 
 
 @pytest.mark.skipif(compat.TORCH < (2, 15),
@@ -370,7 +380,7 @@ def test_torch_flight_recorder_hook_on_a_cupycoll_group(monkeypatch):
         # the hook would file its own entries under the backend serving the call: none
         assert json.loads(c10d._dump_fr_trace_json(backend="cupycoll")).get("entries", []) == []
     finally:
-        dist.destroy_process_group()
+        destroy_default_group()
 
 
 def test_pg_options_do_not_shadow_torch(world_of_one):
