@@ -21,10 +21,13 @@ CUDA_EXTRA  ?=
 # More requirements installed with cupycoll, e.g. CI's oldest leg: "cupy-cuda12x==13.0.0".
 PIP_PINS    ?=
 PYTEST_ARGS ?=
+TURN        := $(if $(shell command -v flock 2>/dev/null),flock pyproject.toml)
 # Worker processes for the CPU tier (pytest-xdist; 0: in pytest's own process). One worker
 # leaves a core idle while a test waits on a timeout or a deadline; two brought the four CI
 # legs from 24.6 to 19.4 min on a 2-core machine (issue 13: 30 at most on the CI machine).
 # More would oversubscribe 2 cores with the rank processes the multi-process tests start.
+# worksteal: a worker that runs out takes the other's queued tests, so a leg does not end on
+# one busy worker.
 TEST_WORKERS ?= 2
 
 .PHONY: install test test-gpu test-gpu-quick demo verify-gpu bench clean
@@ -35,19 +38,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet \
 		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	@# An existing CuPy (e.g. cupy-cuda13x on a GPU machine) is kept: no second CuPy on top.
+	@# The editable install writes cupycoll.egg-info into the checkout: two venvs installed
+	@# at once from one checkout (CI builds two) take turns, holding a lock on pyproject.toml.
 	extra="$(CUDA_EXTRA)"; \
 	[ -n "$$extra" ] || extra=$$($(PY) -c "import torch; print('cuda' + (torch.version.cuda or '12').split('.')[0])"); \
-	if $(PY) -c "import cupy" 2>/dev/null; then \
-		$(PY) -m pip install --quiet -e ".[test]" $(PIP_PINS); \
-	else \
-		$(PY) -m pip install --quiet -e ".[test,$$extra]" $(PIP_PINS); \
-	fi
+	if $(PY) -c "import cupy" 2>/dev/null; then extras="test"; else extras="test,$$extra"; fi; \
+	$(TURN) $(PY) -m pip install --quiet -e ".[$$extras]" $(PIP_PINS)
 	touch $@
 
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -m "not gpu" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu" -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # The GPU tier in parts (tests/gpu/tier.py): semantics, api, ring, faults, bench, in that
 # order, each one pytest command with -x under its own time budget (<= 9 min); a failing part

@@ -39,7 +39,12 @@ def test_install_picks_the_extra_from_torch_and_honours_pins(tmp_path):
     out = _dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_INDEX=", "PIP_PINS=cupy-cuda12x==13.0.0")
     assert "--extra-index-url" not in out
     assert "torch.version.cuda" in out  # CUDA_EXTRA empty: derived from the torch build
-    assert 'pip install --quiet -e ".[test,$extra]" cupy-cuda12x==13.0.0' in out
+    assert 'extras="test,$extra"' in out
+    assert 'pip install --quiet -e ".[$extras]" cupy-cuda12x==13.0.0' in out
+    # two installs from one checkout (CI builds two venvs at once) take turns at the
+    # editable step, which writes cupycoll.egg-info into the checkout
+    if shutil.which("flock"):
+        assert 'flock pyproject.toml ' in out.split('-e ".[$extras]"')[0].splitlines()[-1]
     out = _dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_INDEX=https://example.invalid/cpu",
                    "CUDA_EXTRA=cuda13")
     assert "--extra-index-url https://example.invalid/cpu" in out
