@@ -106,7 +106,7 @@ def gloo_cases(tmp_path_factory):
     tests/workers/gloo_compat_worker.py: ``case -> [rank 0's, rank 1's]``."""
     out = tmp_path_factory.mktemp("gloo-compat")
     run_ranks("gloo_compat_worker.py", 2, args=[str(out)], timeout=180)
-    per_rank = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    per_rank = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
     return {name: [per_rank[rank][name] for rank in range(2)] for name in per_rank[0]}
 
 

@@ -22,7 +22,7 @@ def _run(tmp_path, backend, world, *extra, expect_success=True):
     run_ranks("api_worker.py", world, ["--backend", backend, "--out", str(out), *extra], timeout=180,
               expect_success=expect_success)
     summaries = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    outputs = [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    outputs = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
     return summaries, outputs
 
 

@@ -100,8 +100,8 @@ def test_api_suite_matches_torch_nccl(runs):
         if ref[rank]["failures"]:
             print(f"reference (torch nccl) rank {rank} failed {len(ref[rank]['failures'])} cases, "
                   f"left out of the comparison:", *ref[rank]["failures"][:20], sep="\n  ")
-        compared, mismatches = compare_runs(torch.load(ours_out / f"rank{rank}.pt"),
-                                            torch.load(ref_out / f"rank{rank}.pt"),
+        compared, mismatches = compare_runs(torch.load(ours_out / f"rank{rank}.pt", weights_only=True),
+                                            torch.load(ref_out / f"rank{rank}.pt", weights_only=True),
                                             exclude=failed_case_names(ref[rank]["failures"]))
         assert mismatches == [], (rank, mismatches[:20])
         assert compared > 400, (rank, compared)
