@@ -22,6 +22,8 @@ interpreter finalizes) and :mod:`cupycoll.nccl_bindings`' library search (no
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import re
 from typing import List, Optional, Sequence
 
@@ -208,6 +210,47 @@ def keep_gloo_until_exit(gloo: ProcessGroup) -> None:
     # workers before the group is freed, and without it keeping the group is the safe side.
     if not PROCESS_GROUP_HAS_SHUTDOWN:
         _KEPT_UNTIL_EXIT.append(gloo)
+
+
+# Aliases of the tensors handed to gloo (torch < 2.7, see gloo_call), each held until the
+# gloo Work that uses it has let go of it.
+_GLOO_ALIASES: List[torch.Tensor] = []
+
+
+def gloo_call(call, *args) -> dist.Work:
+    """``call(*args)``, a call on a gloo group; before torch 2.7 (no shutdown) it gets aliases
+    of the tensors in ``args`` (in lists too), which cupycoll holds while gloo holds them."""
+    # torch < 2.7: a gloo worker drops a call's tensors after wait() has returned. A tensor
+    # whose Python object the caller dropped first is then freed on that worker, which takes
+    # the GIL to free the Python object; if the interpreter is finalizing by then, Python
+    # 3.9-3.13 ends the thread inside a C++ destructor and the process aborts ("terminate
+    # called without an active exception", exit -6: the GPU probe's CPU mode on 2.4.1, 3 of
+    # 110 runs). gloo is handed aliases (detach(): same storage and version counter) that no
+    # caller sees, held here until only this list refers to them (_use_count() == 1); at exit
+    # the ones gloo still holds are leaked, so no worker ever frees a Python object. From 2.7
+    # cupycoll shuts gloo down before the group goes (shutdown), with no worker left.
+    if PROCESS_GROUP_HAS_SHUTDOWN:
+        return call(*args)
+    _GLOO_ALIASES[:] = [alias for alias in _GLOO_ALIASES if alias._use_count() > 1]
+    return call(*[_alias(arg) for arg in args])
+
+
+def _alias(arg):
+    if isinstance(arg, torch.Tensor):
+        alias = arg.detach()
+        _GLOO_ALIASES.append(alias)
+        return alias
+    if isinstance(arg, (list, tuple)) and any(isinstance(a, (torch.Tensor, list, tuple)) for a in arg):
+        return [_alias(a) for a in arg]
+    return arg
+
+
+@atexit.register
+def _leak_aliases_gloo_holds() -> None:
+    # Runs before the interpreter finalizes; the extra reference is never dropped, so the
+    # list (and every alias in it) outlives the process's last gloo worker.
+    if _GLOO_ALIASES:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GLOO_ALIASES))
 
 
 def shutdown(group: Optional[ProcessGroup]) -> None:

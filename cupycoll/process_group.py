@@ -187,8 +187,9 @@ class ProcessGroupCupycoll(ProcessGroup):
             tensors = tensors[_ROOT_ONLY[op_name]] if op_name in _ROOT_ONLY else tensors
         self._trace.call(op_name, _args.flat(tensors), root, opts, route, self._cpu)
 
-    def _gloo(self, work: dist.Work) -> dist.Work:
-        return self._trace.gloo(work)
+    def _gloo(self, call, *args) -> dist.Work:
+        """``call(*args)`` on the gloo half (the tensors as compat.gloo_call hands them)."""
+        return self._trace.gloo(compat.gloo_call(call, *args))
 
     def _classify(self, tensors, op_name: str) -> bool:
         """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""
@@ -214,37 +215,37 @@ class ProcessGroupCupycoll(ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.AllreduceOptions()
         if not self._is_cuda(tensors, "all_reduce", opts):
-            return self._gloo(self._cpu.allreduce(tensors, opts))
+            return self._gloo(self._cpu.allreduce, tensors, opts)
         return collectives.all_reduce(self._cuda, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         if not self._is_cuda(tensors, "all_reduce_coalesced", opts):
-            return self._gloo(self._cpu.allreduce_coalesced(tensors, opts))
+            return self._gloo(self._cpu.allreduce_coalesced, tensors, opts)
         return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.BroadcastOptions()
         if not self._is_cuda(tensors, "broadcast", opts):
-            return self._gloo(self._cpu.broadcast(tensors, opts))
+            return self._gloo(self._cpu.broadcast, tensors, opts)
         return collectives.broadcast(self._cuda, tensors, opts)
 
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.ReduceOptions()
         if not self._is_cuda(tensors, "reduce", opts):
-            return self._gloo(self._cpu.reduce(tensors, opts))
+            return self._gloo(self._cpu.reduce, tensors, opts)
         return collectives.reduce(self._cuda, tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._is_cuda([output_tensors, input_tensors], "all_gather", opts):
-            return self._gloo(self._cpu.allgather(output_tensors, input_tensors, opts))
+            return self._gloo(self._cpu.allgather, output_tensors, input_tensors, opts)
         return collectives.all_gather(self._cuda, output_tensors, input_tensors, opts)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._is_cuda([output_lists, input_tensors], "all_gather_coalesced", opts):
-            return self._gloo(self._cpu.allgather_coalesced(output_lists, input_tensors, opts))
+            return self._gloo(self._cpu.allgather_coalesced, output_lists, input_tensors, opts)
         if len(output_lists) != len(input_tensors):
             raise CupycollValueError(
                 f"all_gather_coalesced: {len(output_lists)} output lists for {len(input_tensors)} inputs")
@@ -254,57 +255,57 @@ class ProcessGroupCupycoll(ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._is_cuda([output, input], "all_gather_into_tensor", opts):
-            return self._gloo(self._cpu._allgather_base(output, input, opts))
+            return self._gloo(self._cpu._allgather_base, output, input, opts)
         return collectives.all_gather_into_tensor(self._cuda, output, input, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._is_cuda([outputs, inputs], "all_gather_into_tensor_coalesced", opts):
-            return self._gloo(self._cpu.allgather_into_tensor_coalesced(outputs, inputs, opts))
+            return self._gloo(self._cpu.allgather_into_tensor_coalesced, outputs, inputs, opts)
         return self._coalesced(lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([output_tensors, input_tensors], "reduce_scatter", opts):
-            return self._gloo(self._cpu.reduce_scatter(output_tensors, input_tensors, opts))
+            return self._gloo(self._cpu.reduce_scatter, output_tensors, input_tensors, opts)
         return collectives.reduce_scatter(self._cuda, output_tensors, input_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([output, input], "reduce_scatter_tensor", opts):
-            return self._gloo(compat.gloo_reduce_scatter_tensor(self._cpu, output, input, opts))
+            return self._gloo(compat.gloo_reduce_scatter_tensor, self._cpu, output, input, opts)
         return collectives.reduce_scatter_tensor(self._cuda, output, input, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([outputs, inputs], "reduce_scatter_tensor_coalesced", opts):
-            return self._gloo(self._cpu.reduce_scatter_tensor_coalesced(outputs, inputs, opts))
+            return self._gloo(self._cpu.reduce_scatter_tensor_coalesced, outputs, inputs, opts)
         return self._coalesced(lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllToAllOptions()
         if not self._is_cuda([output_tensors, input_tensors], "all_to_all", opts):
-            return self._gloo(compat.gloo_alltoall(self._cpu, output_tensors, input_tensors, opts))
+            return self._gloo(compat.gloo_alltoall, self._cpu, output_tensors, input_tensors, opts)
         return collectives.all_to_all(self._cuda, output_tensors, input_tensors, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else c10d.AllToAllOptions()
         if not self._is_cuda([output, input], "all_to_all_single", opts):
-            return self._gloo(self._cpu.alltoall_base(output, input, output_split_sizes,
-                                                      input_split_sizes, opts))
+            return self._gloo(self._cpu.alltoall_base, output, input, output_split_sizes,
+                              input_split_sizes, opts)
         return collectives.all_to_all_single(self._cuda, output, input, output_split_sizes,
                                              input_split_sizes, opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.GatherOptions()
         if not self._is_cuda([output_tensors, input_tensors], "gather", opts):
-            return self._gloo(self._cpu.gather(output_tensors, input_tensors, opts))
+            return self._gloo(self._cpu.gather, output_tensors, input_tensors, opts)
         return collectives.gather(self._cuda, output_tensors, input_tensors, opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.ScatterOptions()
         if not self._is_cuda([output_tensors, input_tensors], "scatter", opts):
-            return self._gloo(self._cpu.scatter(output_tensors, input_tensors, opts))
+            return self._gloo(self._cpu.scatter, output_tensors, input_tensors, opts)
         return collectives.scatter(self._cuda, output_tensors, input_tensors, opts)
 
     def send(self, tensors, dst_rank, tag=0):
@@ -328,7 +329,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         if device is None:
             self._cuda.check_usable()
             self._trace.call("barrier", (), route="gloo", cpu_group=self._cpu)
-            return self._gloo(self._cpu.barrier(opts))
+            return self._gloo(self._cpu.barrier, opts)
         self._trace.call("barrier", (), cpu_group=self._cpu)
         return collectives.barrier(self._cuda, device)
 
