@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import re
+import threading
 from typing import List, Optional, Sequence
 
 import torch
@@ -213,8 +215,10 @@ def keep_gloo_until_exit(gloo: ProcessGroup) -> None:
 
 
 # Aliases of the tensors handed to gloo (torch < 2.7, see gloo_call), each held until the
-# gloo Work that uses it has let go of it.
+# gloo Work that uses it has let go of it. The lock: a call issued from another thread must
+# not drop an alias between its creation and gloo taking it.
 _GLOO_ALIASES: List[torch.Tensor] = []
+_GLOO_ALIASES_LOCK = threading.Lock()
 
 
 def gloo_call(call, *args) -> dist.Work:
@@ -231,8 +235,9 @@ def gloo_call(call, *args) -> dist.Work:
     # cupycoll shuts gloo down before the group goes (shutdown), with no worker left.
     if PROCESS_GROUP_HAS_SHUTDOWN:
         return call(*args)
-    _GLOO_ALIASES[:] = [alias for alias in _GLOO_ALIASES if alias._use_count() > 1]
-    return call(*[_alias(arg) for arg in args])
+    with _GLOO_ALIASES_LOCK:  # gloo's calls only enqueue: held for microseconds
+        _GLOO_ALIASES[:] = [alias for alias in _GLOO_ALIASES if alias._use_count() > 1]
+        return call(*[_alias(arg) for arg in args])
 
 
 def _alias(arg):
@@ -243,6 +248,16 @@ def _alias(arg):
     if isinstance(arg, (list, tuple)) and any(isinstance(a, (torch.Tensor, list, tuple)) for a in arg):
         return [_alias(a) for a in arg]
     return arg
+
+
+def _reset_aliases_in_child() -> None:
+    # A parent's thread may have held the lock as it forked; its gloo threads are not here.
+    global _GLOO_ALIASES_LOCK
+    _GLOO_ALIASES_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_aliases_in_child)
 
 
 @atexit.register
