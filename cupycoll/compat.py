@@ -229,10 +229,11 @@ def gloo_call(call, *args) -> dist.Work:
     # the GIL to free the Python object; if the interpreter is finalizing by then, Python
     # 3.9-3.13 ends the thread inside a C++ destructor and the process aborts ("terminate
     # called without an active exception", exit -6: the GPU probe's CPU mode on 2.4.1, 3 of
-    # 110 runs). gloo is handed aliases (detach(): same storage and version counter) that no
-    # caller sees, held here until only this list refers to them (_use_count() == 1); at exit
-    # the ones gloo still holds are leaked, so no worker ever frees a Python object. From 2.7
-    # cupycoll shuts gloo down before the group goes (shutdown), with no worker left.
+    # 110 runs). gloo is handed aliases (detach(): same storage and version counter), held
+    # here until only this list refers to them (_use_count() counts C++ references: gloo's,
+    # not the Python ones a Work's result() may hand out). At exit the ones gloo still holds
+    # are leaked, so no worker ever frees a Python object. From 2.7 cupycoll shuts gloo down
+    # before the group goes (shutdown), with no worker left.
     if PROCESS_GROUP_HAS_SHUTDOWN:
         return call(*args)
     with _GLOO_ALIASES_LOCK:  # gloo's calls only enqueue: held for microseconds

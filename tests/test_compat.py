@@ -298,7 +298,7 @@ def test_gloo_call_hands_gloo_aliases_only_without_shutdown():
     if compat.PROCESS_GROUP_HAS_SHUTDOWN:
         assert handed is tensor
     else:
-        # torch 2.4: gloo holds an alias no caller sees, and cupycoll holds it in Python
+        # torch 2.4: gloo holds an alias of the caller's tensor, and cupycoll holds it in Python
         assert handed is not tensor and handed.data_ptr() == tensor.data_ptr()
         assert any(alias is handed for alias in compat._GLOO_ALIASES)
         del handed, work  # gloo lets go once its Work is gone: a later call drops the alias
