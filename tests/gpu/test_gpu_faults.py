@@ -180,7 +180,7 @@ def test_a_rank_that_never_joins_makes_init_fail_after_the_timeout(suites, mode)
     for rank in (0, 1):
         assert rank in reports, logs
         report = reports[rank]
-        assert report["error"] and "join" in report["error"], report
+        assert report["error"] and any(w in report["error"] for w in ("to join", "from its creator rank", "gave up waiting")), report
         assert TIMEOUT_S * 0.9 < report["seconds"] < TIMEOUT_S + GRACE_S, report
 
 
@@ -336,7 +336,7 @@ def test_a_hung_peer_on_cuda_is_named_by_the_watchdog(launched, capsys):
     assert report["timeout"], report
     assert report["elapsed_s"] < TIMEOUT_S + 10, report  # the timeout, then at most 5 s of diagnosis
     error = report["error"]
-    assert f"all_reduce #5 (float32[1024]) timed out after {TIMEOUT_S:g} s on ranks 0" in error, error
+    assert f"all_reduce #5 (float32[1024]) timed out after {TIMEOUT_S:g} s on rank 0;" in error, error
     assert "rank 1 is behind: its last collective was #4 (broadcast)" in error, error
     assert "never reached #5" in error, error
     if "after_sync" in report:  # D1 on this path too
