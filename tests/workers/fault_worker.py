@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -253,8 +254,31 @@ def never_joins(ctx):
 
 def _resources():
     free, _total = torch.cuda.mem_get_info()
-    return {"gpu_free": free, "threads": len(os.listdir("/proc/self/task")),
+    return {"gpu_free": free, "process_gpu_mib": process_gpu_mib(), "threads": len(os.listdir("/proc/self/task")),
             "fds": len(os.listdir("/proc/self/fd"))}
+
+
+def process_gpu_mib(pid=None):
+    """This process's GPU memory (MiB) as nvidia-smi reports it, or None where it cannot."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_compute_apps(out, pid)
+
+
+def parse_compute_apps(text, pid):
+    """The used_memory of ``pid`` in nvidia-smi's ``pid, used_memory`` CSV (None if absent)."""
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0] == str(pid):
+            try:
+                return int(fields[1])
+            except ValueError:
+                return None
+    return None
 
 
 def cycles(ctx, count=50, warm=5):
@@ -266,7 +290,11 @@ def cycles(ctx, count=50, warm=5):
         x = torch.full((1 << 16,), float(cycle), device=ctx.device)
         dist.all_reduce(x)
         torch.cuda.synchronize()
-        assert x[0].item() == cycle * ctx.world
+        # A rank's all_reduce ends when its own part is done, not when its peers have
+        # received what it sent (the network proxy may still be sending): aborting at once
+        # could cut a peer's collective short. Every rank has its result before any aborts.
+        ctx.all_reach(f"reduced/{cycle}")
+        assert x[0].item() == cycle * ctx.world, (cycle, x[0].item())
         group.abort()
         dist.destroy_process_group()
         ctx.all_reach(f"cycle-done/{cycle}")
