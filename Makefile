@@ -30,7 +30,7 @@ TURN        := $(if $(shell command -v flock 2>/dev/null),flock pyproject.toml)
 # one busy worker.
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-gpu test-gpu-quick demo verify-gpu bench clean
+.PHONY: install test test-gpu test-gpu-quick demo verify-gpu verify-gpu-lease bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -72,9 +72,14 @@ demo:
 # The GPU proof (tools/verify_gpu.py): environment, GPU tier, demo, benchmarks, faults, each
 # under its time limit, <= 9 min in all; results (<= 8 files) in verify-gpu-out/.
 # VERIFY_ARGS="--quick" (<= 3 min), "--stage bench,faults", "--out DIR", "--list".
+# verify-gpu-lease: the one command of a 15-minute GPU lease (<= 570 s; see
+# docs/gpu-verification.md), e.g. VERIFY_ARGS="--out DIR".
 VERIFY_ARGS ?=
 verify-gpu:
 	PYTHONPATH=$(CURDIR) $(RUN_PY) -m tools.verify_gpu $(VERIFY_ARGS)
+
+verify-gpu-lease:
+	PYTHONPATH=$(CURDIR) $(RUN_PY) -m tools.verify_gpu --lease $(VERIFY_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -66,7 +66,7 @@ logger = logging.getLogger("cupycoll")
 
 TERMINATE_EXIT_CODE = 70  # EX_SOFTWARE: an internal error ended the job on purpose
 
-# How long a fault thread may take (explain_timeout, up to ~5 s, plus ncclCommAbort, which
+# How long a fault thread may take (explain_timeout, up to ~5 s in all, plus ncclCommAbort, which
 # takes tens to hundreds of ms when healthy) before ``terminate`` exits without it and
 # ``raise`` logs that the abort hangs. torch bounds its abort the same way.
 FAULT_DEADLINE = 15.0

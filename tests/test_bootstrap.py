@@ -20,6 +20,7 @@ from cupycoll.backend import CudaBackend
 from cupycoll.bootstrap import ABANDONED, StoreBootstrap
 from cupycoll.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, NoCudaDeviceError
+from workers.fault_worker import NEVER_JOINED_WORDS
 
 CUDA = torch.device("cuda", 0)
 
@@ -74,6 +75,17 @@ def test_the_id_is_made_only_once_everyone_arrived(counted_ids):
     assert counted_ids == []
     assert len(set(run_ranks(store, [0, 1], members=2, timeout=10).values())) == 1
     assert counted_ids == [0]
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_rank_that_never_joins_fails_the_others_in_words_the_gpu_tier_expects(counted_ids, run):
+    # ranks 0 and 1 of 3; rank 2 never comes (tests/gpu/test_gpu_faults.py, never_joins)
+    results = run_ranks(dist.HashStore(), [0, 1], members=3, timeout=0.3)
+    for rank in (0, 1):
+        error = results[rank]
+        assert isinstance(error, CollectiveTimeoutError) and isinstance(error, dist.DistBackendError), error
+        assert any(words in str(error) for words in NEVER_JOINED_WORDS), error
+    assert counted_ids == []
 
 
 def test_a_rank_that_gives_up_fails_the_whole_generation(counted_ids):

@@ -64,7 +64,7 @@ def test_ranks_not_answering_and_a_dead_store():
     records = {0: at_42(), 1: None, 2: rec(41, "broadcast")}
     text = message(records)
     assert text.endswith("rank 2 is behind: its last collective was #41 (broadcast) — it "
-                         "never reached #42; ranks 1,3 did not answer within 5 s (dead, or "
+                         "never reached #42; ranks 1,3 did not answer within 4 s (dead, or "
                          "stuck outside cupycoll)")
     dead = message({0: at_42()}, wait_s=2, store_error="no reply", group="pg")
     assert dead == ("process group 'pg': all_reduce #42 (float32[1048576]) timed out after "

@@ -329,6 +329,11 @@ def test_the_tier_runs_semantics_first_and_every_part_fits_one_command():
                                                       "tests/gpu/x.py"]
 
 
+def test_parts_that_only_read_finished_runs_judge_every_test():
+    stops = {name: "-x" in pytest_command(path, "py") for name, path, _ in GPU_TIER}
+    assert stops == {"semantics": True, "api": False, "ring": True, "faults": False, "bench": True}
+
+
 # How each part's subprocesses run, read from its test file: stages one after another, the
 # runs of a stage side by side. A string is a key of the file's SUBPROCESS_LIMITS_S, a number
 # a limit written at the call. The bench part declares its order (SEQUENTIAL_RUNS).
@@ -550,7 +555,7 @@ def test_every_hang_scenario_is_launched_by_the_faults_part_within_its_limit():
 
 
 def test_process_gpu_memory_is_read_from_nvidia_smi_csv():
-    from workers.gpu_hang_worker import parse_compute_apps
+    from workers.fault_worker import parse_compute_apps
 
     text = "1234, 512\n99, 80\n"
     assert parse_compute_apps(text, 99) == 80 and parse_compute_apps(text, 1234) == 512
@@ -572,6 +577,7 @@ def test_cycle_figures_pass_when_flat_and_fail_on_growth():
     assert flat["keys_per_cycle_first_half"] == flat["keys_per_cycle_second_half"] == 10
     assert flat["threads"] == 0 and flat["process_gpu_mib"] == 0 and flat["reserved_mib"] == 0
     faults.check_cycle_deltas(flat)
+    faults.check_cycle_deltas(faults.cycle_deltas(_cycles_report(keys_late=11)))  # one key a cycle by chance
     for leak in ({"keys_late": 12}, {"threads_late": 34}, {"reserved_late": 200 << 20}, {"mib_late": 900}):
         with pytest.raises(AssertionError):
             faults.check_cycle_deltas(faults.cycle_deltas(_cycles_report(**leak)))

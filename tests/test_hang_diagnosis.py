@@ -88,7 +88,7 @@ def test_a_killed_rank_is_named_as_not_answering(tmp_path):
             continue
         assert report["timeout"] or report["peer_failed"], report
         assert "all_reduce #5 (float32[1024])" in _diagnosis(report), report
-        assert "rank 2 did not answer within 5 s" in _diagnosis(report), report
+        assert "rank 2 did not answer within 4 s" in _diagnosis(report), report
 
 
 def test_the_mismatch_check_names_the_rank_and_the_shapes(tmp_path):

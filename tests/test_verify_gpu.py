@@ -360,7 +360,8 @@ def test_full_plan_takes_its_tier_parts_from_tier_py(tmp_path):
     for name, path, budget in tier.GPU_TIER:
         if name in parts:
             assert parts[name].limit_s == budget and path in parts[name].argv
-            assert parts[name].argv[:8] == [PY, "-m", "pytest", "-m", "gpu", "-x", "-q", parts[name].argv[7]]
+            assert parts[name].argv[:5] == [PY, "-m", "pytest", "-m", "gpu"]
+            assert ("-x" in parts[name].argv) == (path not in tier.READS_FINISHED_RUNS)
     assert "--deselect=tests/gpu/test_gpu_semantics.py::test_ddp_parity_with_torch_nccl" in parts["semantics"].argv
     assert [s.stage for s in steps][:2] == ["env", "tier"] and {s.stage for s in steps} == set(verify_gpu.STAGES)
     assert all(s.estimate_s <= s.limit_s for s in steps)
@@ -388,8 +389,56 @@ def test_quick_plan_is_the_informative_subset_within_three_minutes(tmp_path):
     assert {"all_reduce", "all_gather", "broadcast", "sendrecv"} <= set(small.argv) and "2" in small.argv
 
 
+LEASE_PROOFS = ["env.env", "tier.probe", "tier.api", "demo.demo", "faults.fault_bench", "bench.row"]
+
+
+def test_lease_plan_proves_the_most_first_then_runs_every_other_step(tmp_path):
+    steps = verify_gpu.plan("lease", PY, str(tmp_path), str(tmp_path))
+    keys = [s.key for s in steps]
+    assert keys[:len(LEASE_PROOFS)] == LEASE_PROOFS
+    full = {s.key for s in verify_gpu.plan("full", PY, str(tmp_path), str(tmp_path))}
+    assert set(keys) == full | {"tier.probe", "bench.row"} and len(keys) == len(set(keys))
+    # by the times in the table, the proofs are in within about 5 minutes of the command
+    assert sum(s.estimate_s for s in steps[:len(LEASE_PROOFS)]) <= 300
+    assert verify_gpu.BUDGET_S["lease"] == 570
+    row = steps[keys.index("bench.row")]
+    assert {"all_reduce", "1M", "64M", verify_gpu.CANDIDATES} <= set(row.argv)
+    assert all(s.min_s == s.limit_s for s in steps)  # a step starts only with its whole limit left
+
+
+def test_every_step_of_every_plan_has_its_limit_and_time_in_the_one_table(tmp_path, capsys):
+    tier = verify_gpu.gpu_tier()
+    for mode in ("full", "quick", "lease"):
+        for step in verify_gpu.plan(mode, PY, str(tmp_path), str(tmp_path)):
+            key = "bench.small-quick" if (mode, step.key) == ("quick", "bench.small") else step.key
+            timing = verify_gpu.TIMINGS[key]
+            assert step.estimate_s == timing.seconds <= step.limit_s, key
+            limit = timing.limit_s if timing.limit_s is not None else tier.GPU_TIER_BUDGETS_S[step.name]
+            assert step.limit_s == limit, key
+    assert verify_gpu.main(["--lease", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "tier.api                   limit  120 s  measured  24 s" in listed
+    assert "bench.row                  limit   60 s  estimate  15 s" in listed
+    assert f"lease: 375 s of a 570 s budget by these times (measured on {verify_gpu.MEASURED_ON})" in listed
+
+
+def test_a_step_that_must_have_its_whole_limit_is_skipped_and_a_shorter_one_still_runs(tmp_path):
+    steps = [Step("a", "long", py("print('never')"), 5, 1, min_s=5),
+             Step("b", "short", py("print('ran')"), 2, 1, min_s=2)]
+    results = run_plan(steps, str(tmp_path / "log"), 3, str(tmp_path))
+    assert [r.status for r in results] == ["skipped", "passed"]
+    assert results[0].reason.startswith("out of time budget")
+
+
+def test_a_commit_named_by_the_sender_wins_over_the_trees_git(monkeypatch):
+    monkeypatch.setenv("CUPYCOLL_BENCH_GIT_COMMIT", "5f536ccde840")
+    assert verify_gpu._commit() == "5f536ccde840"
+    monkeypatch.delenv("CUPYCOLL_BENCH_GIT_COMMIT")
+    assert verify_gpu._commit() != "5f536ccde840"
+
+
 def test_bench_steps_use_long_flags_the_bench_cli_accepts(tmp_path):
-    for mode in ("full", "quick"):
+    for mode in ("full", "quick", "lease"):
         for step in verify_gpu.plan(mode, PY, str(tmp_path), str(tmp_path)):
             if step.stage != "bench":
                 continue

@@ -30,7 +30,7 @@ from bench import output  # noqa: E402  (pure Python: no torch)
 
 # merged file -> the verify_gpu run files it is made of, in order
 GROUPS = {
-    "bench-sweep": ["sweep-small.json", "sweep-large.json"],
+    "bench-sweep": ["sweep-row.json", "sweep-small.json", "sweep-large.json"],
     "bench-scenarios": ["scenarios-1rank.json", "scenarios-2ranks.json"],
 }
 

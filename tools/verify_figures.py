@@ -158,13 +158,15 @@ def _kernel(document, missing: str) -> Dict:
     return _target(name, 0.9, "min", worst["ratio_to_copy"], detail)
 
 
-def _ring_vs_nccl(document, missing: str) -> Dict:
+def _ring_vs_nccl(documents, missing: str) -> Dict:
+    """``documents``: the sweeps that may hold rows of 64 MiB and more (large, lease row)."""
     name = "ring / NCCL time at ≥ 64 MiB (2 ranks, fp32 and bf16)"
     key = ("collective", "size", "type", "redop", "placement")
-    nccl = {tuple(r.get(k) for k in key): r for r in _rows(document)
+    rows = [r for document in documents for r in _rows(document)]
+    nccl = {tuple(r.get(k) for k in key): r for r in rows
             if r.get("kind") == "sweep" and r.get("candidate") == OURS and r.get("status") == "ok"}
     pairs = []
-    for r in _rows(document):
+    for r in rows:
         if (r.get("kind") == "sweep" and r.get("candidate") == RING and r.get("status") == "ok"
                 and (r.get("size") or 0) >= 64 * MIB):
             base = nccl.get(tuple(r.get(k) for k in key))
@@ -221,6 +223,7 @@ def evaluate_targets(work_dir: str, out_dir: str, ddp_diff: Optional[float], why
     scen1 = load_json(os.path.join(work_dir, "scenarios-1rank.json"))
     scen2 = load_json(os.path.join(work_dir, "scenarios-2ranks.json"))
     large = load_json(os.path.join(work_dir, "sweep-large.json"))
+    row = load_json(os.path.join(work_dir, "sweep-row.json"))
     faults = load_json(os.path.join(out_dir, "faults.json"))
     targets = [
         _host_ratio(scen1, 1, why_not("scenarios-1rank")),
@@ -228,7 +231,7 @@ def evaluate_targets(work_dir: str, out_dir: str, ddp_diff: Optional[float], why
         _coalesced(scen1, 1, why_not("scenarios-1rank")),
         _coalesced(scen2, 2, why_not("scenarios-2ranks")),
         _kernel(scen1, why_not("scenarios-1rank")),
-        _ring_vs_nccl(large, why_not("sweep-large")),
+        _ring_vs_nccl([d for d in (large, row) if d], why_not("sweep-large")),
     ]
     targets += _faults(faults, why_not("faults"))
     targets.append(_target("DDP largest parameter difference vs torch nccl (fp32)", 1e-6, "max", ddp_diff,

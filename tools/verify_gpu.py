@@ -42,6 +42,7 @@ the steps report (the tests and the benchmark's #wrong do that).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import glob
 import importlib.util
@@ -63,7 +64,9 @@ from tools import bench_merge, verify_figures, verify_summary  # noqa: E402
 from tools.verify_runner import Step, run_plan, compress_log  # noqa: E402
 
 PROG = "verify-gpu"
-BUDGET_S = {"full": 525.0, "quick": 170.0}
+# --lease: what one command on a lent GPU machine may take (600 s at most a command; the
+# rest is the machine's start and the transfers).
+BUDGET_S = {"full": 525.0, "quick": 170.0, "lease": 570.0}
 STAGES = ("env", "tier", "demo", "bench", "faults")
 NO_GPU_EXIT_ENV = 3  # tools/gpu_env.py: torch sees no GPU
 # The tier's own bench part is left out: stage 4 runs the real benchmarks.
@@ -71,6 +74,38 @@ TIER_SKIP = ("bench",)
 # Minutes matter more than running one test twice: make demo (stage 3) is the DDP parity
 # run. Node id -> the seconds it takes out of its part's estimate.
 DESELECT = {"tests/gpu/test_gpu_semantics.py::test_ddp_parity_with_torch_nccl": 25}
+
+# Every step's time limit and what it took when last measured, in one table (``--list``
+# prints it). A limit of None is the part's budget in tests/gpu/tier.py. ``seconds`` is the
+# step's time on the GPU machine named in MEASURED_ON where ``measured``, otherwise an
+# estimate; it is the estimate the summary shows, and a measured time replaces it after
+# each run that recorded it.
+MEASURED_ON = "one NVIDIA H200, torch 2.11.0+cu130, CuPy 14.2.0, NCCL 2.28.9, 2026-11-26"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    limit_s: Optional[float]
+    seconds: float
+    measured: bool = True
+
+
+TIMINGS = {
+    "env.env": Timing(60, 5),
+    "tier.probe": Timing(60, 5),
+    "tier.semantics": Timing(None, 16),  # DDP parity deselected: the demo runs it
+    "tier.api": Timing(None, 24),
+    "tier.ring": Timing(None, 31),
+    "tier.faults": Timing(None, 95, measured=False),  # its one run lost 130 s to a hang
+    "demo.demo": Timing(120, 16),
+    "faults.fault_bench": Timing(150, 52),
+    "bench.row": Timing(60, 15, measured=False),
+    "bench.small": Timing(90, 9),
+    "bench.small-quick": Timing(60, 9),
+    "bench.large": Timing(150, 50),
+    "bench.scenarios-1rank": Timing(90, 10),
+    "bench.scenarios-2ranks": Timing(90, 47),
+}
 
 
 def gpu_tier():
@@ -97,10 +132,23 @@ def _tier_steps(py: str, tier_module) -> List[Step]:
             continue
         deselect = [node for node in DESELECT if node.startswith(path + "::")]
         argv = module.pytest_command(path, py, ["-p", "no:cacheprovider"] + [f"--deselect={n}" for n in deselect])
-        estimate = min(estimates.get(name, budget), budget) - sum(DESELECT[n] for n in deselect)
-        steps.append(Step("tier", name, argv, float(budget), float(max(5, estimate)), min_s=20,
+        timing = TIMINGS.get(f"tier.{name}")
+        if timing is not None:
+            estimate = timing.seconds
+        else:
+            estimate = min(estimates.get(name, budget), budget) - sum(DESELECT[n] for n in deselect)
+        steps.append(Step("tier", name, argv, float(budget), float(max(5, min(estimate, budget))), min_s=20,
                           read=verify_figures.read_pytest))
     return steps
+
+
+def _timed(step: Step, key: Optional[str] = None) -> Step:
+    """``step`` with the limit and time of its row in TIMINGS (``key``: another row)."""
+    timing = TIMINGS[key or step.key]
+    if timing.limit_s is not None:
+        step.limit_s = float(timing.limit_s)
+    step.estimate_s = float(timing.seconds)
+    return step
 
 
 # -- is there a GPU at all? (fast: no torch) -------------------------------------------
@@ -136,6 +184,9 @@ def no_gpu_message() -> str:
 
 
 # -- the plan -------------------------------------------------------------------------
+CANDIDATES = "cupycoll:nccl,cupycoll:ring,torch:nccl"
+
+
 def _bench(name: str, est: float, limit: float, json_name: str, args: List[str], py: str, work: str) -> Step:
     # --coll_timeout: a hung collective becomes an error row within 30 s (the largest call,
     # 256 MiB over loopback sockets, takes about a second) instead of eating the step.
@@ -148,40 +199,53 @@ def _bench(name: str, est: float, limit: float, json_name: str, args: List[str],
 
 
 def plan(mode: str, py: str, work: str, out: str, tier_module=None) -> List[Step]:
-    """Every step of ``mode`` ("full" or "quick"), in run order."""
+    """Every step of ``mode`` ("full", "quick" or "lease"), in run order."""
     env_json = os.path.join(work, "env.json")
-    env = Step("env", "env", [py, "-m", "tools.gpu_env", "--json", env_json], 60, 10,
-               fatal_codes={NO_GPU_EXIT_ENV: "the environment stage found no GPU that torch can use"},
-               read=lambda r: _env_figures(env_json))
+    env = _timed(Step("env", "env", [py, "-m", "tools.gpu_env", "--json", env_json], 0, 0,
+                      fatal_codes={NO_GPU_EXIT_ENV: "the environment stage found no GPU that torch can use"},
+                      read=lambda r: _env_figures(env_json)))
     parts = {step.name: step for step in _tier_steps(py, tier_module)}
-    demo = Step("demo", "demo", [py, "examples/demo.py"], 120, 40, read=verify_figures.read_demo)
+    demo = _timed(Step("demo", "demo", [py, "examples/demo.py"], 0, 0, read=verify_figures.read_demo))
     faults_json = verify_summary.out_path(out, "faults.json")
-    faults = Step("faults", "fault_bench", [py, "-m", "bench.fault_bench", "--json", faults_json,
-                                            "--iterations", "2000", "--trials", "2"], 150, 75,
-                  read=lambda r: _faults_figures(faults_json))
+    faults = _timed(Step("faults", "fault_bench", [py, "-m", "bench.fault_bench", "--json", faults_json,
+                                                   "--iterations", "2000", "--trials", "2"], 0, 0,
+                         read=lambda r: _faults_figures(faults_json)))
+    probe_json = os.path.join(work, "probe.json")
+    probe = _timed(Step("tier", "probe", [py, "-m", "tools.gpu_probe", "--json", probe_json, "--timeout", "50"],
+                        0, 0, read=lambda r: verify_figures.read_probe(probe_json)))
     if mode == "quick":
-        probe_json = os.path.join(work, "probe.json")
-        probe = Step("tier", "probe", [py, "-m", "tools.gpu_probe", "--json", probe_json, "--timeout", "50"],
-                     60, 25, read=lambda r: verify_figures.read_probe(probe_json))
-        small = _bench("small", 30, 60, "sweep-small.json",
-                       ["all_reduce", "all_gather", "broadcast", "sendrecv", "--ranks", "2", "--minbytes", "1K",
-                        "--maxbytes", "1M", "--stepfactor", "32", "--iters", "3", "--warmup_iters", "1",
-                        "--check", "1"], py, work)
+        small = _timed(_bench("small", 0, 0, "sweep-small.json",
+                              ["all_reduce", "all_gather", "broadcast", "sendrecv", "--ranks", "2", "--minbytes",
+                               "1K", "--maxbytes", "1M", "--stepfactor", "32", "--iters", "3", "--warmup_iters",
+                               "1", "--check", "1"], py, work), "bench.small-quick")
         semantics = [parts[name] for name in ("tier.py", "semantics") if name in parts]  # or why not
         return [env, probe, *semantics, demo, small]
-    small = _bench("small", 35, 90, "sweep-small.json",
-                   ["all", "--ranks", "2", "--minbytes", "1K", "--maxbytes", "256K", "--stepfactor", "256",
-                    "--iters", "3", "--warmup_iters", "1", "--check", "1"], py, work)
-    large = _bench("large", 50, 150, "sweep-large.json",
-                   ["all_reduce", "reduce_scatter", "--ranks", "2", "--minbytes", "16M", "--maxbytes", "256M",
-                    "--stepfactor", "4", "--datatype", "float,bfloat16", "--iters", "3", "--warmup_iters", "1",
-                    "--check", "1", "--backends", "cupycoll:nccl,cupycoll:ring,torch:nccl"], py, work)
-    scen1 = _bench("scenarios-1rank", 30, 90, "scenarios-1rank.json",
-                   ["--scenario", "coalescing,overhead,kernel", "--ngpus", "1", "--coalesce-bytes", "256M",
-                    "--scenario-iters", "20", "--overhead-calls", "200"], py, work)
-    scen2 = _bench("scenarios-2ranks", 35, 90, "scenarios-2ranks.json",
-                   ["--scenario", "coalescing,overhead", "--ranks", "2", "--coalesce-bytes", "16M",
-                    "--scenario-iters", "10", "--overhead-calls", "100"], py, work)
+    small = _timed(_bench("small", 0, 0, "sweep-small.json",
+                          ["all", "--ranks", "2", "--minbytes", "1K", "--maxbytes", "256K", "--stepfactor", "256",
+                           "--iters", "3", "--warmup_iters", "1", "--check", "1"], py, work))
+    large = _timed(_bench("large", 0, 0, "sweep-large.json",
+                          ["all_reduce", "reduce_scatter", "--ranks", "2", "--minbytes", "16M", "--maxbytes",
+                           "256M", "--stepfactor", "4", "--datatype", "float,bfloat16", "--iters", "3",
+                           "--warmup_iters", "1", "--check", "1", "--backends", CANDIDATES], py, work))
+    scen1 = _timed(_bench("scenarios-1rank", 0, 0, "scenarios-1rank.json",
+                          ["--scenario", "coalescing,overhead,kernel", "--ngpus", "1", "--coalesce-bytes", "256M",
+                           "--scenario-iters", "20", "--overhead-calls", "200"], py, work))
+    scen2 = _timed(_bench("scenarios-2ranks", 0, 0, "scenarios-2ranks.json",
+                          ["--scenario", "coalescing,overhead", "--ranks", "2", "--coalesce-bytes", "16M",
+                           "--scenario-iters", "10", "--overhead-calls", "100"], py, work))
+    if mode == "lease":
+        # One all_reduce row per candidate at 1 MiB and 64 MiB: a benchmark figure early.
+        row = _timed(_bench("row", 0, 0, "sweep-row.json",
+                            ["all_reduce", "--ranks", "2", "--minbytes", "1M", "--maxbytes", "64M", "--stepfactor",
+                             "64", "--iters", "3", "--warmup_iters", "1", "--check", "1", "--backends", CANDIDATES],
+                            py, work))
+        first = [env, probe, *[parts.pop(n) for n in ("api",) if n in parts], demo, faults, row]
+        rest = [*[parts.pop(n) for n in ("semantics",) if n in parts], scen1, large, scen2, small, *parts.values()]
+        steps = first + rest
+        for step in steps:
+            # Never start a step that could not finish: a step starts only with its whole limit left.
+            step.min_s = step.limit_s
+        return steps
     first = [parts.pop("semantics")] if "semantics" in parts else []
     return [env, *first, demo, scen1, faults, large, scen2, small, *parts.values()]
 
@@ -230,10 +294,15 @@ def _commit() -> str:
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
+    # A commit named by whoever sent the tree wins: a copied tree may carry a .git that is
+    # not the tree's own.
+    named = os.environ.get("CUPYCOLL_BENCH_GIT_COMMIT", "").strip()
+    if named:
+        return named
     head = git("rev-parse", "HEAD")
     if head:
         return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
-    return os.environ.get("CUPYCOLL_BENCH_GIT_COMMIT") or "unknown (no git here: set CUPYCOLL_BENCH_GIT_COMMIT)"
+    return "unknown (no git here: set CUPYCOLL_BENCH_GIT_COMMIT)"
 
 
 def _base_env(commit: str) -> dict:
@@ -334,12 +403,17 @@ def execute(steps: List[Step], info: verify_summary.RunInfo, quiet: bool = False
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m tools.verify_gpu ({PROG})",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the most telling subset, <= 3 minutes")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--quick", action="store_true", help="the most telling subset, <= 3 minutes")
+    how.add_argument("--lease", action="store_true",
+                     help="one command for a 15-minute GPU lease (<= 570 s): the proofs first, then every "
+                          "further step whose whole limit still fits")
     p.add_argument("--stage", default="", help="comma list of stages (env, tier, demo, bench, faults) or "
                                                "steps (tier.api): run only those, plus env")
     p.add_argument("--out", default="verify-gpu-out", help="results folder (default verify-gpu-out/)")
     p.add_argument("--budget", type=float, default=None,
-                   help=f"overall seconds (default {BUDGET_S['full']:.0f}, --quick {BUDGET_S['quick']:.0f})")
+                   help=f"overall seconds (default {BUDGET_S['full']:.0f}, --quick {BUDGET_S['quick']:.0f}, "
+                        f"--lease {BUDGET_S['lease']:.0f})")
     p.add_argument("--list", action="store_true", help="print the plan (limits, estimates) and exit")
     p.add_argument("--allow-no-gpu", action="store_true", help=argparse.SUPPRESS)  # CPU tests of the runner
     return p
@@ -350,7 +424,7 @@ def main(argv: Optional[Sequence[str]] = None,
     """``steps_factory(work, out)``, for tests, replaces the real plan."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    mode = "quick" if args.quick else "full"
+    mode = "quick" if args.quick else "lease" if args.lease else "full"
     budget = args.budget if args.budget is not None else BUDGET_S[mode]
     if budget <= 0:
         print(f"{PROG}: error: --budget {budget:g}: must be positive", file=sys.stderr)
@@ -360,8 +434,10 @@ def main(argv: Optional[Sequence[str]] = None,
         steps = steps_factory("WORK", out) if steps_factory else plan(mode, sys.executable, "WORK", out)
         total = sum(s.estimate_s for s in steps)
         for s in steps:
-            print(f"{s.key:<26} limit {s.limit_s:4.0f} s  estimate ~{s.estimate_s:3.0f} s  {shlex.join(s.argv[1:])}")
-        print(f"{mode}: estimated {total:.0f} s of a {budget:.0f} s budget")
+            timing = TIMINGS.get(s.key)
+            took = "measured" if timing is not None and timing.measured else "estimate"
+            print(f"{s.key:<26} limit {s.limit_s:4.0f} s  {took} {s.estimate_s:3.0f} s  {shlex.join(s.argv[1:])}")
+        print(f"{mode}: {total:.0f} s of a {budget:.0f} s budget by these times (measured on {MEASURED_ON})")
         return 0
     if not args.allow_no_gpu and find_gpu() is None:
         print(no_gpu_message(), file=sys.stderr)

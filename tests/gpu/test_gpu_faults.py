@@ -30,7 +30,7 @@ import pytest
 
 from gpu.tier import GPU_TIER_BUDGETS_S
 from mp import ROOT, WorkersFailed, gpu_count, start_ranks
-from workers.fault_worker import SUITE, SUITE_CYCLES, TIMEOUT_S
+from workers.fault_worker import NEVER_JOINED_WORDS, SUITE, SUITE_CYCLES, TIMEOUT_S
 from workers.gpu_hang_worker import WORLDS
 
 pytestmark = pytest.mark.gpu
@@ -40,9 +40,11 @@ WORLD = 3
 GRACE_S = 5.0  # the issue's bound: an error within timeout + 5 s
 
 BUDGET_S = GPU_TIER_BUDGETS_S["faults"]
-# The cycles the tier runs (T7 asks for 200: CUPYCOLL_GPU_CYCLES=200, outside the tier's budget).
+# The cycles the tier runs. CUPYCOLL_GPU_CYCLES=200 is the figure run, outside the tier's
+# budget: it starts the cycles launch alone (the other tests skip).
 TIER_CYCLES = 24
 CYCLES = int(os.environ.get("CUPYCOLL_GPU_CYCLES", TIER_CYCLES))
+FIGURE_RUN = CYCLES != TIER_CYCLES
 # One suite launch: ~10 s to start; 8 init/abort cycles (~2 s each over sockets); seven
 # faults that each wait out the 5 s timeout (skip, skip_lazy, never_joins, three recoveries,
 # killed) plus ~15 inits: ~80 s, both modes at once, ~90 s with the launches beside them
@@ -65,8 +67,10 @@ def figure(capsys, name, value):
 
 
 def _limit(label):
-    if label == "cycles" and CYCLES != TIER_CYCLES:  # a run for the figure, outside the tier
-        return 60 + 3 * CYCLES
+    if label == "cycles" and FIGURE_RUN:
+        # 0.81 s a cycle measured (2 ranks on one H200): twice that, so 200 cycles fit one
+        # device command (460 s)
+        return 60 + 2 * CYCLES
     return SUBPROCESS_LIMITS_S[label]
 
 
@@ -75,13 +79,15 @@ def launched(tmp_path_factory):
     """Every launch of the part, started at once; each entry (job, out dir)."""
     jobs = {}
     try:
-        for mode in MODES:
+        for mode in () if FIGURE_RUN else MODES:
             out = tmp_path_factory.mktemp(f"faults-{mode}")
             # the last rank is killed on purpose: exit codes are checked by the tests
             jobs[("suite", mode)] = (start_ranks(
                 "fault_worker.py", WORLD, ["suite", mode, str(out)], timeout=SUBPROCESS_LIMITS_S["suite launch"],
                 share_gpu=WORLD > gpu_count(), expect_success=False, log_dir=str(out / "logs")), out)
         for scenario, mode, label in LAUNCHES:
+            if FIGURE_RUN and scenario != "cycles":
+                continue
             out = tmp_path_factory.mktemp(f"{scenario}-{mode}")
             world = WORLDS[scenario]
             args = [scenario, mode, str(out)] + ([str(CYCLES)] if scenario == "cycles" else [])
@@ -96,6 +102,8 @@ def launched(tmp_path_factory):
 
 
 def _wait(launched, key):
+    if key not in launched:
+        pytest.skip(f"{key[0]} ({key[1]}) not started: CUPYCOLL_GPU_CYCLES={CYCLES} runs the cycles figure alone")
     job, out = launched[key]
     try:
         return job.wait(), out
@@ -180,7 +188,8 @@ def test_a_rank_that_never_joins_makes_init_fail_after_the_timeout(suites, mode)
     for rank in (0, 1):
         assert rank in reports, logs
         report = reports[rank]
-        assert report["error"] and any(w in report["error"] for w in ("to join", "from its creator rank", "gave up waiting")), report
+        assert report["error"] and any(words in report["error"] for words in NEVER_JOINED_WORDS), report
+        assert "DistBackendError" in report["error_types"], report  # cupycoll's errors, or torch wrapping one
         assert TIMEOUT_S * 0.9 < report["seconds"] < TIMEOUT_S + GRACE_S, report
 
 
@@ -313,7 +322,10 @@ def check_cycle_deltas(d):
     assert d["device_free_mib"] < 256 + cycles, d
     assert d["reserved_mib"] <= 2, d
     assert d["threads"] <= 2 and d["fds"] <= 4, d
-    assert d["keys_per_cycle_second_half"] <= d["keys_per_cycle_first_half"], d
+    # A cycle adds a fixed set of keys, and one more when it outlives the diagnosis responder's
+    # poll interval (its first poll creates the group's request counter): up to 1 a cycle
+    # apart by chance. A leak grows with the cycles, past that.
+    assert d["keys_per_cycle_second_half"] <= d["keys_per_cycle_first_half"] + 1, d
 
 
 def test_init_abort_cycles_keep_gpu_memory_threads_fds_and_store_keys_flat(launched, capsys):

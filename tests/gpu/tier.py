@@ -1,7 +1,9 @@
 """The GPU tier as parts: which files, in which order, and each one's time budget.
 
-One pytest command per part, quick semantic checks first, each stopping at its first
-failure (``-x``) so that the failure prints at once and the next part still runs. The
+One pytest command per part, quick semantic checks first. A part whose tests run one
+after another stops at its first failure (``-x``), so that the failure prints at once and
+the next part still runs; a part whose tests only read what runs started together recorded
+(api, faults) goes on, since one failed assertion must not hide the verdicts after it. The
 budget is the wall-clock limit of the part's command: every subprocess limit inside a
 part's tests is below it, so a hang fails inside the part, with the ranks' output.
 
@@ -9,8 +11,8 @@ Budgets are for one H100/H200 with up to 3 ranks sharing it through distinct
 NCCL_HOSTIDs (NCCL's socket transport: millisecond latency, a few GB/s), with torch, CuPy
 and NCCL as the device machine has them. How they were estimated (process start with torch
 and CuPy imported 5-10 s, cold page cache on the first one; NCCL init over sockets 1-3 s;
-5 s group timeouts in the fault scenarios) is in docs/gpu-verification.md; replace the
-estimates with measured times after the first run.
+5 s group timeouts in the fault scenarios) is in docs/gpu-verification.md; the estimates
+are the times measured on the GPU machine where a part has run.
 
 The budgets add up to more than one device command may take (the device tool stops a
 command after 600 s; we plan for 540 s), so ``--run`` has a budget of its own, 540 s unless
@@ -63,10 +65,11 @@ GPU_TIER: List[Tuple[str, str, int]] = [
     ("bench", "tests/gpu/test_gpu_bench.py", 270),
 ]
 GPU_TIER_BUDGETS_S = {name: budget for name, _path, budget in GPU_TIER}
-# What each part should take (s), from the same reasoning. The semantics estimate includes
-# its DDP parity run (~30 s of it). The faults part runs the §5.1 launches (cold skip, kill
-# mid-DDP, 24 init/abort cycles, CUDA hang) beside its suites: +15 s.
-GPU_TIER_ESTIMATES_S = {"semantics": 40, "api": 75, "ring": 55, "faults": 95, "bench": 140}
+# What each part takes (s). Measured on one H200 (docs/gpu-verification.md, 2026-11-26):
+# semantics 16 without its DDP parity run (~25 s more), api 24, ring 31. Estimated: faults
+# (its one run lost 130 s to a hang; its launches run side by side, the longest ~80 s) and
+# bench (never run).
+GPU_TIER_ESTIMATES_S = {"semantics": 40, "api": 30, "ring": 35, "faults": 95, "bench": 140}
 
 # pytest's own start in a part's command, before its first subprocess: the interpreter,
 # torch and CuPy imported, test collection (more on a cold page cache).
@@ -92,13 +95,14 @@ OPTIONAL = {
 }
 
 
-# Parts whose tests only read what runs started in a fixture recorded: one failed
+# Parts whose tests only read what the runs a fixture started recorded: one failed
 # assertion must not hide the verdicts after it, the device time is already spent.
 READS_FINISHED_RUNS = {"tests/gpu/test_gpu_api.py", "tests/gpu/test_gpu_faults.py"}
 
 
 def pytest_command(path: str, python: Optional[str] = None, extra: Sequence[str] = ()) -> List[str]:
-    """The command of one part: stop at the first failure and report it right away."""
+    """The command of one part: stop at the first failure and report it right away, unless
+    the part's tests only read finished runs (READS_FINISHED_RUNS)."""
     stop = [] if path in READS_FINISHED_RUNS else ["-x"]
     return [python or sys.executable, "-m", "pytest", "-m", "gpu", *stop, "-q", "-rfEs", *extra, path]
 

@@ -30,6 +30,11 @@ import cupycoll
 
 TIMEOUT_S = 5.0  # the groups' timeout: faults must surface within TIMEOUT_S + 5 s
 
+# What a rank's error says when a peer never joins the creation of a communicator, one of
+# these by who gave up first (cupycoll.bootstrap's words; tests/test_bootstrap.py checks
+# them against the bootstrap's real errors, so the two cannot drift apart).
+NEVER_JOINED_WORDS = ("ranks to join communicator", "from its creator rank", "another rank gave up waiting")
+
 
 # The order of the "suite" scenario: the leak check first, on a clean process; "killed" last.
 SUITE = ("cycles", "skip", "skip_lazy", "never_joins", "abort_thread", "recover", "killed")
@@ -244,12 +249,25 @@ def never_joins(ctx):
         result["error"] = None
     except Exception as exc:  # torch may wrap the backend's error
         result["error"] = f"{type(exc).__name__}: {exc}"
+        result["error_types"] = [cls.__name__ for cls in type(exc).__mro__]
+        forget_failed_init()
     result["seconds"] = time.monotonic() - start
     if ctx.store.add(ctx.key("failed"), 1) == ctx.world - 1:
         ctx.store.set(ctx.key("init-failed"), "1")
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
+
+
+def forget_failed_init():
+    """After an init_process_group that raised: name the next default group as a rank whose
+    init succeeded and was destroyed does. torch counts the group before creating it and
+    only destroy_process_group resets the count, so otherwise the next default group's
+    store prefix here ("1/") differs from the other ranks' ("0/") and its rendezvous waits
+    for good."""
+    from torch.distributed import distributed_c10d
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 def _resources():
