@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from . import compat, diagnosis, mismatch, recorder
 from .config import Settings
-from .errors import CollectiveTimeoutError, PeerFailedError
+from .errors import CollectiveTimeoutError, CupycollError, PeerFailedError
 from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
 
 # Calls that every rank makes alike and that the mismatch check compares.
@@ -145,7 +145,7 @@ class GroupTrace:
     def explain_timeout(self, entry: Optional[list], timeout_s: Optional[float],
                         what: str = "timed out") -> str:
         """Diagnose a call that timed out (or failed: ``what``) across the ranks, in at most
-        5 s; logs the message, dumps the trace when a folder is set, returns the message."""
+        ``diagnosis.DEFAULT_WAIT_S``; logs the message, dumps the trace when a folder is set, returns the message."""
         report = diagnosis.diagnose_timeout(self.store, self.recorder, entry, timeout_s,
                                             dump_dir=self.settings.trace_dir, what=what)
         return report.message
@@ -162,38 +162,76 @@ class GroupTrace:
 
 class TracedWork(dist.Work):
     """A gloo Work whose ``wait()`` keeps the flight recorder and names the rank behind on a
-    timeout. Everything else is gloo's Work's."""
+    timeout. Everything else is gloo's Work's.
+
+    Its state is read from gloo's future, never through gloo's ``exception()`` or
+    ``is_success()``: torch 2.11 cannot hand ``exception()``'s result to Python, and later
+    releases print a deprecation warning for both. A Work gloo gives no future (send, recv)
+    answers those two with gloo's own methods."""
 
     def __init__(self, work: dist.Work, entry: list, trace: GroupTrace):
         super().__init__()
         self._work, self._entry, self._trace = work, entry, trace
+        self._waited: Optional[list] = None  # [error or None] once wait() returned or raised
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
         try:
             done = self._work.wait(timeout) if timeout else self._work.wait()
         except Exception as exc:  # noqa: BLE001 - explained, then raised again
             self._trace.recorder.mark(self._entry, "failed")
-            raise self._trace.failure(self._entry, exc) from exc
+            error = self._trace.failure(self._entry, exc)
+            self._waited = [error]
+            raise error from exc
         self._trace.recorder.mark(self._entry, "completed")
+        if done:
+            self._waited = [None]
         return done
 
     def _settled(self, error) -> None:
         self._trace.recorder.mark(self._entry, "completed" if error is None else "failed")
 
+    def _gloo_future(self):
+        try:
+            return self._work.get_future()
+        except RuntimeError:  # send and recv Works have none
+            return None
+
+    def _future_outcome(self, future):
+        """(finished, its error or None) from gloo's future."""
+        if not future.done():
+            return False, None
+        error = _future_error(future)
+        self._settled(error)
+        return True, error
+
     def is_completed(self) -> bool:
         done = self._work.is_completed()
-        if done:
-            self._settled(self._work.exception())
+        future = self._gloo_future() if done and self._waited is None else None
+        if future is not None:
+            self._future_outcome(future)
         return done
 
     def is_success(self) -> bool:
-        return self._work.is_success()
+        if self._waited is not None:
+            return self._waited[0] is None
+        future = self._gloo_future()
+        if future is None:
+            return self._work.is_success()
+        finished, error = self._future_outcome(future)
+        return finished and error is None
 
     def exception(self):
-        error = self._work.exception()
-        if error is not None or self._work.is_completed():
-            self._settled(error)
-        return error
+        if self._waited is not None:
+            return self._waited[0]
+        future = self._gloo_future()
+        if future is not None:
+            return self._future_outcome(future)[1]
+        try:
+            return self._work.exception()
+        except TypeError:  # torch 2.11: gloo's exception_ptr cannot reach Python
+            if not self._work.is_completed() or self._work.is_success():
+                return None
+            return CupycollError(f"{self!r} failed; wait() raises gloo's error")
 
     def result(self):
         return self._work.result()

@@ -1,0 +1,100 @@
+"""One rank of tests/test_work_surface.py: every method of the Works one backend returns for
+CPU tensors, recorded as what each returned or raised, so the test can hold cupycoll's Works
+to gloo's on whatever torch runs it.
+
+usage: work_surface_worker.py BACKEND OUT_DIR   (RANK, WORLD_SIZE=2, MASTER_ADDR/PORT from
+tests/mp.py). BACKEND is "gloo" or "cupycoll". Writes ``<OUT_DIR>/rank<R>.json``:
+``case -> method -> outcome``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import cupycoll  # noqa: F401 - registers the backend
+
+QUIET_DONE = "--- wait, is_completed and get_future done ---"
+
+def outcome(call):
+    """What ``call()`` gave, as JSON: a value, tensors as lists, or the error it raised."""
+    try:
+        value = call()
+    except Exception as exc:  # noqa: BLE001 - recorded
+        return {"raised": type(exc).__name__, "text": str(exc).splitlines()[0][:200] if str(exc) else ""}
+    if isinstance(value, torch.Tensor):
+        return {"value": value.tolist()}
+    if isinstance(value, (list, tuple)):
+        return {"value": [v.tolist() if isinstance(v, torch.Tensor) else repr(v) for v in value]}
+    if isinstance(value, BaseException):
+        return {"value": f"{type(value).__name__}"}
+    return {"value": value}
+
+
+def surface(work, source_rank=False, timeout=None):
+    """Every method of a Work, in the order a user would call them, waited on once (a second
+    wait() of a gloo send or recv waits for another message): with ``timeout`` if given."""
+    wait = (lambda: work.wait(timeout)) if timeout is not None else work.wait
+    got = {"wait" if timeout is None else "wait_timeout": outcome(wait),
+           "is_completed": outcome(work.is_completed), "is_success": outcome(work.is_success),
+           "exception": outcome(work.exception), "result": outcome(work.result)}
+    try:
+        future = work.get_future()
+    except Exception as exc:  # noqa: BLE001 - some Works have no future: recorded as such
+        got["get_future"] = {"raised": type(exc).__name__}
+    else:
+        got["get_future"] = outcome(lambda: future.wait())
+    if source_rank:
+        got["source_rank"] = outcome(work.source_rank)
+    return got
+
+
+def main() -> None:
+    backend, out_dir = sys.argv[1:3]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    cases = {}
+    # First the methods torch does not deprecate, alone: nothing may warn before the marker.
+    quiet = dist.all_reduce(torch.ones(2), async_op=True)
+    cases["quiet"] = {"wait": outcome(quiet.wait), "is_completed": outcome(quiet.is_completed),
+                      "get_future": outcome(lambda: quiet.get_future().wait())}
+    print(QUIET_DONE, file=sys.stderr, flush=True)
+    x = torch.full((4,), float(rank + 1))
+    cases["all_reduce async"] = surface(dist.all_reduce(x, async_op=True))
+    cases["broadcast async"] = surface(dist.broadcast(torch.full((2,), float(rank)), 0, async_op=True),
+                                       timeout=datetime.timedelta(seconds=30))
+    cases["barrier async"] = surface(dist.barrier(async_op=True))
+    y = torch.full((3,), float(rank))
+    if rank == 0:
+        cases["send"] = surface(dist.isend(y, 1))
+    else:
+        cases["recv"] = surface(dist.irecv(y, 0), source_rank=True, timeout=datetime.timedelta(seconds=30))
+    if rank == 1:
+        z = torch.zeros(2)
+        cases["recv any source"] = surface(dist.irecv(z), source_rank=True)
+    else:
+        dist.send(torch.full((2,), 7.0), 1)
+    # A Work not finished yet: only rank 0 receives, rank 1 sends after the checks below.
+    if rank == 0:
+        late = torch.zeros(1)
+        work = dist.irecv(late, 1)
+        cases["unfinished recv"] = {"is_completed": outcome(work.is_completed)}
+        dist.barrier()
+        cases["unfinished recv"]["wait"] = outcome(work.wait)
+        cases["unfinished recv"]["is_completed after"] = outcome(work.is_completed)
+    else:
+        dist.barrier()
+        dist.send(torch.ones(1), 0)
+    dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(cases, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
