@@ -334,12 +334,15 @@ class Communicator(GuardedCalls):
 
     # -- lifetime -------------------------------------------------------------------
     def _abort_for(self, error: BaseException) -> None:
-        """Abort because of ``error`` found here, and tell the owner: its group must fault."""
+        """Abort because of ``error`` found here. The owner is told first: its group fails
+        its Works and then aborts its communicators, this one among them, so no Work whose
+        kernel the abort ends can read as a success in between. Aborted here as well
+        whatever the owner did (idempotent)."""
         try:
-            self.abort()
-        finally:
             if self.on_abort is not None:
                 self.on_abort(error)
+        finally:
+            self.abort()
 
     def _check_usable(self):
         if self.state not in ("ok", "initializing"):

@@ -500,6 +500,43 @@ def test_a_communicator_that_aborts_itself_faults_its_group(monkeypatch, no_devi
         group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
 
 
+@pytest.mark.parametrize("where", ["poll", "nccl group"])
+def test_a_communicator_that_aborts_itself_fails_the_works_before_ncclcommabort(monkeypatch, no_device, where):
+    # The kernels end at ncclCommAbort: a Work still "in flight" then would read as a success.
+    seen_at_abort = []
+    group = make_group()
+    work, _ = issued_work(seq=3)
+
+    class Recording(ScriptedLibrary):
+        def ncclCommAbort(self, comm):
+            seen_at_abort.append((work.is_completed(), work.exception()))
+            return super().ncclCommAbort(comm)
+
+        def ncclGroupStart(self):
+            return 0
+
+        def ncclGroupEnd(self):
+            return 0
+
+    comm = polling_comm([nb.ncclInProgress], timeout=0.05)
+    comm._lib = Recording([nb.ncclInProgress])
+    comm.on_abort = group._cuda._fault_once
+    group._cuda.comm = comm
+    group._cuda._watch.track(work)
+    with pytest.raises((CollectiveTimeoutError, MemoryError)):
+        if where == "poll":
+            comm._poll("ncclAllReduce")
+        else:
+            with comm.group():
+                comm._settle("ncclSend", nb.ncclSuccess)
+                raise MemoryError("staging")
+    assert len(seen_at_abort) == 1, seen_at_abort  # aborted once, by the group
+    completed, error = seen_at_abort[0]
+    assert completed and error is group._cuda.fault is not None
+    assert comm.state == "aborted" and group._cuda.state == "aborted"
+    assert not work.is_success()
+
+
 def grouping_comm(at_group_end=None):
     """A communicator whose library records ``ncclGroupStart``/``End`` and ``ncclCommAbort``
     in order; (communicator, the list they are recorded in). ``at_group_end()`` runs inside
