@@ -18,6 +18,9 @@ from .errors import CupycollTypeError, CupycollValueError
 # "positive" check but kills the watchdog thread or overflows): a watchdog that polls less
 # often than once a minute detects nothing in time anyway.
 MAX_WATCHDOG_INTERVAL = 60.0
+# Below a millisecond the watchdog thread polls without pause and takes the GIL from the
+# threads that issue work; no fault needs detecting faster.
+MIN_WATCHDOG_INTERVAL = 0.001
 MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
 
 
@@ -71,11 +74,13 @@ def parse_seconds(name: str, value) -> datetime.timedelta:
 
 
 def parse_interval(name: str, value) -> float:
-    """A poll interval: positive, at most :data:`MAX_WATCHDOG_INTERVAL` seconds."""
+    """A poll interval: from :data:`MIN_WATCHDOG_INTERVAL` to :data:`MAX_WATCHDOG_INTERVAL`
+    seconds."""
     number = float(_number(name, value, "a positive number of seconds"))
-    if not 0 < number <= MAX_WATCHDOG_INTERVAL:  # also rejects NaN and inf
+    if not MIN_WATCHDOG_INTERVAL <= number <= MAX_WATCHDOG_INTERVAL:  # also rejects NaN and inf
         raise CupycollValueError(
-            f"{name}={value!r}: expected a positive number of seconds, at most {MAX_WATCHDOG_INTERVAL:g}")
+            f"{name}={value!r}: expected a positive number of seconds, from {MIN_WATCHDOG_INTERVAL:g} "
+            f"to {MAX_WATCHDOG_INTERVAL:g}")
     return number
 
 
@@ -113,6 +118,8 @@ def parse_directory(name: str, value) -> str:
     path = os.fspath(value)
     if not path.strip():
         raise CupycollValueError(f"{name}={value!r}: expected a folder path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CupycollValueError(f"{name}={value!r}: exists and is not a folder")
     return path
 
 

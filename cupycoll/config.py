@@ -96,7 +96,7 @@ ENVIRONMENT = {
     "CUPYCOLL_NONBLOCKING": "1: nonblocking communicators (abortable even in init); 0 (default)",
     "CUPYCOLL_BLOCKING_WAIT": "1: Work.wait() blocks the CPU until done; 0 (default): stream wait",
     "CUPYCOLL_ON_TIMEOUT": "raise (default): abort and fail the Works; terminate: also exit",
-    "CUPYCOLL_WATCHDOG_INTERVAL": "seconds between watchdog polls (default 0.1)",
+    "CUPYCOLL_WATCHDOG_INTERVAL": "seconds between watchdog polls (default 0.1; from 0.001 to 60)",
     "CUPYCOLL_ALGORITHM": "auto (default): NCCL, ring only for bitwise ops; nccl; ring",
     "CUPYCOLL_RING_SCRATCH_BYTES": "ring scratch memory per communicator (default 4 MiB)",
     "CUPYCOLL_TRACE_BUFFER": "flight-recorder entries per group (default 2000; 0: none)",

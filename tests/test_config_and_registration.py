@@ -128,6 +128,8 @@ def test_every_boolean_parses_alike_false(value):
     ({"timeout": "soon"}, CupycollValueError, "Options.timeout='soon'"),
     ({"timeout": [3]}, CupycollTypeError, "Options.timeout"),
     ({"watchdog_interval": 0}, CupycollValueError, "positive"),
+    ({"watchdog_interval": 1e-9}, CupycollValueError, "from 0.001 to 60"),
+    ({"trace_dir": __file__}, CupycollValueError, "exists and is not a folder"),
     ({"on_timeout": "explode"}, CupycollValueError, "raise, terminate"),
     ({"algorithm": 3}, CupycollTypeError, "auto, nccl, ring"),
 ])
@@ -160,6 +162,8 @@ def test_nccl_library_from_env():
     ({"CUPYCOLL_RING_SCRATCH_BYTES": "1.5"}, "CUPYCOLL_RING_SCRATCH_BYTES='1.5'"),
     ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "7"}, "TORCH_NCCL_ASYNC_ERROR_HANDLING='7'"),
     ({"TORCH_NCCL_BLOCKING_WAIT": "sometimes"}, "TORCH_NCCL_BLOCKING_WAIT"),
+    ({"CUPYCOLL_WATCHDOG_INTERVAL": "1e-9"}, "from 0.001 to 60"),
+    ({"CUPYCOLL_TRACE_DIR": __file__}, "CUPYCOLL_TRACE_DIR=.* exists and is not a folder"),
 ])
 def test_bad_environment(env, match):
     with pytest.raises(CupycollValueError, match=match):
