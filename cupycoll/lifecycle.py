@@ -24,7 +24,8 @@ The rules these functions keep (the guarantees docs/design.md states):
   waits for it, as a second aborter).
 * **process exit**: an ``atexit`` hook stops the watchdog and aborts (never destroys: a
   destroy waits for peers and the GPU) every group still alive, warning that it was not
-  destroyed, bounded by :data:`EXIT_DEADLINE` seconds in all. A forked child leaves the
+  destroyed, and every group whose fault's abort has not run yet, bounded by
+  :data:`EXIT_DEADLINE` seconds in all. A forked child leaves the
   groups of its parent alone (their communicators are the parent's).
 
 Deliberately left out: anything in ``__del__`` (a collective teardown at garbage
@@ -173,22 +174,31 @@ def _abort_at_exit() -> None:
     WATCHDOG.stop()
     process_group = sys.modules.get("cupycoll.process_group")
     groups = list(getattr(process_group, "_LIVE_GROUPS", ()))
-    backends = [g._cuda for g in groups if getattr(g, "_cuda", None) is not None
-                and g._cuda._watch.pid == os.getpid()]  # not a forking parent's groups
-    live = [b for b in backends if b.state == "ok" and (b.communicators() or b._pending_comms)]
+    backends = [g._cuda for g in groups if getattr(g, "_cuda", None) is not None]
+    # A group whose fault is still being diagnosed ("aborting") has not run its abort yet:
+    # aborted here too, or CuPy's teardown would destroy a communicator with a hung kernel.
+    backends += [b for b in list(_ABORTING) if b not in backends]
+    live = [b for b in backends
+            if b._watch.pid == os.getpid()  # not a forking parent's groups
+            and b.state in ("ok", "aborting") and (b.communicators() or b._pending_comms)]
     if not live:
         return
     for backend in live:
-        message = (f"cupycoll: process group {backend._name()!r} has NOT been destroyed before "
-                   f"the process exits; aborting its NCCL communicators. Call "
-                   f"torch.distributed.destroy_process_group() before exiting: otherwise this "
-                   f"rank may leave before its peers finish their collectives with it.")
+        if backend.state == "aborting":
+            message = (f"cupycoll: process group {backend._name()!r} faulted ({backend.fault}) and the "
+                       f"process exits before its abort ran; aborting its NCCL communicators now.")
+        else:
+            message = (f"cupycoll: process group {backend._name()!r} has NOT been destroyed before "
+                       f"the process exits; aborting its NCCL communicators. Call "
+                       f"torch.distributed.destroy_process_group() before exiting: otherwise this "
+                       f"rank may leave before its peers finish their collectives with it.")
         logger.warning(message)
         print(message, file=sys.stderr, flush=True)
 
     def abort_all() -> None:
         for backend in live:
-            _step("aborting a group at exit", abort, backend)
+            _step("aborting a group at exit", abort, backend,
+                  backend.fault if backend.state == "aborting" else None)
 
     thread = threading.Thread(target=abort_all, name="cupycoll-exit-abort", daemon=True)
     try:

@@ -336,6 +336,30 @@ _EXIT_SCRIPT = """
 """
 
 
+_EXIT_WHILE_DIAGNOSING_SCRIPT = """
+    import datetime, torch.distributed as dist
+    from cupycoll import lifecycle
+    from cupycoll.errors import CollectiveTimeoutError
+    from standins import CpuAsCudaGroup
+    class Comm:
+        def async_error(self): return None
+        def abort(self): print("comm aborted", flush=True)
+    group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
+    group._cuda.comm = Comm()
+    # the watchdog claimed a fault; its thread is still diagnosing when the process exits
+    lifecycle.refuse(group._cuda, CollectiveTimeoutError("all_reduce #3 timed out"))
+    del group
+    print("exiting while the fault is diagnosed", flush=True)
+"""
+
+
+def test_exit_aborts_a_group_whose_fault_is_still_being_diagnosed():
+    result = run_script(_EXIT_WHILE_DIAGNOSING_SCRIPT, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "comm aborted" in result.stdout, result.stdout + result.stderr
+    assert "faulted (all_reduce #3 timed out) and the process exits before its abort ran" in result.stderr
+
+
 @pytest.mark.parametrize("hang", [False, True])
 def test_d15_exit_aborts_undestroyed_groups_with_a_warning_and_a_deadline(hang):
     start = time.monotonic()
