@@ -120,13 +120,14 @@ class Communicator(GuardedCalls):
         """The checks of :meth:`begin` that depend on this process alone, for before the store
         gate: a rank failing after it leaves its peers in blocking ncclCommInitRank for good."""
         _cuda.require_device(device)
+        library = _library(nccl_library)  # a library that cannot load fails here, in both modes
         if not nonblocking:
             if os.environ.get("NCCL_COMM_BLOCKING", "") == "0":
                 raise CupycollValueError(
                     "NCCL_COMM_BLOCKING=0 makes NCCL calls return ncclInProgress, which CuPy's "
                     "blocking communicator cannot handle; unset it or use nonblocking=True"
                 )
-        elif not _library(nccl_library).has("ncclCommInitRankConfig"):
+        elif not library.has("ncclCommInitRankConfig"):
             raise CupycollValueError("nonblocking communicators need NCCL >= 2.14 (ncclCommInitRankConfig)")
 
     @classmethod

@@ -14,12 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cupycoll
 from cupycoll import bootstrap as bootstrap_module
 from cupycoll import config
 from cupycoll.backend import CudaBackend
 from cupycoll.bootstrap import ABANDONED, StoreBootstrap
 from cupycoll.communicator import Communicator
-from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, NoCudaDeviceError
+from cupycoll.errors import (CollectiveTimeoutError, CommunicatorAbortedError, MissingDependencyError,
+                             NoCudaDeviceError)
 from workers.fault_worker import NEVER_JOINED_WORDS
 
 CUDA = torch.device("cuda", 0)
@@ -210,6 +212,20 @@ def test_local_failures_raise_before_the_store_gate(monkeypatch):
         backend.p2p_comm(0)
     assert not store.check(["cupycoll/comm/0/arrived"]) and not store.check(["cupycoll/p2p/0-1/0/arrived"])
     assert backend.state == "ok"  # nothing was shared: no peer is stuck on this rank
+
+
+@pytest.mark.parametrize("nonblocking", [False, True])
+def test_an_nccl_library_that_cannot_load_fails_before_the_gate_in_both_modes(monkeypatch, tmp_path, nonblocking):
+    monkeypatch.setattr("cupycoll._cuda.require_device", lambda index: None)
+    monkeypatch.setattr(Communicator, "begin", classmethod(lambda cls, *a, **k: pytest.fail("began")))
+    store = dist.HashStore()
+    missing = str(tmp_path / "libnccl.so.2")
+    settings = config.resolve(cupycoll.Options(nonblocking=nonblocking), datetime.timedelta(seconds=5),
+                              {"CUPYCOLL_NCCL_LIBRARY": missing})
+    backend = CudaBackend(store, 1, 2, settings)
+    with pytest.raises(MissingDependencyError, match="libnccl.so.2"):
+        backend.comm_for(CUDA)
+    assert not store.check(["cupycoll/comm/0/arrived"]) and backend.state == "ok"
 
 
 def test_nccl_comm_blocking_is_checked_before_the_gate(monkeypatch):
