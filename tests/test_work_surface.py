@@ -29,6 +29,10 @@ def surfaces(tmp_path_factory):
             for backend, out in outs.items()}
 
 
+# CPU send and recv return gloo's own Work unchanged: the same object, so the same answers.
+GLOOS_OWN = {"send", "recv", "recv any source", "unfinished recv"}
+
+
 def _unusable(outcome) -> bool:
     # torch 2.11 cannot hand Work.exception()'s std::exception_ptr to Python (TypeError)
     return outcome.get("raised") == "TypeError"
@@ -42,7 +46,7 @@ def test_every_work_method_answers_as_gloo_does(surfaces):
         for case, methods in gloo[rank].items():
             for method, expected in methods.items():
                 got = ours[rank][case][method]
-                if method == "exception" and _unusable(expected):
+                if method == "exception" and _unusable(expected) and case not in GLOOS_OWN:
                     assert got == {"value": None}, (rank, case, got)  # usable where gloo's is not
                 else:
                     assert got == expected, (rank, case, method, got, expected)
@@ -60,7 +64,8 @@ def test_a_finished_work_says_completed_and_successful_without_raising(surfaces)
                 assert methods["is_completed after"] == {"value": True}
                 continue
             assert methods["is_completed"] == methods["is_success"] == {"value": True}, (rank, case)
-            assert methods["exception"] == {"value": None}, (rank, case)
+            if case not in GLOOS_OWN:  # gloo's own: as gloo answers (test above)
+                assert methods["exception"] == {"value": None}, (rank, case)
     assert ours[1]["recv"]["source_rank"] == {"value": 0}
     assert ours[1]["recv any source"]["source_rank"] == {"value": 0}
 
