@@ -306,6 +306,21 @@ def looks_like_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+# What gloo's errors say when the trouble is between the ranks (a peer died or closed its
+# connection), as against an argument this rank passed ("Invalid scalar type", an op gloo
+# lacks), which gloo also reports only at wait().
+_PEER_WORDS = ("connection", "closed by peer", "reset by peer", "broken pipe", "pair closure", "socket",
+               "peer")
+
+
+def looks_like_peer_failure(exc: BaseException) -> bool:
+    """Is ``exc`` (raised by a gloo Work's wait) about a peer or the link to it?"""
+    if isinstance(exc, (ConnectionError, EOFError)):
+        return True
+    text = str(exc).lower()
+    return any(words in text for words in _PEER_WORDS)
+
+
 # -- the responder ------------------------------------------------------------------------
 
 class _Served:

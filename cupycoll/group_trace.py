@@ -134,13 +134,16 @@ class GroupTrace:
             mark(entry, "completed" if work.is_success() else "failed")  # (2.4: no exception())
 
     def failure(self, entry: Optional[list], error: BaseException):
-        """What gloo raised from a wait, as cupycoll's error naming the rank behind: gloo
-        raises there only for what happened between the ranks (bad input raises at the
-        call), a timeout (CollectiveTimeoutError) or a peer that died or closed its
-        connection (PeerFailedError)."""
+        """What gloo raised from a wait, as cupycoll's error naming the rank behind when it
+        happened between the ranks: a timeout (CollectiveTimeoutError) or a peer that died
+        or closed its connection (PeerFailedError). Anything else is this rank's own
+        argument, which gloo also reports only at wait() ("Invalid scalar type", an op it
+        lacks): ``error`` itself, as plain gloo raises it, asking no other rank."""
         if diagnosis.looks_like_timeout(error):
             return CollectiveTimeoutError(self.explain_timeout(entry, self.settings.timeout.total_seconds()))
-        return PeerFailedError(self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})"))
+        if diagnosis.looks_like_peer_failure(error):
+            return PeerFailedError(self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})"))
+        return error
 
     def explain_timeout(self, entry: Optional[list], timeout_s: Optional[float],
                         what: str = "timed out") -> str:
@@ -181,6 +184,8 @@ class TracedWork(dist.Work):
             self._trace.recorder.mark(self._entry, "failed")
             error = self._trace.failure(self._entry, exc)
             self._waited = [error]
+            if error is exc:
+                raise
             raise error from exc
         self._trace.recorder.mark(self._entry, "completed")
         if done:

@@ -100,6 +100,30 @@ def test_the_mismatch_check_names_the_rank_and_the_shapes(tmp_path):
         assert report["after"] == [3.0, 3.0]  # 0 + 1 + 2: the group still works
 
 
+def test_an_argument_gloo_refuses_raises_its_own_error_without_asking_the_other_ranks(tmp_path):
+    reports, _, _ = _run(tmp_path, "bad_input")
+    for rank in range(3):
+        report = reports[rank]
+        assert set(report["errors"]) == {"uint32", "band on float", "avg"}, report
+        for name, error in report["errors"].items():
+            assert error is not None, (rank, name)  # gloo refuses each
+            assert not error["cupycoll"] and "behind" not in error["text"], (rank, name, error)
+        assert report["log"] == [], report  # no diagnosis, no ERROR
+        assert report["after"] == [3.0, 3.0]  # 0 + 1 + 2: the group still works
+
+
+def test_gloos_errors_are_told_apart_by_what_they_say():
+    from cupycoll import diagnosis
+    between = ["[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7057",
+               "Connection reset by peer", "[enforce fail at pair.cc:446] op.preamble.length <= op.nbytes. "
+               "Broken pipe"]
+    own = ["Invalid scalar type", "Cannot use ReduceOp.BAND with non-integral dtype",
+           "Cannot use ReduceOp.AVG with Gloo"]
+    assert all(diagnosis.looks_like_peer_failure(RuntimeError(text)) for text in between)
+    assert not any(diagnosis.looks_like_peer_failure(RuntimeError(text)) for text in own)
+    assert not any(diagnosis.looks_like_timeout(RuntimeError(text)) for text in own)
+
+
 def test_trace_settings_resolve_with_torch_fallbacks(tmp_path):
     assert config.resolve(None, None, {}).trace_buffer == config.DEFAULT_TRACE_BUFFER
     assert config.resolve(None, None, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}).trace_buffer == 0

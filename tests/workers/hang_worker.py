@@ -2,13 +2,16 @@
 on ``"cpu:gloo,cuda:cupycoll"`` with CPU tensors (cupycoll's gloo route): what the others'
 errors say about it. Writes ``<out>/rank<R>.json``.
 
-usage: hang_worker.py OUT_DIR skip|kill|mismatch
+usage: hang_worker.py OUT_DIR skip|kill|mismatch|bad_input
 
 * skip: the last rank makes 3 all_reduces and a broadcast, then sleeps through the 4th
   all_reduce (#5) the others make: they time out (5 s) and must name it as behind;
 * kill: the last rank SIGKILLs itself before #5: the others must name it as not answering;
 * mismatch: with CUPYCOLL_CHECK_COLLECTIVES=1, rank 1 passes another shape to #5: every rank
-  must raise CupycollValueError naming rank 1, then the group must still work.
+  must raise CupycollValueError naming rank 1, then the group must still work;
+* bad_input: every rank passes #5 arguments gloo refuses (a uint32 tensor, BAND on float,
+  AVG): each must raise gloo's own error for it, ask no other rank and log nothing, and the
+  group must still work.
 """
 
 from __future__ import annotations
@@ -56,6 +59,21 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - reported
             report.update(error=str(exc), type=type(exc).__name__,
                           value_error=isinstance(exc, cupycoll.CupycollValueError))
+        y = torch.full((2,), float(rank))
+        dist.all_reduce(y)  # the group still works
+        report["after"] = y.tolist()
+    elif scenario == "bad_input":
+        calls = {"uint32": lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint32)),
+                 "band on float": lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
+                 "avg": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)}
+        report["errors"] = {}
+        for name, call in calls.items():
+            try:
+                call()
+                report["errors"][name] = None
+            except Exception as exc:  # noqa: BLE001 - reported
+                report["errors"][name] = {"type": type(exc).__name__, "text": str(exc)[:300],
+                                          "cupycoll": isinstance(exc, cupycoll.CupycollError)}
         y = torch.full((2,), float(rank))
         dist.all_reduce(y)  # the group still works
         report["after"] = y.tolist()
