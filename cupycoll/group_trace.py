@@ -140,7 +140,9 @@ class GroupTrace:
         argument, which gloo also reports only at wait() ("Invalid scalar type", an op it
         lacks): ``error`` itself, as plain gloo raises it, asking no other rank."""
         if diagnosis.looks_like_timeout(error):
-            return CollectiveTimeoutError(self.explain_timeout(entry, self.settings.timeout.total_seconds()))
+            # gloo's own words stay in the message: torch's tests and users match on them
+            return CollectiveTimeoutError(self.explain_timeout(entry, self.settings.timeout.total_seconds())
+                                          + f" (gloo: {_first_sentence(error)})")
         if diagnosis.looks_like_peer_failure(error):
             return PeerFailedError(self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})"))
         return error
