@@ -196,6 +196,22 @@ def set_default_backend(group: ProcessGroup, backend_type) -> None:
 PROCESS_GROUP_HAS_SHUTDOWN = hasattr(ProcessGroup, "shutdown")
 
 
+def run_eagerly_under_compile(cls: type) -> type:
+    """Wrap each method of ``cls`` that overrides one of torch's ProcessGroup in
+    ``torch.compiler.disable``, so that it always runs eagerly.
+
+    Inside a ``torch.compile``d region Dynamo compiles every Python frame entered, one that
+    torch's C++ enters too (DDP's reducer calling the group's ``broadcast`` to rebuild its
+    buckets). From torch 2.13 Dynamo sees a process group as an opaque object whose
+    unregistered members it refuses to read, so compiling the adapter's methods fails; on
+    earlier releases it only wasted compile time. Applied on every release: a group's methods
+    launch communication and are never worth compiling. Costs about 1 µs a call."""
+    for name, value in list(vars(cls).items()):
+        if callable(value) and not name.startswith("__") and hasattr(ProcessGroup, name):
+            setattr(cls, name, torch.compiler.disable(value))
+    return cls
+
+
 _KEPT_UNTIL_EXIT: List[ProcessGroup] = []
 
 

@@ -403,6 +403,9 @@ class ProcessGroupCupycoll(ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
 
+compat.run_eagerly_under_compile(ProcessGroupCupycoll)
+
+
 def abort_all() -> int:
     """Abort every live cupycoll group of this process (from any thread); how many were."""
     groups = list(_LIVE_GROUPS)

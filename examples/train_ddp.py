@@ -8,7 +8,7 @@ Run it with torchrun, one process per rank:
 
 ``--compare nccl`` (or ``--compare gloo`` on CPU) then trains the same model again, from the
 same initial weights on the same data, with that backend, and checks that both runs end with
-the same parameters.
+the same parameters. ``--compile [BACKEND]`` runs both under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
                    help="largest parameter difference --compare accepts (default: 1e-5, fp32)")
     p.add_argument("--share-gpu", action="store_true",
                    help="let several ranks share one GPU (each rank gets its own NCCL_HOSTID)")
+    p.add_argument("--compile", metavar="BACKEND", nargs="?", const="inductor", default=None,
+                   help="torch.compile the DDP model with this torch.compile backend (inductor "
+                        "when none is named; aot_eager compiles fast), in both runs of --compare")
     p.add_argument("--lazy-init", action="store_true",
                    help="do not pass device_id: communicators are created at the first collective")
     return p.parse_args()
@@ -105,6 +108,7 @@ def train(args, backend: str, store, device, initial_state, data):
     model = make_model().to(device)
     model.load_state_dict(initial_state)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    forward = torch.compile(ddp, backend=args.compile) if args.compile else ddp
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     else:
@@ -116,7 +120,7 @@ def train(args, backend: str, store, device, initial_state, data):
     for step in range(1, args.steps + 1):
         i = (step - 1) % batches * args.batch_size
         optimizer.zero_grad()
-        loss = F.mse_loss(ddp(x[i:i + args.batch_size]), y[i:i + args.batch_size])
+        loss = F.mse_loss(forward(x[i:i + args.batch_size]), y[i:i + args.batch_size])
         loss.backward()  # DDP all-reduces the gradients through the process group
         optimizer.step()
         if step % args.log_every == 0 or step == args.steps:
@@ -136,7 +140,9 @@ def train(args, backend: str, store, device, initial_state, data):
     # torch 2.4, which has no ProcessGroup.shutdown to stop them first); DDP sits in a
     # reference cycle, so only the garbage collector frees it. The loss's autograd graph
     # refers to DDP too.
-    del ddp, optimizer, loss
+    del ddp, forward, optimizer, loss
+    if args.compile:
+        torch._dynamo.reset()  # the compiled code refers to this run's DDP and group
     gc.collect()
     dist.destroy_process_group()
     return params, mean_loss

@@ -319,7 +319,7 @@ def test_a_pair_communicator_creation_that_times_out_faults_the_group(monkeypatc
 
 
 def test_the_tier_runs_semantics_first_and_every_part_fits_one_command():
-    assert [name for name, _, _ in GPU_TIER] == ["semantics", "api", "ring", "faults", "bench"]
+    assert [name for name, _, _ in GPU_TIER] == ["semantics", "api", "ring", "faults", "bench", "compile"]
     for name, path, budget in GPU_TIER:
         assert (ROOT / path).is_file(), path
         assert 0 < budget <= COMMAND_LIMIT_S < 600, name
@@ -331,7 +331,7 @@ def test_the_tier_runs_semantics_first_and_every_part_fits_one_command():
 
 def test_parts_that_only_read_finished_runs_judge_every_test():
     stops = {name: "-x" in pytest_command(path, "py") for name, path, _ in GPU_TIER}
-    assert stops == {"semantics": True, "api": False, "ring": True, "faults": False, "bench": True}
+    assert stops == {"semantics": True, "api": False, "ring": True, "faults": False, "bench": True, "compile": True}
 
 
 # How each part's subprocesses run, read from its test file: stages one after another, the
@@ -348,6 +348,8 @@ RUN_STAGES = {
     # the `launched` fixture starts the suites and every §5.1 launch at once; after the CUDA
     # hang's launch, `python -m cupycoll.trace` reads its dumps (timeout=60)
     "faults": [["suite launch", "cold skip", "kill mid-DDP", "cycles", "CUDA hang"], [60]],
+    # one torchrun (test_compiled_ddp_parity_with_torch_nccl)
+    "compile": [["compiled ddp parity"]],
 }
 
 
@@ -436,7 +438,7 @@ def test_the_tier_runs_in_one_command_when_parts_take_their_estimates(capsys):
     statuses, ran = _simulate(GPU_TIER, COMMAND_LIMIT_S, lambda name, budget: GPU_TIER_ESTIMATES_S[name])
     assert ran == [name for name, _, _ in GPU_TIER]
     assert tier.summary(statuses) == ("=== GPU tier: semantics passed, api passed, ring passed, faults passed, "
-                                      "bench passed", 0)
+                                      "bench passed, compile passed", 0)
     assert "NOT RUN" not in capsys.readouterr().out
 
 
@@ -448,7 +450,8 @@ def test_a_part_that_no_longer_fits_is_not_run_and_named(capsys):
     assert ran == first_four
     line, status = tier.summary(statuses)
     assert status == tier.NOT_RUN_EXIT == 3
-    assert line.endswith("faults passed, bench not run: over the command budget, run `make test-gpu-bench`")
+    assert line.endswith("faults passed, bench not run: over the command budget, run `make test-gpu-bench`, "
+                         "compile not run: over the command budget, run `make test-gpu-compile`")
     out = capsys.readouterr().out
     assert "part 'bench' NOT RUN" in out and "run `make test-gpu-bench`" in out
     # ... and it fits a command of its own

@@ -1,0 +1,55 @@
+"""``torch.compile`` over cupycoll groups, CPU route, on the torch that runs the suite: a
+compiled DDP model, a compiled FSDP2 model and a compiled function of functional
+collectives train as they do on plain gloo, on both backend strings (two ranks in
+processes, tests/workers/compile_worker.py). The group's methods run eagerly inside a
+compiled region (cupycoll.compat.run_eagerly_under_compile); the CUDA route's compiled DDP
+is the GPU tier's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mp import start_ranks, wait_all
+
+BACKENDS = ("gloo", "cupycoll", "cpu:gloo,cuda:cupycoll")
+CASES = ("ddp", "fsdp2", "functional")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """backend -> rank -> case -> {"params"} or {"error"}."""
+    jobs, outs = [], []
+    for backend in BACKENDS:
+        out = tmp_path_factory.mktemp("compile-" + backend.replace(":", "-").replace(",", "-"))
+        outs.append(out)
+        jobs.append(start_ranks("compile_worker.py", 2, args=[backend, str(out)], timeout=240))
+    wait_all(jobs)
+    return {backend: {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)}
+            for backend, out in zip(BACKENDS, outs)}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_compiled_training_on_cupycoll_equals_gloo(trained, backend, case):
+    gloo = [trained["gloo"][rank][case] for rank in range(2)]
+    if "error" in gloo[0]:
+        pytest.skip(f"torch {torch.__version__} cannot run this on gloo either: {gloo[0]['error'][:200]}")
+    for rank in range(2):
+        got = trained[backend][rank][case]
+        assert "error" not in got, (backend, case, rank, got["error"] if "error" in got else None)
+        assert got["params"] == gloo[rank]["params"], (backend, case, rank)
+    assert trained[backend][0][case] == trained[backend][1][case]  # the ranks agree
+
+
+def test_every_method_torch_can_call_runs_eagerly():
+    from cupycoll.process_group import ProcessGroupCupycoll
+
+    overrides = [name for name, value in vars(ProcessGroupCupycoll).items()
+                 if callable(value) and not name.startswith("__") and hasattr(torch.distributed.ProcessGroup, name)]
+    assert {"allreduce", "broadcast", "_allgather_base", "barrier", "send"} <= set(overrides)
+    for name in overrides:  # each one wrapped by torch.compiler.disable (functools.wraps)
+        assert getattr(vars(ProcessGroupCupycoll)[name], "__wrapped__", None) is not None, name
