@@ -527,3 +527,21 @@ def test_pip_nvrtc_is_loaded_for_cupy_13():
         assert loaded is not None and "nvidia/cuda_nvrtc/lib/libnvrtc.so." in loaded
     # either way the ring kernels can compile: the extras install nvidia-cuda-nvrtc
     assert _cuda.nvrtc_module().getVersion() >= (12, 0)
+
+
+def test_run_eagerly_under_compile_wraps_only_what_overrides_torchs_process_group():
+    class Group(dist.ProcessGroup):
+        def allreduce(self, tensors, opts=None):
+            return "allreduce"
+
+        def _allgather_base(self, output, input, opts=None):
+            return "allgather"
+
+        def helper(self):
+            return "helper"
+
+    compat.run_eagerly_under_compile(Group)
+    members = vars(Group)
+    assert members["allreduce"].__wrapped__ and members["_allgather_base"].__wrapped__
+    assert not hasattr(members["helper"], "__wrapped__")
+    assert Group.allreduce(None, []) == "allreduce"  # still the method, called through the wrapper
