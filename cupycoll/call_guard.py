@@ -77,15 +77,16 @@ class GuardedCalls:
             with self._lock:
                 self._idle.notify_all()
 
-    def _wait_for_callers(self) -> None:
+    def _wait_for_callers(self, on_behalf_of: Optional[int] = None) -> None:
         """Under the lock, with the state already changed: let the NCCL calls under way on
         other threads return before the communicator is freed, at most ENTER_WAIT_S. An
         enqueue takes microseconds; one still inside NCCL after that is blocked (a peer that
         never connects, a full queue) and only ncclCommAbort can end it. A caller on this
-        thread (abort_all from a signal handler) is not waited for."""
-        me = threading.get_ident()
+        thread, or on the thread the abort runs for (``on_behalf_of``: abort_all from a signal
+        handler that interrupted it), is not waited for."""
+        exempt = {threading.get_ident(), on_behalf_of}
         self._aborter_waiting = True
         try:
-            self._idle.wait_for(lambda: all(t == me for t in self._callers), ENTER_WAIT_S)
+            self._idle.wait_for(lambda: all(t in exempt for t in self._callers), ENTER_WAIT_S)
         finally:
             self._aborter_waiting = False

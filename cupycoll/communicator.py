@@ -378,11 +378,13 @@ class Communicator(GuardedCalls):
                 else:
                     self._cupy_comm.destroy()  # its status is lost (D16, see the module's docstring)
 
-    def abort(self) -> Optional[int]:
+    def abort(self, on_behalf_of: Optional[int] = None) -> Optional[int]:
         """ncclCommAbort: frees the communicator without waiting for peers or queued work,
         ending any kernel of it stuck on the GPU. Callable from any thread; idempotent.
         Returns NCCL's status for the abort (None when there was nothing to abort); always
-        ncclSuccess for a blocking one, whose status CuPy discards."""
+        ncclSuccess for a blocking one, whose status CuPy discards. ``on_behalf_of``: the
+        thread that asked for the abort when another runs it (its call under way, if any, is
+        not waited for, as the caller's own would not be)."""
         # The state changes under the lock, ncclCommAbort runs outside it: an abort that
         # hangs (NCCL's known hangs, D3) must not stall the watchdog's async_error() on the
         # lock. Every holder of the lock re-checks the state, so none touches the comm after.
@@ -391,7 +393,7 @@ class Communicator(GuardedCalls):
                 return None
             self.state = "aborted"  # from now on _guarded refuses new calls
             handle, self._handle = self._handle, None
-            self._wait_for_callers()
+            self._wait_for_callers(on_behalf_of)
         with _cuda.cupy_module().cuda.Device(self.device):
             if self.nonblocking:
                 return self._lib.ncclCommAbort(handle) if handle else None

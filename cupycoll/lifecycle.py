@@ -7,7 +7,10 @@ The rules these functions keep (the guarantees docs/design.md states):
   on each communicator, and releases the Works' tensors and ring scratch only after the
   aborts returned: a caller woken by the ended kernel already sees the fault, and no
   buffer is freed under a kernel that still runs. Every step and every communicator is
-  attempted whatever an earlier one raised; nothing is retried. The group's watch is closed
+  attempted whatever an earlier one raised; nothing is retried. ``ncclCommAbort`` and the
+  release after it run on a thread of their own, waited for at most :data:`ABORT_DEADLINE`
+  seconds: an abort returns within that bound even when NCCL's abort hangs (the tensors then
+  stay held until it returns). The group's watch is closed
   with the state (a Work tracked later fails: see cupycoll.watchdog), and a second aborter
   (the fault thread, abort_all) waits, at most ``watchdog.FAULT_DEADLINE`` seconds, for the
   first one's ncclCommAbort before it returns (and its caller releases anything).
@@ -57,6 +60,11 @@ SHUTDOWN_GRACE = 10.0
 # The atexit abort of the groups never destroyed, in all: past it the process exits anyway.
 EXIT_DEADLINE = 10.0
 
+# How long any abort a user can call (group.abort(), abort_all(), a shutdown that falls back
+# to an abort) waits for ncclCommAbort before it returns anyway, and how long a second
+# aborter waits for the first.
+ABORT_DEADLINE = watchdog.FAULT_DEADLINE
+
 # Makes abort's check-and-set of the state atomic (the watchdog's fault thread, abort_all in
 # a signal handler and the user may abort at once). Held only for the check, never across NCCL.
 _STATE_LOCK = threading.Lock()
@@ -90,12 +98,12 @@ def abort(backend, reason: Optional[BaseException] = None) -> None:
         if not second:
             backend.state = "aborted"
             watch.close(reason)  # before the Works are marked: a late one fails in track
-            watch.aborter = threading.get_ident()
+            watch.aborters.add(threading.get_ident())
     if second:
         # Never return (so that the caller releases anything) under a kernel still running.
-        if watch.aborter != threading.get_ident() and not watch.settled.wait(watchdog.FAULT_DEADLINE):
+        if threading.get_ident() not in watch.aborters and not watch.settled.wait(ABORT_DEADLINE):
             _warn(f"cupycoll: the abort of process group {backend._name()!r} has not finished "
-                  f"after {watchdog.FAULT_DEADLINE:g} s (ncclCommAbort hangs?)")
+                  f"after {ABORT_DEADLINE:g} s (ncclCommAbort hangs?)")
         return
     interrupts = []
     failed = []
@@ -108,18 +116,37 @@ def abort(backend, reason: Optional[BaseException] = None) -> None:
                        ("stopping the watchdog's tracking", backend._stop_watching),
                        ("failing the Works in flight", mark)):
         interrupts.append(_step(what, step))
+    asker = threading.get_ident()
+
+    def end_kernels_then_release() -> None:
+        watch.aborters.add(threading.get_ident())  # an abort re-entered from here waits for nothing
+        try:
+            for comm in list(backend._pending_comms) + backend.communicators():
+                _step(f"aborting {comm}", comm.abort, asker)
+        finally:
+            # Only now, with the kernels ended, may the Works' tensors and scratch be released
+            # (with those tracked late, once settled: any later one releases itself).
+            watch.settled.set()
+            _step("failing the Works tracked late", mark)
+            _step("releasing the Works' tensors", watch.release, failed)
+            _step("closing the rings", backend._close_rings)
+            _step("shutting down the group's CPU half", backend._on_abort)
+            _ABORTING.discard(backend)
+
+    # ncclCommAbort can hang (NCCL's known hangs): it runs on a thread of its own, and the
+    # caller waits for it at most ABORT_DEADLINE. Past that the Works have failed already and
+    # their tensors stay held until it returns (a kernel may still use them).
+    finisher = threading.Thread(target=end_kernels_then_release, name="cupycoll-abort", daemon=True)
     try:
-        for comm in list(backend._pending_comms) + backend.communicators():
-            interrupts.append(_step(f"aborting {comm}", comm.abort))
-    finally:
-        # Only now, with the kernels ended, may the Works' tensors and scratch be released
-        # (with those tracked late, once settled: any later one releases itself).
-        watch.settled.set()
-        interrupts.append(_step("failing the Works tracked late", mark))
-        interrupts.append(_step("releasing the Works' tensors", watch.release, failed))
-        interrupts.append(_step("closing the rings", backend._close_rings))
-        interrupts.append(_step("shutting down the group's CPU half", backend._on_abort))
-        _ABORTING.discard(backend)
+        finisher.start()
+    except RuntimeError:  # Python 3.12+ at interpreter exit: no new threads; the exit hook bounds it
+        end_kernels_then_release()
+    else:
+        if not watch.settled.wait(ABORT_DEADLINE):
+            _warn(f"cupycoll: ncclCommAbort of process group {backend._name()!r} has not returned after "
+                  f"{ABORT_DEADLINE:g} s; its Works have failed, and their tensors stay held until it does")
+        else:
+            finisher.join(ABORT_DEADLINE)
     for exc in interrupts:
         if exc is not None and not isinstance(exc, Exception):
             raise exc

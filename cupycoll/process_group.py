@@ -22,6 +22,8 @@ dead; build a new one, see docs/design.md).
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import PrefixStore, ProcessGroup
 
-from . import _args, collectives, compat, config
+from . import _args, collectives, compat, config, lifecycle
 from .backend import CudaBackend
 from .call_queue import calling_manager
 from .group_trace import GroupTrace
@@ -406,11 +408,23 @@ class ProcessGroupCupycoll(ProcessGroup):
 compat.run_eagerly_under_compile(ProcessGroupCupycoll)
 
 
-def abort_all() -> int:
-    """Abort every live cupycoll group of this process (from any thread); how many were."""
+def abort_all(timeout: Optional[float] = None) -> int:
+    """Abort every live cupycoll group of this process, from any thread or a signal handler;
+    how many were live. The groups are aborted side by side, each on a thread of its own, so
+    one whose ncclCommAbort hangs delays no other; returns once all are done, or after
+    ``timeout`` seconds (default ``lifecycle.ABORT_DEADLINE``), whichever comes first.
+
+    From a signal handler: if the signal interrupted cupycoll itself while it held one of
+    its locks, those threads wait for the lock, so this returns after ``timeout`` and the
+    aborts finish as soon as the handler returns."""
+    timeout = lifecycle.ABORT_DEADLINE if timeout is None else float(timeout)
     groups = list(_LIVE_GROUPS)
     live = sum(g._cuda.state != "aborted" for g in groups)
-    for group in groups:
-        group.abort()  # one another thread is aborting: returns once its comms are aborted
+    aborters = [threading.Thread(target=group.abort, name="cupycoll-abort-all", daemon=True) for group in groups]
+    for aborter in aborters:
+        aborter.start()
+    deadline = time.monotonic() + timeout
+    for aborter in aborters:
+        aborter.join(max(0.0, deadline - time.monotonic()))
     return live
 

@@ -96,7 +96,7 @@ class Watch:
         self.fault: Optional[CupycollError] = None
         self.closed: Optional[BaseException] = None  # see "Closing" in the module docstring
         self.settled = threading.Event()
-        self.aborter: Optional[int] = None  # the thread running the group's abort
+        self.aborters: set = set()  # the threads running the group's abort (asker, NCCL part)
         self.pid = os.getpid()  # the process whose group this is (a forked child's is not)
         # Guards popping (the watchdog, drain and fail-all all pop; the hot path only
         # appends, which needs no lock) and claiming the fault.

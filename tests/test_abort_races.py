@@ -42,7 +42,7 @@ class LateTrackingComm(FakeComm):
         super().__init__()
         self.watch, self.work, self.seen = watch, None, None
 
-    def abort(self):
+    def abort(self, on_behalf_of=None):
         self.work, _ = issued_work(seq=8)
         self.watch.track(self.work)
         self.seen = (self.work.exception(), self.work._keepalive is not None)
@@ -138,7 +138,7 @@ class WatchedComm(FakeComm):
         self.work, self.release, self.kept = work, release, None
         self.entered = threading.Event()
 
-    def abort(self):
+    def abort(self, on_behalf_of=None):
         self.entered.set()
         if self.release is not None:
             self.release.wait(5)
@@ -202,7 +202,7 @@ def test_f2_a_second_abort_from_the_aborting_thread_itself_returns_at_once():
     again = []
 
     class ReenteringComm(FakeComm):
-        def abort(self):
+        def abort(self, on_behalf_of=None):
             start = time.monotonic()
             group.abort()  # e.g. abort_all from a signal handler on the aborting thread
             again.append(time.monotonic() - start)
@@ -226,7 +226,7 @@ _FORK_SCRIPT = """
     class Comm:
         def __init__(self, who): self.who = who
         def async_error(self): return None
-        def abort(self): print(f"{self.who} comm aborted in", os.getpid(), flush=True)
+        def abort(self, on_behalf_of=None): print(f"{self.who} comm aborted in", os.getpid(), flush=True)
 
     def make(who):
         group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
@@ -273,3 +273,69 @@ def test_f3_a_forked_child_resets_the_locks_and_leaves_its_parents_groups_alone(
     assert f"parent comm aborted in {child_pid}" not in out, out
     assert err.count("has NOT been destroyed") == 1, err
     assert "parent comm aborted in" in out  # by the parent's own abort
+
+
+# -- every abort a user can call is bounded ------------------------------------------------
+
+
+class HangingAbortComm(FakeComm):
+    """ncclCommAbort that does not return until ``release`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def abort(self, on_behalf_of=None):
+        self.entered.set()
+        self.release.wait(30)
+        super().abort()
+
+
+def test_a_user_abort_returns_within_its_bound_when_ncclcommabort_hangs(monkeypatch):
+    from cupycoll import lifecycle
+    monkeypatch.setattr(lifecycle, "ABORT_DEADLINE", 0.5)
+    group = make_group()
+    comm = group._cuda.comm = HangingAbortComm()
+    work, _ = issued_work(seq=4)
+    group._cuda._watch.track(work)
+    start = time.monotonic()
+    try:
+        with pytest.warns(RuntimeWarning, match="has not returned after 0.5 s"):
+            group.abort()
+        assert time.monotonic() - start < 3
+        assert isinstance(work.exception(), CommunicatorAbortedError)  # failed before the abort
+        assert work._keepalive is not None  # its kernel may still run: tensors held
+    finally:
+        comm.release.set()
+    assert eventually(lambda: work._keepalive is None)  # released once the abort returned
+    assert comm.aborted.is_set()
+
+
+def test_abort_all_aborts_every_group_when_one_abort_hangs(monkeypatch):
+    from cupycoll import lifecycle
+    monkeypatch.setattr(lifecycle, "ABORT_DEADLINE", 0.5)
+    hung, other = make_group(), make_group()
+    hung._cuda.comm = HangingAbortComm()
+    other._cuda.comm = FakeComm()
+    start = time.monotonic()
+    try:
+        assert cupycoll.abort_all(timeout=1.0) >= 2
+        assert time.monotonic() - start < 3
+        assert other._cuda.comm.aborted.is_set() and other._cuda.state == "aborted"
+        assert hung._cuda.state == "aborted" and hung._cuda.comm.entered.is_set()
+    finally:
+        hung._cuda.comm.release.set()
+
+
+def test_abort_all_on_a_thread_that_holds_a_cupycoll_lock_returns_and_the_aborts_follow():
+    # a signal handler calling abort_all() runs on the thread it interrupted, which may hold
+    # the lock every abort takes first
+    from cupycoll import lifecycle
+    group = make_group()
+    group._cuda.comm = FakeComm()
+    start = time.monotonic()
+    with lifecycle._STATE_LOCK:
+        cupycoll.abort_all(timeout=0.5)
+        assert time.monotonic() - start < 2  # no deadlock
+        assert group._cuda.state == "ok"  # its abort waits for the lock
+    assert eventually(lambda: group._cuda.comm.aborted.is_set() and group._cuda.state == "aborted")

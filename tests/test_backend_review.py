@@ -245,7 +245,7 @@ class GroupComm(FakeComm):
         yield
         self.launched.append("ncclGroupEnd")
 
-    def abort(self):
+    def abort(self, on_behalf_of=None):
         self.kept_at_abort = [w._keepalive is not None for w in self.works]
         super().abort()
 

@@ -53,7 +53,7 @@ class FakeComm:
     def async_error(self):
         return self.error
 
-    def abort(self):
+    def abort(self, on_behalf_of=None):
         self.aborted.set()
 
 

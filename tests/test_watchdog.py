@@ -58,7 +58,7 @@ class KernelEndingComm(FakeComm):
         super().__init__()
         self.work, self.event, self.seen = work, event, None
 
-    def abort(self):
+    def abort(self, on_behalf_of=None):
         self.event.fired.set()
         self.seen = (self.work.exception(), self.work.is_success(), self.work._keepalive is not None)
         time.sleep(0.05)
@@ -179,7 +179,7 @@ def test_d3_a_stuck_watchdog_is_detected_by_its_heartbeat_and_terminate_exits():
 
 
 class RaisingComm(FakeComm):
-    def abort(self):
+    def abort(self, on_behalf_of=None):
         super().abort()
         raise RuntimeError("cudaErrorIllegalAddress while aborting")
 
@@ -326,7 +326,7 @@ _EXIT_SCRIPT = """
     lifecycle.EXIT_DEADLINE = 1.0 if {hang} else 10.0  # a quick abort must not race 1 s
     class Comm:
         def async_error(self): return None
-        def abort(self):
+        def abort(self, on_behalf_of=None):
             print("comm aborted", flush=True)
             if {hang}: threading.Event().wait()
     group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
@@ -343,7 +343,7 @@ _EXIT_WHILE_DIAGNOSING_SCRIPT = """
     from standins import CpuAsCudaGroup
     class Comm:
         def async_error(self): return None
-        def abort(self): print("comm aborted", flush=True)
+        def abort(self, on_behalf_of=None): print("comm aborted", flush=True)
     group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
     group._cuda.comm = Comm()
     # the watchdog claimed a fault; its thread is still diagnosing when the process exits
