@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import re
 import random
 import shutil
 import signal
@@ -303,3 +304,21 @@ def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None)
         pytest.fail(f"{' '.join(args)} did not finish within {timeout:g} s\n"
                     f"stdout:\n{out[-6000:]}\nstderr:\n{err[-8000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def ddp_parity_with_torch_nccl(timeout: float, *train_args: str) -> float:
+    """examples/train_ddp.py --compare nccl under torchrun, two ranks (sharing the GPU when
+    there is one): the largest parameter difference between cupycoll and torch's nccl.
+    ``train_args``: more of train_ddp.py's flags."""
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "train_ddp.py"), *train_args, "--compare", "nccl"]
+    if gpu_count() < 2:
+        cmd.append("--share-gpu")
+    # train_ddp.py sets each rank's NCCL_HOSTID; IB and the gloo interface are the same for all.
+    # run_python kills torchrun and its ranks together on a timeout, showing their output.
+    env = {k: v for k, v in shared_gpu_env(0).items() if k != "NCCL_HOSTID"}
+    result = run_python(*cmd, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    found = re.search(r"max \|param difference\| cupycoll vs nccl: ([0-9.eE+-]+)", result.stdout)
+    assert found, result.stdout[-4000:]
+    return float(found.group(1))

@@ -4,8 +4,6 @@ input on real CUDA tensors, one-rank paths, DDP (and DDP parity with torch's ncc
 from __future__ import annotations
 
 import datetime
-import re
-import sys
 import time
 
 import pytest
@@ -15,7 +13,7 @@ import torch.distributed as dist
 import cupycoll
 from cupycoll.errors import CupycollTypeError, CupycollValueError
 from gpu.tier import GPU_TIER_BUDGETS_S
-from mp import ROOT, gpu_count, run_python, shared_gpu_env
+from mp import ddp_parity_with_torch_nccl, gpu_count, run_python
 
 pytestmark = pytest.mark.gpu
 
@@ -140,17 +138,7 @@ def test_ddp_comm_hook_gets_cuda_future(group):
 
 
 def test_ddp_parity_with_torch_nccl():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "train_ddp.py"), "--compare", "nccl"]
-    if gpu_count() < 2:
-        cmd.append("--share-gpu")
-    # train_ddp.py sets each rank's NCCL_HOSTID; IB and the gloo interface are the same for all.
-    # run_python kills torchrun and its ranks together on a timeout, showing their output.
-    env = {k: v for k, v in shared_gpu_env(0).items() if k != "NCCL_HOSTID"}
-    result = run_python(*cmd[1:], timeout=SUBPROCESS_LIMITS_S["ddp parity"], env=env)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    diff = float(re.search(r"max \|param difference\| cupycoll vs nccl: ([0-9.eE+-]+)", result.stdout).group(1))
-    assert diff <= 1e-5
+    assert ddp_parity_with_torch_nccl(SUBPROCESS_LIMITS_S["ddp parity"]) <= 1e-5
 
 
 def _opts(async_op):
