@@ -80,6 +80,8 @@ BACKEND_NAME = "cupycoll"
 import contextlib  # noqa: E402 - after BACKEND_NAME, see above
 import dataclasses
 import datetime
+import difflib
+import logging
 import os
 from typing import Callable, Mapping, Optional, Union
 
@@ -88,6 +90,8 @@ from ._parsers import (MAX_TIMEOUT_SECONDS, MAX_WATCHDOG_INTERVAL, parse_bool,  
                        parse_choice, parse_directory, parse_interval, parse_nonnegative_int,
                        parse_positive_int, parse_seconds, torch_debug_detail, torch_error_handling)
 from .errors import CupycollTypeError, CupycollValueError  # noqa: F401 - re-exported
+
+logger = logging.getLogger("cupycoll")
 
 ENVIRONMENT = {
     "CUPYCOLL_TIMEOUT": "seconds; used when neither Options nor init_process_group gives a timeout",
@@ -272,6 +276,7 @@ def resolve(
             f"pg_options={options!r}: cupycoll expects a cupycoll.Options instance"
         )
     env = os.environ if environ is None else environ
+    warn_unread(env)
     options = options or Options()
     values = {}
     for name, field in _FIELDS.items():
@@ -287,6 +292,33 @@ def resolve(
     return Settings(timeout=_timeout(options, group_timeout, env),
                     nccl_library=env.get(_LIBRARY_ENV) or None,
                     trace_dir=_trace_dir(options, env), **values)
+
+
+_WARNED: set = set()  # the names warn_unread has already named in this process
+
+
+def warn_unread(env: Mapping[str, str]) -> None:
+    """Warn, once per process and name, of a setting cupycoll does not read: a ``CUPYCOLL_``
+    name close to one it reads (a misspelling: ``CUPYCOLL_TIMOUT``), naming that one, and a
+    ``TORCH_NCCL_`` name that only torch's own nccl backend reads. Other ``CUPYCOLL_`` names
+    (the benchmark's ``CUPYCOLL_BENCH_*``, a test's) are left alone."""
+    for name in env:
+        if name in ENVIRONMENT or name in _WARNED:
+            continue
+        if name.startswith("CUPYCOLL_"):
+            close = difflib.get_close_matches(name, [n for n in ENVIRONMENT if n.startswith("CUPYCOLL_")],
+                                              n=1, cutoff=0.85)
+            if not close:
+                continue
+            message = f"{name} is set, but cupycoll reads no such variable: did you mean {close[0]}?"
+        elif name.startswith("TORCH_NCCL_"):
+            read = ", ".join(n for n in ENVIRONMENT if n.startswith("TORCH_NCCL_"))
+            message = (f"{name} is set; it applies to torch's nccl backend only, cupycoll does not read "
+                       f"it (of torch's NCCL settings cupycoll reads {read})")
+        else:
+            continue
+        _WARNED.add(name)
+        logger.warning(message)
 
 
 # -- per-call algorithm override ---------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -136,6 +137,34 @@ def test_every_boolean_parses_alike_false(value):
 def test_options_validate_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
         cupycoll.Options(**kwargs)
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(cupycoll.Options)])
+def test_one_rule_for_every_option_a_type_it_never_takes_is_a_type_error_a_value_that_does_not_parse_a_value_error(field):
+    for never in ([1], object(), {"a": 1}):
+        with pytest.raises(CupycollTypeError, match=f"Options.{field}"):
+            cupycoll.Options(**{field: never})
+    if field != "trace_dir":  # any text is a path
+        with pytest.raises(CupycollValueError, match=f"Options.{field}='not a value'"):
+            cupycoll.Options(**{field: "not a value"})
+    if field in ("timeout", "watchdog_interval", "ring_scratch_bytes", "trace_buffer"):
+        with pytest.raises(CupycollTypeError, match=f"Options.{field}"):
+            cupycoll.Options(**{field: True})  # a bool is never a number of seconds or bytes
+
+
+def test_a_misspelt_or_unread_setting_is_named_once(caplog, monkeypatch):
+    monkeypatch.setattr(config, "_WARNED", set())
+    env = {"CUPYCOLL_TIMOUT": "5", "TORCH_NCCL_HIGH_PRIORITY": "1", "CUPYCOLL_TIMEOUT": "7",
+           "TORCH_NCCL_BLOCKING_WAIT": "0", "CUPYCOLL_BENCH_DEVICE": "cpu", "NCCL_DEBUG": "WARN"}
+    with caplog.at_level("WARNING", logger="cupycoll"):
+        config.resolve(None, None, env)
+        config.resolve(None, None, env)  # once per process and name
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "CUPYCOLL_TIMOUT is set, but cupycoll reads no such variable: did you mean CUPYCOLL_TIMEOUT?",
+        "TORCH_NCCL_HIGH_PRIORITY is set; it applies to torch's nccl backend only, cupycoll does not read it "
+        "(of torch's NCCL settings cupycoll reads " + ", ".join(
+            n for n in config.ENVIRONMENT if n.startswith("TORCH_NCCL_")) + ")"], messages
 
 
 def test_options_normalize():
