@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 
-logger = logging.getLogger("cupycoll")
+logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 
 def _create_process_group(dist_backend_opts, pg_options):
@@ -69,4 +69,4 @@ def autoload() -> None:
     try:
         register()
     except Exception:  # noqa: BLE001 - must not break ``import torch``
-        logger.debug("cupycoll: registration from the torch.backends entry point failed", exc_info=True)
+        logger.debug("registration from the torch.backends entry point failed", exc_info=True)

@@ -91,7 +91,7 @@ from ._parsers import (MAX_TIMEOUT_SECONDS, MAX_WATCHDOG_INTERVAL, parse_bool,  
                        parse_positive_int, parse_seconds, torch_debug_detail, torch_error_handling)
 from .errors import CupycollTypeError, CupycollValueError  # noqa: F401 - re-exported
 
-logger = logging.getLogger("cupycoll")
+logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 ENVIRONMENT = {
     "CUPYCOLL_TIMEOUT": "seconds; used when neither Options nor init_process_group gives a timeout",

@@ -45,7 +45,7 @@ from . import recorder as _recorder
 from .recorder import E_OP, E_SEQ, E_SHAPES, E_DTYPES, E_STATE, Recorder, describe, \
     dump_on_timeout
 
-logger = logging.getLogger("cupycoll")
+logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 # How long a diagnosis waits for the other ranks' records. A silent rank costs the whole
 # wait, and the rest of the diagnosis up to a second more: at 4 s a timeout's error comes
@@ -294,7 +294,9 @@ def diagnose_timeout(store, recorder: Recorder, stuck=None, timeout_s: Optional[
     report = diagnose(store, recorder.group, recorder.rank, len(recorder.ranks), mine,
                       timeout_s, wait_s, recorder.ranks, recorder.incarnation, what)
     dump_on_timeout(dump_dir, recorder.ranks[recorder.rank], f"{what}: {report.message}")
-    logger.error("cupycoll: %s", report.message)
+    # The caller raises this message (the CPU route) or the watchdog logs its fault at ERROR
+    # (the CUDA route, as torch's nccl watchdog does): logged once, there.
+    logger.debug("%s", report.message)
     return report
 
 
@@ -410,7 +412,7 @@ class Responder:
                     item.poll()
                 except Exception as exc:  # noqa: BLE001 - a dead store: stop asking it
                     # For good: this rank no longer answers its peers' timeouts in that group.
-                    logger.warning("cupycoll responder: group %r: the store failed (%s); no "
+                    logger.warning("group %r: the store failed (%s); no "
                                    "longer answering diagnosis requests for it",
                                    item.recorder.group, exc)
                     self.unserve(item.recorder)

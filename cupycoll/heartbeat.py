@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Tuple
 
 from .errors import CupycollError
 
-logger = logging.getLogger("cupycoll")
+logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 # A watchdog pass only queries events and async errors (microseconds each); one that has
 # not finished in this long is stuck (the CUDA driver lock, a communicator lock held by a
@@ -59,9 +59,8 @@ def _stuck(thread: Optional[threading.Thread], limit: float, terminating: List[o
            terminate: Callable[[object, BaseException], None]) -> None:
     frame = sys._current_frames().get(thread.ident) if thread is not None else None
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "(unavailable)\n"
-    message = (f"cupycoll watchdog: no heartbeat for {limit:g} s; the watchdog is stuck and no "
+    message = (f"watchdog: no heartbeat for {limit:g} s; the watchdog is stuck and no "
                f"group's faults are being detected. Its stack:\n{stack}")
     logger.critical(message)
-    print(message, file=sys.stderr, flush=True)
     if terminating:
         terminate(terminating[0], CupycollError("the cupycoll watchdog is stuck"))

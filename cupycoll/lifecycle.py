@@ -50,7 +50,7 @@ from . import watchdog
 from .errors import CommunicatorAbortedError
 from .watchdog import WATCHDOG
 
-logger = logging.getLogger("cupycoll")
+logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 # destroy_process_group's wait for work still in flight before it aborts instead. Short:
 # work a program never waited for at destroy time is either done in microseconds or stuck
@@ -212,15 +212,14 @@ def _abort_at_exit() -> None:
         return
     for backend in live:
         if backend.state == "aborting":
-            message = (f"cupycoll: process group {backend._name()!r} faulted ({backend.fault}) and the "
+            message = (f"process group {backend._name()!r} faulted ({backend.fault}) and the "
                        f"process exits before its abort ran; aborting its NCCL communicators now.")
         else:
-            message = (f"cupycoll: process group {backend._name()!r} has NOT been destroyed before "
+            message = (f"process group {backend._name()!r} has NOT been destroyed before "
                        f"the process exits; aborting its NCCL communicators. Call "
                        f"torch.distributed.destroy_process_group() before exiting: otherwise this "
                        f"rank may leave before its peers finish their collectives with it.")
         logger.warning(message)
-        print(message, file=sys.stderr, flush=True)
 
     def abort_all() -> None:
         for backend in live:
@@ -241,8 +240,7 @@ def _abort_at_exit() -> None:
         return
     thread.join(EXIT_DEADLINE)
     if thread.is_alive():
-        print(f"cupycoll: aborting the groups at exit did not finish within {EXIT_DEADLINE:g} s; "
-              f"exiting anyway", file=sys.stderr, flush=True)
+        logger.warning("aborting the groups at exit did not finish within %g s; exiting anyway", EXIT_DEADLINE)
 
 
 def interrupted(exc: BaseException) -> CommunicatorAbortedError:

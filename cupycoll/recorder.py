@@ -356,7 +356,7 @@ def dump_on_timeout(directory: Optional[str], rank: Optional[int] = None,
     except Exception as exc:  # noqa: BLE001
         import logging
 
-        logging.getLogger("cupycoll").warning("cupycoll: writing the trace to %s failed: %s",
+        logging.getLogger(__name__).warning("writing the trace to %s failed: %s",
                                               directory, exc)
         return None
 

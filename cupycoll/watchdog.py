@@ -53,7 +53,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -62,7 +61,7 @@ from typing import Callable, List, Optional, Tuple
 from . import heartbeat, watchdog_cuda
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 
-logger = logging.getLogger("cupycoll")
+logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 TERMINATE_EXIT_CODE = 70  # EX_SOFTWARE: an internal error ended the job on purpose
 
@@ -151,7 +150,7 @@ class Watch:
             try:
                 self.on_done(work)
             except Exception:  # noqa: BLE001 - a hook must not break fault detection
-                logger.exception("cupycoll watchdog: on_done hook of group %r failed", self.name)
+                logger.exception("on_done hook of group %r failed", self.name)
 
     def drain(self, timeout: float) -> bool:
         """Wait (polling events, never syncing) until every tracked Work is done; False on a
@@ -164,7 +163,7 @@ class Watch:
                 with watchdog_cuda.on_device(self.device):
                     self._pop_done()
             except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: not drained
-                logger.error("cupycoll: draining group %r failed: %r", self.name, exc)
+                logger.error("draining group %r failed: %r", self.name, exc)
                 return False
             if not self.inflight:
                 return self.fault is None
@@ -226,7 +225,7 @@ class Watch:
             if self.on_claim is not None:
                 self.on_claim(fault)
         except Exception:  # noqa: BLE001 - the fault is handled whatever the hook does
-            logger.exception("cupycoll watchdog: on_claim hook of group %r failed", self.name)
+            logger.exception("on_claim hook of group %r failed", self.name)
         return True
 
     def handle(self, fault: CupycollError, work=None, claimed: bool = False) -> None:
@@ -235,12 +234,12 @@ class Watch:
         if not claimed and not self.claim(fault):
             return
         fault = self._explain(fault, work)
-        logger.error("cupycoll watchdog: %s; aborting the group's NCCL communicators", fault)
+        logger.error("%s; aborting the group's NCCL communicators", fault)
         failed = self.mark_failed(fault)
         try:
             self._on_fault(fault)
         except Exception:  # noqa: BLE001 - the Works are failed whatever the abort does
-            logger.exception("cupycoll watchdog: aborting group %r failed", self.name)
+            logger.exception("aborting group %r failed", self.name)
         finally:
             self.release(failed)
 
@@ -250,7 +249,7 @@ class Watch:
         try:
             message = self.explain_timeout(work, self.timeout)
         except Exception:  # noqa: BLE001 - the plain message still describes the fault
-            logger.exception("cupycoll watchdog: explain_timeout of group %r failed", self.name)
+            logger.exception("explain_timeout of group %r failed", self.name)
             return fault
         if isinstance(message, str) and message:
             fault = CollectiveTimeoutError(message)
@@ -343,7 +342,7 @@ class Watchdog:
                 self._wake.wait(interval)
                 self._wake.clear()
         except Exception:  # noqa: BLE001 - a bug here must not end watching for good
-            logger.exception("cupycoll watchdog: the watchdog thread failed; the next tracked "
+            logger.exception("the watchdog thread failed; the next tracked "
                              "collective starts a new one")
         finally:
             # Whatever ended the loop, a later watch() must be able to start a new thread.
@@ -396,7 +395,7 @@ def handle_fault(watch: Watch, fault: CupycollError, work=None) -> threading.Thr
             handler.start()
             handler.join(FAULT_DEADLINE)
             if handler.is_alive():
-                logger.error("cupycoll watchdog: handling the fault of group %r has not finished "
+                logger.error("handling the fault of group %r has not finished "
                              "after %g s (ncclCommAbort hangs?); its Works are failed", watch.name,
                              FAULT_DEADLINE)
         finally:
@@ -410,11 +409,10 @@ def handle_fault(watch: Watch, fault: CupycollError, work=None) -> threading.Thr
 
 
 def _terminate(watch: Watch, fault: BaseException) -> None:
-    message = (f"cupycoll watchdog: terminating the process (on_timeout='terminate') after a "
+    message = (f"watchdog: terminating the process (on_timeout='terminate') after a "
                f"fault in process group {watch.name!r}: {fault}")
     try:
         logger.critical(message)
-        print(message, file=sys.stderr, flush=True)
     finally:
         os._exit(TERMINATE_EXIT_CODE)
 

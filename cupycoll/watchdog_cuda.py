@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-logger = logging.getLogger("cupycoll")
+logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 # CUstreamCaptureMode / cudaStreamCaptureMode (the same values): GLOBAL 0, THREAD_LOCAL 1.
 CAPTURE_MODE_THREAD_LOCAL = 1
@@ -68,10 +68,10 @@ def use_thread_local_capture_mode() -> bool:
         mode = ctypes.c_int(CAPTURE_MODE_THREAD_LOCAL)
         status = exchange(ctypes.pointer(mode))  # mode now holds the previous one
     except (OSError, AttributeError) as exc:
-        logger.debug("cupycoll watchdog: stays in global capture mode (%r)", exc)
+        logger.debug("stays in global capture mode (%r)", exc)
         return False
     if status != 0:  # a driver is there but refused: graph captures elsewhere are at risk
-        logger.warning("cupycoll watchdog: cuThreadExchangeStreamCaptureMode returned %s; the "
+        logger.warning("cuThreadExchangeStreamCaptureMode returned %s; the "
                        "watchdog stays in global capture mode, and its event queries may "
                        "invalidate a CUDA graph captured on another thread", status)
         return False

@@ -217,7 +217,7 @@ def test_f2_a_second_abort_from_the_aborting_thread_itself_returns_at_once():
 
 
 _FORK_SCRIPT = """
-    import datetime, logging, os, sys, threading
+    import datetime, os, sys, threading
     import torch.distributed as dist
     from cupycoll import diagnosis, lifecycle, recorder
     from standins import CpuAsCudaGroup
@@ -234,7 +234,6 @@ _FORK_SCRIPT = """
         group._cuda._watch.track(stuck_work())
         return group
 
-    logging.getLogger("cupycoll").addHandler(logging.NullHandler())  # the print only, once
     parent = make("parent")
     diagnosis.serve(dist.HashStore(), recorder.Recorder("g", [0, 1], 0), interval=0.01)
     held, forked = threading.Event(), threading.Event()
