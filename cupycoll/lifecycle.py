@@ -87,9 +87,10 @@ def _step(what: str, function, *args) -> Optional[BaseException]:
     return None
 
 
-def abort(backend, reason: Optional[BaseException] = None) -> None:
+def abort(backend, reason: Optional[BaseException] = None, bounded: bool = True) -> None:
     """``CudaBackend.abort``: see the module docstring. Raises only a KeyboardInterrupt or
-    SystemExit met on the way, and only after every step has run."""
+    SystemExit met on the way, and only after every step has run. ``bounded=False``: the
+    caller bounds the whole abort itself (the exit hook), so ncclCommAbort runs inline."""
     if reason is None:
         reason = CommunicatorAbortedError(f"process group {backend._name()!r} was aborted")
     watch = backend._watch
@@ -137,6 +138,9 @@ def abort(backend, reason: Optional[BaseException] = None) -> None:
     # caller waits for it at most ABORT_DEADLINE. Past that the Works have failed already and
     # their tensors stay held until it returns (a kernel may still use them).
     finisher = threading.Thread(target=end_kernels_then_release, name="cupycoll-abort", daemon=True)
+    if not bounded:
+        end_kernels_then_release()
+        return _reraise(interrupts)
     try:
         finisher.start()
     except RuntimeError:  # Python 3.12+ at interpreter exit: no new threads; the exit hook bounds it
@@ -147,6 +151,11 @@ def abort(backend, reason: Optional[BaseException] = None) -> None:
                   f"{ABORT_DEADLINE:g} s; its Works have failed, and their tensors stay held until it does")
         else:
             finisher.join(ABORT_DEADLINE)
+    _reraise(interrupts)
+
+
+def _reraise(interrupts) -> None:
+    """Raise the first KeyboardInterrupt or SystemExit a step met (after every step ran)."""
     for exc in interrupts:
         if exc is not None and not isinstance(exc, Exception):
             raise exc
@@ -224,7 +233,7 @@ def _abort_at_exit() -> None:
     def abort_all() -> None:
         for backend in live:
             _step("aborting a group at exit", abort, backend,
-                  backend.fault if backend.state == "aborting" else None)
+                  backend.fault if backend.state == "aborting" else None, False)
 
     thread = threading.Thread(target=abort_all, name="cupycoll-exit-abort", daemon=True)
     try:
