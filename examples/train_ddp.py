@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cupycoll  # registers the "cupycoll" backend with torch.distributed
+from cupycoll import compat
 
 FEATURES, HIDDEN, SAMPLES_PER_RANK = 16, 64, 512
 
@@ -144,6 +145,11 @@ def train(args, backend: str, store, device, initial_state, data):
     if args.compile:
         torch._dynamo.reset()  # the compiled code refers to this run's DDP and group
     gc.collect()
+    if backend == "gloo":
+        # A gloo group torch built is freed with its group; on torch without
+        # ProcessGroup.shutdown (before 2.7) that can hang (pytorch#56297). cupycoll holds
+        # its own gloo until exit there; this holds torch's the same way.
+        compat.keep_gloo_until_exit(dist.group.WORLD)
     dist.destroy_process_group()
     return params, mean_loss
 
