@@ -149,8 +149,9 @@ class GroupTrace:
 
     def explain_timeout(self, entry: Optional[list], timeout_s: Optional[float],
                         what: str = "timed out") -> str:
-        """Diagnose a call that timed out (or failed: ``what``) across the ranks, in at most
-        ``diagnosis.DEFAULT_WAIT_S``; logs the message, dumps the trace when a folder is set, returns the message."""
+        """Diagnose a call that timed out (or failed: ``what``) across the ranks, waiting at
+        most ``diagnosis.DEFAULT_WAIT_S``; dumps the trace when a folder is set, returns the
+        message."""
         report = diagnosis.diagnose_timeout(self.store, self.recorder, entry, timeout_s,
                                             dump_dir=self.settings.trace_dir, what=what)
         return report.message

@@ -123,24 +123,25 @@ def abort(backend, reason: Optional[BaseException] = None, bounded: bool = True)
         watch.aborters.add(threading.get_ident())  # an abort re-entered from here waits for nothing
         try:
             for comm in list(backend._pending_comms) + backend.communicators():
-                _step(f"aborting {comm}", comm.abort, asker)
+                interrupts.append(_step(f"aborting {comm}", comm.abort, asker))
         finally:
             # Only now, with the kernels ended, may the Works' tensors and scratch be released
             # (with those tracked late, once settled: any later one releases itself).
             watch.settled.set()
-            _step("failing the Works tracked late", mark)
-            _step("releasing the Works' tensors", watch.release, failed)
-            _step("closing the rings", backend._close_rings)
-            _step("shutting down the group's CPU half", backend._on_abort)
+            interrupts.append(_step("failing the Works tracked late", mark))
+            interrupts.append(_step("releasing the Works' tensors", watch.release, failed))
+            interrupts.append(_step("closing the rings", backend._close_rings))
+            interrupts.append(_step("shutting down the group's CPU half", backend._on_abort))
             _ABORTING.discard(backend)
 
+    if not bounded:
+        end_kernels_then_release()
+        _reraise(interrupts)
+        return
     # ncclCommAbort can hang (NCCL's known hangs): it runs on a thread of its own, and the
     # caller waits for it at most ABORT_DEADLINE. Past that the Works have failed already and
     # their tensors stay held until it returns (a kernel may still use them).
     finisher = threading.Thread(target=end_kernels_then_release, name="cupycoll-abort", daemon=True)
-    if not bounded:
-        end_kernels_then_release()
-        return _reraise(interrupts)
     try:
         finisher.start()
     except RuntimeError:  # Python 3.12+ at interpreter exit: no new threads; the exit hook bounds it
