@@ -24,6 +24,13 @@ Every store operation of the exchange runs on a daemon thread that the caller le
 ``wait_s``: torch's store calls block for the store's own timeout (minutes), so a dead store
 or a dead peer must not hold the timeout report back.
 
+The keys live as long as the group: when a rank closes the group it counts itself out
+(:func:`forget`), and the last rank out deletes every key of that group's diagnoses, so a
+store that outlives many groups (a job that recovers by making new ones) does not grow with
+their timeouts. A group that never diagnosed anything leaves no key behind either: the
+responder only reads the request counter once a request made it. A rank that dies never
+counts itself out, so the keys of a group with a dead rank stay in the store.
+
 Deliberately left out: deciding what happens next (the caller raises, aborts, terminates),
 and reading the other ranks' whole recorders (that is ``python -m cupycoll.trace``).
 """
@@ -53,6 +60,9 @@ logger = logging.getLogger(__name__)  # a child of "cupycoll"
 DEFAULT_WAIT_S = 4.0
 RESPONDER_INTERVAL_S = 1.0
 POLL_S = 0.05
+# How long closing a group waits for its count-out and, on the last rank, the deletion of the
+# group's diagnosis keys: a dead store must not hold destroy_process_group back.
+FORGET_WAIT_S = 1.0
 KEY_ROOT = "cupycoll-diag"
 _STATE_TEXT = {"completed": "", "issued": "not completed", "queued": "not yet issued",
                "failed": "failed", "aborted": "aborted"}
@@ -300,6 +310,46 @@ def diagnose_timeout(store, recorder: Recorder, stuck=None, timeout_s: Optional[
     return report
 
 
+def forget(store, recorder: Recorder, wait_s: float = FORGET_WAIT_S) -> None:
+    """This rank closed the group: count it out of the group's diagnosis keys; the last rank
+    out deletes them all (the records, the requests, their counters). Returns within
+    ``wait_s`` whatever the store does; never raises (a store without ``delete_key`` keeps
+    its keys)."""
+    size = len(recorder.ranks)
+    if store is None or size < 2:
+        return
+    thread = threading.Thread(target=_count_out, name="cupycoll-diagnosis-forget", daemon=True,
+                              args=(store, key_prefix(recorder.group, recorder.incarnation), size))
+    try:
+        thread.start()
+    except RuntimeError:  # Python 3.12+ at interpreter exit: no new threads; the keys stay
+        return
+    thread.join(wait_s)
+
+
+def _count_out(store, prefix: str, size: int) -> None:
+    try:
+        if store.add(f"{prefix}/closed", 1) < size:
+            return
+        keys = [f"{prefix}/closed"]
+        requests_key = f"{prefix}/requests"
+        if store.check([requests_key]):
+            keys.append(requests_key)
+            seqs = set()
+            for number in range(1, store.add(requests_key, 0) + 1):
+                key = f"{prefix}/request/{number}"
+                if store.check([key]):
+                    keys.append(key)
+                    seqs.add(int(store.get(key)))
+            for seq in seqs:
+                base = f"{prefix}/{seq}"
+                keys += [f"{base}/count"] + [f"{base}/{rank}" for rank in range(size)]
+        for key in keys:
+            store.delete_key(key)
+    except Exception as exc:  # noqa: BLE001 - the keys stay; nothing else depends on them
+        logger.debug("diagnosis keys under %r not deleted: %s", prefix, exc)
+
+
 def looks_like_timeout(exc: BaseException) -> bool:
     """Is ``exc`` (raised by a gloo Work's wait) a timeout? gloo says so only in its text."""
     if isinstance(exc, TimeoutError):
@@ -335,7 +385,12 @@ class _Served:
 
     def poll(self) -> None:
         store = self.store
-        pending = store.add(f"{self.prefix}/requests", 0)
+        requests_key = f"{self.prefix}/requests"
+        # check first: add() would create the counter, a key even a group that never timed
+        # out would then leave in the store
+        if not store.check([requests_key]):
+            return
+        pending = store.add(requests_key, 0)
         while self.handled < pending:
             key = f"{self.prefix}/request/{self.handled + 1}"
             if not store.check([key]):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from . import compat, diagnosis, mismatch, recorder
 from .config import Settings
-from .errors import CollectiveTimeoutError, CupycollError, PeerFailedError
+from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, PeerFailedError
 from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
 
 # Calls that every rank makes alike and that the mismatch check compares.
@@ -73,6 +73,7 @@ class GroupTrace:
         # Per thread: DDP issues from autograd threads; each routes one call at a time.
         self._local = _Pending()
         self._gloo_open: collections.deque = collections.deque(maxlen=4096)  # torch < 2.7
+        self._open_works: "weakref.WeakSet[TracedWork]" = weakref.WeakSet()  # not waited yet
         _TRACES.add(self)
         self._closed = False
         # A group of one has nobody to ask; the stand-ins of the tests have no store.
@@ -157,13 +158,22 @@ class GroupTrace:
         return report.message
 
     def close(self, state: str) -> None:
-        """The group is shut down ("completed" leaves finished entries alone) or aborted."""
+        """The group is shut down, aborted or ``"failed"`` (its construction). A CPU Work
+        not finished yet fails now, with this as its reason: gloo cannot cancel it, and its
+        own timeout may be minutes away. Then this rank stops answering diagnoses for the
+        group and counts itself out of its store keys."""
         if self._closed:
             return
         self._closed = True
+        for work in list(self._open_works):
+            work.fail_unfinished(CommunicatorAbortedError(
+                f"process group {self.recorder.group!r} was {state} before {work.description} "
+                f"finished on rank {self.recorder.rank}; gloo may still write its output until "
+                f"its own timeout"))
         diagnosis.unserve(self.recorder)
         self.recorder.mark_unfinished("aborted" if state == "aborted" else "failed")
         recorder.retire(self.recorder)
+        diagnosis.forget(self.store, self.recorder)
 
 
 class TracedWork(dist.Work):
@@ -178,9 +188,28 @@ class TracedWork(dist.Work):
     def __init__(self, work: dist.Work, entry: list, trace: GroupTrace):
         super().__init__()
         self._work, self._entry, self._trace = work, entry, trace
-        self._waited: Optional[list] = None  # [error or None] once wait() returned or raised
+        # [error or None] once wait() returned or raised, or the group closed before it finished
+        self._waited: Optional[list] = None
+        trace._open_works.add(self)
+
+    @property
+    def description(self) -> str:
+        entry = self._entry
+        if entry is None:
+            return "a call"
+        return recorder.describe(entry[E_OP], entry[E_SEQ], entry[E_SHAPES], entry[E_DTYPES])
+
+    def fail_unfinished(self, error: BaseException) -> None:
+        """The group closed: unless gloo finished this Work already, it has failed with
+        ``error`` (a later ``wait()`` raises it at once; a ``wait()`` already inside gloo's
+        returns when gloo does)."""
+        if self._waited is None and not self._work.is_completed():
+            self._waited = [error]
+            self._trace.recorder.mark(self._entry, "failed")
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        if self._waited is not None and self._waited[0] is not None:
+            raise self._waited[0]
         try:
             done = self._work.wait(timeout) if timeout else self._work.wait()
         except Exception as exc:  # noqa: BLE001 - explained, then raised again
@@ -193,6 +222,7 @@ class TracedWork(dist.Work):
         self._trace.recorder.mark(self._entry, "completed")
         if done:
             self._waited = [None]
+            self._trace._open_works.discard(self)
         return done
 
     def _settled(self, error) -> None:
@@ -213,6 +243,8 @@ class TracedWork(dist.Work):
         return True, error
 
     def is_completed(self) -> bool:
+        if self._waited is not None:
+            return True
         done = self._work.is_completed()
         future = self._gloo_future() if done and self._waited is None else None
         if future is not None:
@@ -260,8 +292,7 @@ class TracedWork(dist.Work):
         entry = self._entry
         if entry is None:
             return f"TracedWork({self._work!r})"
-        return (f"TracedWork({recorder.describe(entry[E_OP], entry[E_SEQ], entry[E_SHAPES], entry[E_DTYPES])}, "
-                f"root={entry[E_ROOT]})")
+        return f"TracedWork({self.description}, root={entry[E_ROOT]})"
 
 
 def _first_sentence(exc: BaseException) -> str:

@@ -171,6 +171,49 @@ def test_diagnose_through_a_real_store(stores, tmp_path):
                                   "outside cupycoll)")
 
 
+def test_the_last_rank_out_deletes_the_groups_diagnosis_keys(stores):
+    recs = recorders(3)
+    baseline = stores[0].num_keys()
+    diagnosis.serve(stores[2], recs[2], interval=0.05)
+    try:
+        threads = [threading.Thread(target=diagnosis.diagnose_timeout, args=(stores[r], recs[r]),
+                                    kwargs={"timeout_s": 30, "wait_s": 5.0}) for r in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    finally:
+        diagnosis.unserve(recs[2])
+    assert stores[0].num_keys() > baseline  # the records, the requests and their counters
+    for rank in (0, 1):
+        diagnosis.forget(stores[rank], recs[rank])
+        assert stores[0].num_keys() > baseline  # a rank still in the group may read them
+    diagnosis.forget(stores[2], recs[2])
+    assert stores[0].num_keys() == baseline
+
+
+def test_a_group_that_never_diagnosed_leaves_no_key(stores):
+    recs = recorders(2)
+    baseline = stores[0].num_keys()
+    for rank in (0, 1):
+        diagnosis.serve(stores[rank], recs[rank], interval=0.01)
+    time.sleep(0.2)  # the responder polls the group several times
+    for rank in (0, 1):
+        diagnosis.unserve(recs[rank])
+    assert stores[0].num_keys() == baseline
+    for rank in (0, 1):
+        diagnosis.forget(stores[rank], recs[rank])
+    assert stores[0].num_keys() == baseline
+
+
+def test_forgetting_a_group_returns_within_its_wait_on_a_dead_store():
+    store = BlockingStore()
+    started = time.monotonic()
+    diagnosis.forget(store, recorders(2)[0], wait_s=0.3)
+    assert time.monotonic() - started < 0.3 + 2
+    store.release.set()
+
+
 class BlockingStore:
     """A store whose every call blocks, like torch's against a dead server."""
 

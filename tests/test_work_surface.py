@@ -27,7 +27,12 @@ def surfaces(tmp_path_factory):
     results = dict(zip(outs, wait_all(jobs)))
     return {backend: ({rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)},
                       {r.rank: r.stderr for r in results[backend]})
-            for backend, out in outs.items()}
+            for backend, out in outs.items()} | {"closed": _closed(outs["cupycoll"])}
+
+
+def _closed(out):
+    path = out / "rank0.closed.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 # CPU send and recv return gloo's own Work unchanged: the same object, so the same answers.
@@ -89,3 +94,16 @@ def test_no_deprecation_warning_that_gloo_itself_would_not_print(surfaces):
         for stderr in (gloo_err[rank], ours_err[rank]):
             assert QUIET_DONE in stderr, stderr
             assert not deprecated(stderr.split(QUIET_DONE)[0]), (rank, stderr)
+
+
+@pytest.mark.skipif(not compat.PYTHON_WORK_SURVIVES_CPP, reason="before torch 2.7 a CPU Work is gloo's own")
+def test_a_collective_unfinished_when_its_group_closes_fails_at_once(surfaces):
+    closed = surfaces["closed"]
+    for how in ("aborted", "shut down"):
+        got = closed[how]
+        assert got["wait"]["raised"] == "CommunicatorAbortedError", got
+        assert re.fullmatch(rf"process group '\d+' was {how} before all_reduce #1 \(float32\[2\]\) finished "
+                            r"on rank 0; gloo may still write its output until its own timeout",
+                            got["wait"]["text"]), got
+        assert got["wait_s"] < 1  # not gloo's 3 s timeout
+        assert got["is_completed"] == {"value": True} and got["is_success"] == {"value": False}

@@ -13,11 +13,13 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 import cupycoll  # noqa: F401 - registers the backend
+from cupycoll import compat
 
 QUIET_DONE = "--- wait, is_completed and get_future done ---"
 
@@ -93,7 +95,31 @@ def main() -> None:
     dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(cases, fh)
+    if backend == "cupycoll" and compat.PYTHON_WORK_SURVIVES_CPP:
+        with open(os.path.join(out_dir, f"rank{rank}.closed.json"), "w") as fh:
+            json.dump(closed_with_work_in_flight(rank), fh)
     dist.destroy_process_group()
+
+
+def closed_with_work_in_flight(rank: int) -> dict:
+    """cupycoll's own rule, which gloo lacks: a CPU collective that has not finished when its
+    group is aborted or destroyed fails at once, not at gloo's timeout. Only rank 0 calls the
+    all_reduce, so it cannot finish; gloo gives up on it after the group's 3 s timeout."""
+    cases = {}
+    for how in ("aborted", "shut down"):
+        group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+        if rank == 0:
+            work = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+        if how == "aborted":
+            group.abort()
+        dist.destroy_process_group(group)
+        if rank == 0:
+            started = time.monotonic()
+            cases[how] = {"wait": outcome(work.wait), "wait_s": time.monotonic() - started,
+                          "is_completed": outcome(work.is_completed),
+                          "is_success": outcome(work.is_success)}
+    time.sleep(3.5)  # gloo's own timeout ends the all_reduce in its thread before the exit
+    return cases
 
 
 if __name__ == "__main__":
