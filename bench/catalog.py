@@ -90,19 +90,24 @@ CANDIDATES: Dict[str, CandidateSpec] = {
                                    "cupycoll, its own ring kernels (cupycoll.algorithm('ring'))"),
     "torch:nccl": CandidateSpec("torch:nccl", "torch", "nccl", "cuda", "torch's ProcessGroupNCCL (baseline)"),
     # Development only (--device cpu): the pipeline without a GPU; the numbers mean nothing.
+    # cupycoll's CPU route is its inner gloo group, whatever the algorithm: named for what runs.
+    "cupycoll:gloo": CandidateSpec("cupycoll:gloo", "cupycoll", "nccl", "cpu",
+                                   "cupycoll, its CPU route (CPU tensors go to its inner gloo group)"),
     "torch:gloo": CandidateSpec("torch:gloo", "torch", "gloo", "cpu", "torch's ProcessGroupGloo (CPU)"),
 }
 _CANDIDATE_ALIASES = {name: name for name in CANDIDATES}
 _CANDIDATE_ALIASES.update({
-    "cupycoll": "cupycoll:nccl", "nccl": "torch:nccl", "torch": "torch:nccl", "ring": "cupycoll:ring",
-    "gloo": "torch:gloo",
+    "nccl": "torch:nccl", "torch": "torch:nccl", "ring": "cupycoll:ring", "gloo": "torch:gloo",
 })
-# What each --device can run; on cpu, cupycoll:nccl is cupycoll's CPU route (its inner gloo).
+# What each --device can run.
 ALLOWED_CANDIDATES = {"cuda": ("cupycoll:nccl", "cupycoll:ring", "torch:nccl"),
-                      "cpu": ("cupycoll:nccl", "torch:gloo")}
+                      "cpu": ("cupycoll:gloo", "torch:gloo")}
 DEFAULT_CANDIDATES = {"cuda": ("cupycoll:nccl", "cupycoll:ring", "torch:nccl"),
-                      "cpu": ("cupycoll:nccl", "torch:gloo")}
+                      "cpu": ("cupycoll:gloo", "torch:gloo")}
 BASELINE = {"cuda": "torch:nccl", "cpu": "torch:gloo"}
+# cupycoll's own path on each device: what the bare name "cupycoll" means, and the candidate
+# the coalescing scenario's targets judge.
+CUPYCOLL = {"cuda": "cupycoll:nccl", "cpu": "cupycoll:gloo"}
 # Collectives the ring algorithm implements; for the others cupycoll:ring reports n/a.
 RING_COLLECTIVES = frozenset({"all_reduce", "reduce_scatter"})
 
@@ -141,8 +146,9 @@ def resolve_ops(text: str) -> List[str]:
     return _resolve(text, _OP_ALIASES, "reduction op", OPS + BITWISE_OPS, OPS)
 
 
-def resolve_candidates(text: str) -> List[str]:
-    return _resolve(text, _CANDIDATE_ALIASES, "backend", tuple(CANDIDATES))
+def resolve_candidates(text: str, device: str = "cuda") -> List[str]:
+    aliases = dict(_CANDIDATE_ALIASES, cupycoll=CUPYCOLL[device])
+    return _resolve(text, aliases, "backend", tuple(CANDIDATES))
 
 
 def resolve_scenarios(text: str) -> List[str]:

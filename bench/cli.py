@@ -6,15 +6,23 @@ Every mistake in the arguments (an unknown name, a bad size, no GPU, too few GPU
 with one line on stderr and exit status 2, before any rank starts. This module imports
 neither torch nor CuPy until the arguments are known to be good (the GPU check needs torch).
 
-nccl-tests' flags keep their meaning (``-C`` reports CPU time, ``-T``/``--timeout`` bounds
-each collective, ``-a``/``-m``/``-z``, ``-r all``, ``-o mulsum``, ``-d f8e4m3``, ``-J`` JSON).
+nccl-tests' flags keep their meaning (``-C`` reports CPU time in a column named
+``cputime``, ``-T``/``--timeout`` bounds each collective, ``-N`` repeats the sweep and
+prints every cycle, ``-a``/``-m``/``-z``, ``-r all``, ``-o mulsum``, ``-d f8e4m3``,
+``-J``/``--output_file`` JSON), so that an nccl-tests command line runs unchanged.
 The whole run's wall-clock limit, which nccl-tests lacks, is ``--run_timeout``.
-Where they differ: in-place vs out-of-place is ``--inplace`` / ``--outofplace`` (default:
-both, where the torch.distributed call has both forms; nccl-tests' ``-I``, per-iteration
-timing, and ``-G``, CUDA graphs, are not offered); ``-w`` defaults to 5 (Python backends
-create their communicators on the first call); ``-d``/``-o`` take comma lists; ``-f`` may be
-fractional. Whatever can fail before measuring (an output folder, ``--plot`` without
-matplotlib or with a format it cannot write) fails here, not after the sweep.
+Where they differ: ``-g N`` is N GPUs with one rank (one process) each, the world that one
+nccl-tests process of one thread drives (default: every visible GPU; under torchrun each
+rank has one GPU, so only 1); ``-t`` takes only 1, since torch.distributed runs one rank per
+process; ``-G`` takes only 0 (no CUDA graphs: a replayed graph would skip the Python cupycoll
+runs around every NCCL call); ``-N 0``, forever, is refused; ``--output_file`` writes JSON
+or CSV by its suffix and refuses another one (nccl-tests writes JSON, and nothing for an
+unknown suffix); ``-I``, per-iteration timing, is not offered; in-place vs out-of-place is
+``--inplace`` / ``--outofplace`` (default: both, where the torch.distributed call has both
+forms); ``-w`` defaults to 5 (Python backends create their communicators on the first
+call); ``-d``/``-o`` take comma lists; ``-f`` may be fractional. Whatever can fail before
+measuring (an output folder, ``--plot`` without matplotlib or with a format it cannot
+write) fails here, not after the sweep.
 
 Left out: what a rank does (runner, scenarios), process management (launch), output.
 """
@@ -23,10 +31,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from . import catalog, launch, sizes
 
@@ -35,13 +44,19 @@ FORMATS = ("side-by-side", "nccl-tests")
 
 
 def version_text() -> str:
-    from cupycoll._version import __version__  # the package's one version (imports cupycoll)
-
-    return f"{PROG} {__version__}"
+    """The version of the cupycoll that the ranks would import (installed with this
+    command, or beside it in a checkout), read from its ``_version.py`` without importing
+    the package: ``cupycoll/__init__`` imports torch, which takes seconds."""
+    found = importlib.util.find_spec("cupycoll")  # a top-level name: located, nothing run
+    path = Path(found.origin).parent / "_version.py"
+    loaded = importlib.util.spec_from_file_location("_cupycoll_version", path)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return f"{PROG} {module.__version__}"
 
 
 class _Version(argparse.Action):
-    """--version, importing cupycoll only when asked (argparse's own wants the text up front)."""
+    """--version, read only when asked (argparse's own wants the text up front)."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
@@ -80,6 +95,7 @@ class Config:
     root: int
     all_roots: bool                # -r all: every rank in turn is the root
     report_cputime: bool           # -C 1: the time column is host time, as nccl-tests' -C
+    run_cycles: int                # -N: the sweep runs this many times, each cycle printed
     average: int                   # -a: 0 rank 0, 1 mean, 2 min, 3 max over ranks
     agg_iters: int                 # -m: calls per timed iteration, issued as one group
     blocking: bool                 # -z 1: synchronize after every call
@@ -122,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action=_Version, help="print the version and exit")
     p.add_argument("--backends", default=None,
                    help="comma list of candidates: cupycoll:nccl, cupycoll:ring, torch:nccl "
-                        "(default: all three; torch:nccl is the baseline)")
+                        "(default: all three; torch:nccl is the baseline); with --device cpu: "
+                        "cupycoll:gloo, torch:gloo")
     g = p.add_argument_group("nccl-tests flags")
     g.add_argument("-b", "--minbytes", default="32M", help="smallest size (default 32M; 8, 1K, 64M, 1G)")
     g.add_argument("-e", "--maxbytes", default="32M", help="largest size (default 32M)")
@@ -143,12 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-C", "--report_cputime", default="0",
                    help="1: the time column is CPU time (host clock around the -n calls and the "
                         "final synchronize) instead of GPU time (default 0)")
+    g.add_argument("-N", "--run_cycles", default="1",
+                   help="run the sweep this many times, printing every cycle (default 1; nccl-tests' "
+                        "0, forever, is not offered)")
     g.add_argument("-a", "--average", default="1",
                    help="times over ranks: 0 rank 0's, 1 the mean, 2 the minimum, 3 the maximum (default 1)")
     g.add_argument("-m", "--agg_iters", default="1",
                    help="calls per timed iteration, issued as one group (a coalescing block on CUDA); "
                         "times stay per call (default 1)")
     g.add_argument("-z", "--blocking", default="0", help="1: synchronize after every call (default 0)")
+    g.add_argument("-t", "--nthreads", default="1",
+                   help="threads per process: 1 only (one rank per process; more ranks: -g or --ranks)")
+    g.add_argument("-G", "--cudagraph", default="0",
+                   help="CUDA graph launches: 0 only (graph capture is not offered)")
     # nccl-tests spells -T --timeout, so a script written for nccl-tests gets its meaning;
     # --coll_timeout is kept for the scripts written while --timeout was the wall-clock guard.
     g.add_argument("-T", "--timeout", "--coll_timeout", dest="coll_timeout", default="0",
@@ -171,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("ranks")
     r.add_argument("--ranks", default=None,
                    help="number of ranks; more than the GPUs shares them, each rank with its own NCCL_HOSTID")
-    r.add_argument("-g", "--ngpus", default=None, help="use this many GPUs, one rank each (default: all visible)")
+    r.add_argument("-g", "--ngpus", default=None,
+                   help="use this many GPUs, one rank each: nccl-tests' -g in one process (default: all "
+                        "visible; under torchrun 1, each rank's own GPU)")
     r.add_argument("--share-gpu", action="store_true",
                    help="under torchrun: let several local ranks share a GPU (sets NCCL_HOSTID per rank)")
     r.add_argument("--run_timeout", default="0",
@@ -186,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("-J", "--json", default=None, metavar="FILE", help="write metadata and every row as JSON")
     o.add_argument("-F", "--csv", default=None, metavar="FILE",
                    help="write every row as CSV (metadata as # lines)")
+    o.add_argument("--output_file", default=None, metavar="FILE",
+                   help="nccl-tests' name: -J for a .json file, -F for a .csv file")
     o.add_argument("--plot", default=None, metavar="FILE",
                    help="plot busbw and host time vs size (png, pdf, svg: what matplotlib writes)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -229,6 +257,37 @@ def _output_path(path: Optional[str], flag: str) -> Optional[str]:
     return str(Path(path).expanduser())
 
 
+def _only(text: str, flag: str, allowed: int, why: str) -> int:
+    """A nccl-tests flag of which one value has a meaning here: that value, else why not."""
+    value = _int(text, flag, 0)
+    if value != allowed:
+        raise UsageError(f"{flag} {text}: {why}")
+    return value
+
+
+def _output_files(args) -> Tuple[Optional[str], Optional[str]]:
+    """The JSON and CSV paths: -J, -F, and --output_file by its suffix (nccl-tests infers
+    the format from the suffix; one it cannot write is refused, not silently skipped)."""
+    paths = {"json": (args.json, "-J/--json"), "csv": (args.csv, "-F/--csv")}
+    if args.output_file is not None:
+        kind = Path(args.output_file).suffix.lower().lstrip(".")
+        if kind not in paths:
+            raise UsageError(f"--output_file {args.output_file}: the suffix names the format: .json or .csv")
+        if paths[kind][0] is not None:
+            raise UsageError(f"--output_file and {paths[kind][1]} both name the {kind.upper()} file; give one")
+        paths[kind] = (args.output_file, "--output_file")
+    return _output_path(*paths["json"]), _output_path(*paths["csv"])
+
+
+def bench_extra_install(root: Path = launch.PACKAGE_ROOT) -> str:
+    """How to install the bench extra for this copy of the command: from the checkout when
+    its pyproject.toml is beside the package (``python -m bench``, an editable install),
+    else from the package index (a regular install, where no checkout is at hand)."""
+    if (root / "pyproject.toml").is_file():
+        return f"pip install -e '.[bench]' in {root}"
+    return "pip install 'cupycoll[bench]'"
+
+
 def _flag(text: str, flag: str) -> bool:
     value = _int(text, flag, 0)
     if value > 1:
@@ -245,7 +304,7 @@ def check_plot_output(path: Optional[str], flag: str) -> Optional[str]:
         from matplotlib.figure import Figure
     except ImportError:
         raise UsageError(f"{flag} {path}: plotting needs matplotlib (pip install matplotlib, "
-                         "or the bench extra: pip install -e '.[bench]')") from None
+                         f"or the bench extra: {bench_extra_install()})") from None
     formats = Figure().canvas.get_supported_filetypes()
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in formats:
@@ -276,7 +335,7 @@ def parse(argv: List[str]) -> Config:
         if args.backends is None:
             candidates = list(catalog.DEFAULT_CANDIDATES[device])
         else:
-            candidates = catalog.resolve_candidates(args.backends)
+            candidates = catalog.resolve_candidates(args.backends, device)
         for name in candidates:
             if name not in catalog.ALLOWED_CANDIDATES[device]:
                 raise UsageError(f"backend {name} does not run with --device {device} (choose from "
@@ -313,6 +372,17 @@ def parse(argv: List[str]) -> Config:
     ngpus = None if args.ngpus is None else _int(args.ngpus, "-g/--ngpus", 1)
     if args.no_progress and args.progress:
         raise UsageError("--progress and --no-progress contradict each other")
+    _only(args.nthreads, "-t/--nthreads", 1,
+          "torch.distributed runs one rank per process, on one thread; for more ranks pass -g N "
+          "(N GPUs) or --ranks N")
+    _only(args.cudagraph, "-G/--cudagraph", 0,
+          "CUDA graph capture is not offered: a replayed graph runs only the GPU work, without "
+          "the Python cupycoll runs around every NCCL call, so its times would not be cupycoll's")
+    run_cycles = _int(args.run_cycles, "-N/--run_cycles", 0)
+    if run_cycles == 0:
+        raise UsageError("-N/--run_cycles 0: running forever is not offered (every cycle's rows are "
+                         "kept for the tables and files); give a number of cycles")
+    json_path, csv_path = _output_files(args)
 
     return Config(
         collectives=collectives, candidates=candidates,
@@ -320,14 +390,14 @@ def parse(argv: List[str]) -> Config:
         dtypes=dtypes, ops=ops,
         iters=_int(args.iters, "-n/--iters", 1), warmup=_int(args.warmup_iters, "-w/--warmup_iters", 0),
         check=_int(args.check, "-c/--check", 0) > 0, root=root, all_roots=all_roots,
-        report_cputime=_flag(args.report_cputime, "-C/--report_cputime"),
+        report_cputime=_flag(args.report_cputime, "-C/--report_cputime"), run_cycles=run_cycles,
         average=_average(args.average), agg_iters=_int(args.agg_iters, "-m/--agg_iters", 1),
         blocking=_flag(args.blocking, "-z/--blocking"), format=args.format,
         placements=placements, scenarios=scenarios,
         coalesce_bytes=coalesce_bytes, coalesce_ops=coalesce_ops,
         scenario_iters=_int(args.scenario_iters, "--scenario-iters", 1),
         overhead_calls=_int(args.overhead_calls, "--overhead-calls", 1),
-        json=_output_path(args.json, "-J/--json"), csv=_output_path(args.csv, "-F/--csv"),
+        json=json_path, csv=csv_path,
         plot=check_plot_output(args.plot, "--plot"),
         device=device, ranks=ranks, ngpus=ngpus, share_gpu=args.share_gpu,
         run_timeout=_float(args.run_timeout, "--run_timeout", 0.0),
@@ -385,6 +455,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if launch.under_torchrun() and config.ranks is not None:
                 raise UsageError("--ranks does not apply under torchrun (it already started "
                                  f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks)")
+            if launch.under_torchrun() and config.ngpus not in (None, 1):
+                raise UsageError(f"-g/--ngpus {config.ngpus} does not apply under torchrun: each of its "
+                                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks drives one GPU (-g 1)")
             if launch.is_worker():
                 launch.bind_to_launcher()
                 plan = None

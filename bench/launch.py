@@ -41,6 +41,11 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # holds bench/ (checkout) or cupycoll_bench/
 
 
+# Said wherever no GPU is found: the one way to run the command without one.
+CPU_HINT = ("--device cpu runs the pipeline on gloo without a GPU (development mode; the numbers "
+            "mean nothing)")
+
+
 class LaunchError(Exception):
     """A setup the launcher cannot run (exit status 2); the message is for the user."""
 
@@ -79,9 +84,10 @@ def cuda_devices() -> int:
 
     if torch.version.cuda is None and not getattr(torch.version, "hip", None):
         raise LaunchError(f"no CUDA GPU visible: this torch ({torch.__version__}) was built without "
-                          "CUDA; install a CUDA build of torch on a machine with a GPU")
+                          f"CUDA; install a CUDA build of torch on a machine with a GPU; {CPU_HINT}")
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-        raise LaunchError("no CUDA GPU visible (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)")
+        raise LaunchError("no CUDA GPU visible (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES); "
+                          + CPU_HINT)
     return torch.cuda.device_count()
 
 

@@ -92,7 +92,8 @@ def collect_meta(ctx) -> Dict:
         "sizes": cfg.sizes, "dtypes": cfg.dtypes, "ops": cfg.ops, "iters": cfg.iters,
         "warmup_iters": cfg.warmup, "check": cfg.check, "root": "all" if cfg.all_roots else cfg.root,
         "placements": cfg.placements, "report_cputime": cfg.report_cputime, "average": cfg.average,
-        "agg_iters": cfg.agg_iters, "blocking": cfg.blocking, "timeout_s": group_timeout(cfg).total_seconds(),
+        "run_cycles": cfg.run_cycles, "agg_iters": cfg.agg_iters, "blocking": cfg.blocking,
+        "timeout_s": group_timeout(cfg).total_seconds(),
         "ranks": everyone,
     }
     if ctx.device.type == "cuda":

@@ -25,7 +25,7 @@ SPEEDUP_HELP = "speedup = {base} time / candidate time (> 1: faster than {base})
 
 # Column order of the CSV (and of each JSON row); keys not listed here follow, sorted.
 FIELDS = [
-    "kind", "collective", "scenario", "case", "target", "size", "count", "type", "redop", "root",
+    "kind", "collective", "scenario", "case", "target", "cycle", "size", "count", "type", "redop", "root",
     "placement", "candidate", "status", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "host_us",
     "speedup", "gpu_us", "cpu_us", "gpu_ratio", "cpu_ratio", "value", "limit", "iterations",
     "world_size", "note",
@@ -44,13 +44,19 @@ _CELL = [("time", 9, "(us)"), ("algbw", 7, "(GB/s)"), ("busbw", 7, "(GB/s)"), ("
 _SEP = " |"
 
 
+def _time_name(columns, cputime: bool):
+    """The columns with the time column named as nccl-tests names it: ``cputime`` under -C 1."""
+    return [("cputime",) + c[1:] if c[0] == "time" and cputime else c for c in columns]
+
+
 def _columns(columns, texts) -> str:
     return "".join(f" {text:>{width}}" for (_, width, _), text in zip(columns, texts))
 
 
 def table_header(collective: str, candidates: Sequence[str], baseline: str, world: int,
-                 transport: str, timer: str) -> List[str]:
-    """Comment lines above a collective's table: what the numbers are, then the columns."""
+                 transport: str, timer: str, cputime: bool = False) -> List[str]:
+    """Comment lines above a collective's table: what the numbers are, then the columns
+    (the time column is ``cputime`` when ``cputime``: -C 1)."""
     lines = [
         "#",
         f"# {collective}: {world} ranks ({transport}); time = {timer}; "
@@ -61,9 +67,10 @@ def table_header(collective: str, candidates: Sequence[str], baseline: str, worl
     cell_width = len(_columns(_CELL, [""] * len(_CELL)))
     lines.append(("#" + " " * (pre_width - 1)
                   + "".join(_SEP + name.center(cell_width) for name in candidates)).rstrip())
+    cell = _time_name(_CELL, cputime)
     for index in (0, 2):  # names, then units
         text = "#" + _columns(_PRE, [c[index] for c in _PRE])[1:]
-        text += "".join(_SEP + _columns(_CELL, [c[index] for c in _CELL]) for _ in candidates)
+        text += "".join(_SEP + _columns(cell, [c[index] for c in cell]) for _ in candidates)
         lines.append(text.rstrip())
     return lines
 
@@ -157,7 +164,11 @@ def _nt_cell(row: Optional[Dict]) -> List[str]:
 
 
 def nccl_tests_tables(collective: str, rows: Sequence[Dict], candidates: Sequence[str], world: int,
-                      transport: str, timer: str, forms: Sequence[str], checked: bool = True) -> List[str]:
+                      transport: str, timer: str, forms: Sequence[str], checked: bool = True,
+                      cputime: bool = False) -> List[str]:
+    """One nccl-tests table per candidate; the time columns are ``cputime`` when ``cputime``
+    (-C 1), and each -N cycle repeats the lines, as nccl-tests prints them."""
+    cell = _time_name(_NT_CELL, cputime)
     lines = []
     for name in candidates:
         mine = [r for r in rows if r.get("candidate") == name]
@@ -169,13 +180,13 @@ def nccl_tests_tables(collective: str, rows: Sequence[Dict], candidates: Sequenc
                      + "out-of-place".center(_NT_GROUP) + "in-place".center(_NT_GROUP).rstrip())
         for index in (0, 1):
             lines.append("#" + _nt_line([c[index] for c in _NT_PRE],
-                                        [[c[index] for c in _NT_CELL]] * 2)[1:].rstrip())
+                                        [[c[index] for c in cell]] * 2)[1:].rstrip())
         points: Dict[tuple, Dict[str, Dict]] = {}
         for r in mine:
-            key = (r["size"], r["count"], r["type"], r["redop"], r["root"])
+            key = (r.get("cycle"), r["size"], r["count"], r["type"], r["redop"], r["root"])
             points.setdefault(key, {})[r["placement"]] = r
         for key, cells in points.items():
-            lines.append(_nt_line([str(k) for k in key],
+            lines.append(_nt_line([str(k) for k in key[1:]],
                                   [_nt_cell(cells.get("out-of-place")), _nt_cell(cells.get("in-place"))]))
         bws = [r["busbw_gbps"] for r in mine if r.get("status") == "ok"]
         lines.append(_wrong_text(mine, checked))

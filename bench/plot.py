@@ -1,9 +1,10 @@
 """Plots of a run (live, or from a saved --json file) as one PNG, with matplotlib's Agg backend.
 
 For every swept collective, two panels side by side: bus bandwidth vs size and host time
-per call vs size, both on log-log axes, one line per candidate (and per placement, type and
-op when the run had several). When the run has scenario rows, a last row of panels shows
-their GPU and CPU time per iteration as grouped bars. Failed and n/a points are left out.
+per call vs size, both on log-log axes, one line per candidate (and per placement, type,
+op and ``-N`` cycle when the run had several). When the run has scenario rows, a last row
+of panels shows their GPU and CPU time per iteration as grouped bars. Failed and n/a points
+are left out.
 
 Left out: measuring, and the tables (output).
 """
@@ -22,11 +23,12 @@ class NothingToPlot(ValueError):
 def _series(rows: Sequence[Dict], collective: str):
     """{label: [(size, busbw, host_us)]} for one collective; the label names only what varies."""
     mine = [r for r in rows if r.get("collective") == collective]
-    varies = {key: len({r.get(key) for r in mine}) > 1 for key in ("placement", "type", "redop")}
+    keys = ("placement", "type", "redop", "cycle")  # cycle: only in -N runs
+    varies = {key: len({r.get(key) for r in mine}) > 1 for key in keys}
     series: Dict[str, List] = {}
     for r in mine:
         parts = [r["candidate"]]
-        parts += [str(r[k]) for k in ("placement", "type", "redop") if varies[k]]
+        parts += [f"cycle {r[k]}" if k == "cycle" else str(r[k]) for k in keys if varies[k]]
         series.setdefault(" ".join(parts), []).append((r["size"], r.get("busbw_gbps"), r.get("host_us")))
     return {label: sorted(points) for label, points in sorted(series.items())}
 

@@ -12,6 +12,8 @@ two CUDA events (GPU time per call, like nccl-tests; with ``-C 1`` the host cloc
 them and a final synchronize instead), then ``-n`` calls timed one by one on the host with
 ``perf_counter`` and no synchronization (host time per call, median). ``-m N`` makes each
 timed iteration N calls in one coalescing block, ``-z 1`` synchronizes after every call.
+``-N C`` runs the sizes of each type and op C times, as nccl-tests' cycles; each row then
+names its ``cycle`` (1..C).
 The ranks' times are combined as ``-a`` says (default: mean) and #wrong summed over the
 gloo group; a candidate that fails on any rank is a status row on every rank
 (:meth:`rank.Rank.agree`). Every rank ends with the same rows, and rank 0 prints and
@@ -140,7 +142,7 @@ def sweep_collective(ctx: Rank, collective: str) -> List[Dict]:
     side_by_side = cfg.format == "side-by-side"
     if side_by_side:
         for line in output.table_header(collective, names, cfg.baseline, ctx.world, ctx.transport,
-                                        ctx.timer.description):
+                                        ctx.timer.description, cfg.report_cputime):
             ctx.say(line)
     rows: List[Dict] = []
     skipped = []
@@ -152,36 +154,42 @@ def sweep_collective(ctx: Rank, collective: str) -> List[Dict]:
             ctx.say(f"# {collective} {dtype_name}: {exc}")
             continue
         for op in ops:
-            for size in cfg.sizes:
-                lay = metrics.layout(collective, size, typesize, ctx.world)
-                if lay.count == 0:
-                    skipped.append(size)
-                    for _ in range(len(placements) * len(names) * len(roots)):
-                        ctx.progress.update()
-                    continue
-                for root in roots:
-                    for placement in placements:
-                        rows.extend(_point(ctx, collective, lay, dtype, dtype_name, op, root, placement,
-                                           names, side_by_side))
+            for cycle in range(1, cfg.run_cycles + 1):
+                for size in cfg.sizes:
+                    lay = metrics.layout(collective, size, typesize, ctx.world)
+                    if lay.count == 0:
+                        skipped.append(size)
+                        for _ in range(len(placements) * len(names) * len(roots)):
+                            ctx.progress.update()
+                        continue
+                    for root in roots:
+                        for placement in placements:
+                            rows.extend(_point(ctx, collective, lay, dtype, dtype_name, op, root, placement,
+                                               names, side_by_side, cycle if cfg.run_cycles > 1 else None))
     if skipped:
         ctx.say(f"# skipped {len(set(skipped))} size(s) below {ctx.world} ranks x 16 bytes: "
                 "nothing to split")
     if not side_by_side:
         for line in output.nccl_tests_tables(collective, rows, names, ctx.world, ctx.transport,
-                                             ctx.timer.description, PLACEMENTS[collective], cfg.check):
+                                             ctx.timer.description, PLACEMENTS[collective], cfg.check,
+                                             cfg.report_cputime):
             ctx.say(line)
     for line in output.table_footer(rows, names, cfg.check, bandwidth=side_by_side):
         ctx.say(line)
     return rows
 
 
-def _point(ctx: Rank, collective, lay, dtype, dtype_name, op, root, placement, names, say) -> List[Dict]:
-    """Every candidate on one point (one buffer set), as rows; the table line when ``say``."""
+def _point(ctx: Rank, collective, lay, dtype, dtype_name, op, root, placement, names, say,
+           cycle: Optional[int] = None) -> List[Dict]:
+    """Every candidate on one point (one buffer set), as rows; the table line when ``say``.
+    ``cycle``: the -N cycle, recorded only when there are several."""
     cfg = ctx.config
     bufs = make_buffers(collective, lay, dtype, ctx.device, placement, ctx.rank)
     point = {"kind": "sweep", "collective": collective, "size": lay.size, "count": lay.count,
              "type": dtype_name, "redop": op, "root": root, "placement": placement,
              "world_size": ctx.world}
+    if cycle is not None:
+        point["cycle"] = cycle
     cells = {}
     for cand in ctx.candidates:
         result = measure(ctx, cand, collective, bufs, dtype_name, op, max(root, 0))
@@ -208,7 +216,7 @@ def _count_points(cfg, world: int, candidates: int) -> int:
         places = len([p for p in cfg.placements if p in PLACEMENTS[collective]])
         ops = len(cfg.ops) if collective in catalog.REDUCING else 1
         roots = world if collective in catalog.ROOTED and cfg.all_roots else 1
-        total += len(cfg.dtypes) * ops * len(cfg.sizes) * places * candidates * roots
+        total += len(cfg.dtypes) * ops * cfg.run_cycles * len(cfg.sizes) * places * candidates * roots
     return total
 
 

@@ -1,9 +1,10 @@
 """Scenarios beyond size sweeps: coalescing, per-call overhead, the ring kernels.
 
-``coalescing`` compares cupycoll (its NCCL path) with the baseline on the pattern DDP-like
-code produces: one flattened all_reduce of ``--coalesce-bytes``; the same bytes as
-``--coalesce-ops`` all_reduce calls inside ``dist._coalescing_manager`` (synchronous, and
-``async_ops=True`` followed by ``cm.wait()``); the same calls uncoalesced; and one-element
+``coalescing`` compares cupycoll (its NCCL path; with ``--device cpu`` its CPU route) with
+the baseline on the pattern DDP-like code produces: one flattened all_reduce of
+``--coalesce-bytes``; the same bytes as ``--coalesce-ops`` all_reduce calls inside
+``dist._coalescing_manager`` (synchronous, and ``async_ops=True`` followed by
+``cm.wait()``); the same calls uncoalesced; and one-element
 all_reduce calls, synchronous and ``async_op=True``. Each case is measured twice per
 candidate, the candidates alternating case by case: GPU time per iteration (one CUDA event
 pair per iteration, iterations back to back) and CPU time per iteration (the host time of
@@ -34,7 +35,6 @@ import torch.distributed as dist
 from . import catalog, metrics, output
 from .rank import Rank
 
-CUPYCOLL = "cupycoll:nccl"
 TARGETS = (
     # (what, "cpu" or "gpu", case, limit): cupycoll's time over the baseline's, same case.
     ("coalesced sync: CPU time cupycoll / baseline", "cpu", "coalesced sync", 1.0),
@@ -49,7 +49,8 @@ def count_steps(cfg, candidates) -> int:
     steps = 0
     for name in cfg.scenarios:
         if name == "coalescing":
-            steps += 6 * len([c for c in candidates if c.name in (CUPYCOLL, cfg.baseline)])
+            ours = catalog.CUPYCOLL[cfg.device]
+            steps += 6 * len([c for c in candidates if c.name in (ours, cfg.baseline)])
         elif name == "overhead":
             steps += 2 * len(candidates)
         else:
@@ -137,9 +138,10 @@ def _coalescing(group, device, async_ops: bool):
 
 def coalescing(ctx: Rank) -> List[Dict]:
     cfg = ctx.config
-    cands = [c for c in ctx.candidates if c.name in (CUPYCOLL, cfg.baseline)]
+    ours = catalog.CUPYCOLL[cfg.device]
+    cands = [c for c in ctx.candidates if c.name in (ours, cfg.baseline)]
     if not cands:
-        ctx.say(f"# scenario coalescing: needs {CUPYCOLL} or {cfg.baseline} in --backends; skipped")
+        ctx.say(f"# scenario coalescing: needs {ours} or {cfg.baseline} in --backends; skipped")
         return []
     ops = cfg.coalesce_ops
     per = cfg.coalesce_bytes // 4 // ops  # float32 elements per call
@@ -192,7 +194,7 @@ def coalescing(ctx: Rank) -> List[Dict]:
                          "note": descriptions[case], **result})
             ctx.progress.update(f"coalescing {case} {cand.name}")
     _ratios(rows, cfg.baseline)
-    rows += _targets(rows, cfg.baseline)
+    rows += _targets(rows, cfg.baseline, ours)
     lines = output.scenario_lines(f"coalescing ({ctx.world} ranks, {ctx.transport})", rows, cfg.baseline)
     lines.insert(2, f"# flat = one all_reduce of {output.format_bytes(total * 4)} float32; coalesced and "
                     f"uncoalesced = {label} all_reduce calls; 1-element: CPU time of one call")
@@ -208,25 +210,27 @@ def _find(rows, candidate, case) -> Optional[Dict]:
     return None
 
 
-def _target(name, value, limit) -> Dict:
+def _target(name, value, limit, candidate) -> Dict:
     status = "n/a" if value is None else ("PASS" if value <= limit else "MISS")
-    return {"kind": "target", "scenario": "coalescing", "target": name, "candidate": CUPYCOLL,
+    return {"kind": "target", "scenario": "coalescing", "target": name, "candidate": candidate,
             "value": value, "limit": limit, "status": status}
 
 
-def _targets(rows: List[Dict], baseline: str) -> List[Dict]:
+def _targets(rows: List[Dict], baseline: str, candidate: str = catalog.CUPYCOLL["cuda"]) -> List[Dict]:
+    """The targets of ``candidate`` (cupycoll's path on this device) against ``baseline``."""
     found = []
     for name, field, case, limit in TARGETS:
-        ours, base = _find(rows, CUPYCOLL, case), _find(rows, baseline, case)
+        ours, base = _find(rows, candidate, case), _find(rows, baseline, case)
         value = None
         if ours and base and base[f"{field}_us"]:
             value = ours[f"{field}_us"] / base[f"{field}_us"]
-        found.append(_target(name.replace("baseline", baseline), value, limit))
-    flat = _find(rows, CUPYCOLL, "flat")
+        found.append(_target(name.replace("baseline", baseline), value, limit, candidate))
+    flat = _find(rows, candidate, "flat")
     for case in ("coalesced sync", "coalesced async"):
-        ours = _find(rows, CUPYCOLL, case)
+        ours = _find(rows, candidate, case)
         value = ours["gpu_us"] / flat["gpu_us"] if ours and flat and flat["gpu_us"] else None
-        found.append(_target(f"{case}: GPU time cupycoll / its flat all_reduce", value, GPU_TARGET_LIMIT))
+        found.append(_target(f"{case}: GPU time cupycoll / its flat all_reduce", value, GPU_TARGET_LIMIT,
+                             candidate))
     return found
 
 

@@ -89,6 +89,18 @@ def test_collectives_accept_nccl_tests_spellings():
 def test_candidates_and_aliases():
     assert catalog.resolve_candidates("cupycoll:nccl,torch:nccl") == ["cupycoll:nccl", "torch:nccl"]
     assert catalog.resolve_candidates("ring,nccl") == ["cupycoll:ring", "torch:nccl"]
+    assert catalog.resolve_candidates("cupycoll") == ["cupycoll:nccl"]
+
+
+def test_cpu_mode_names_cupycolls_path_gloo_not_nccl():
+    cfg = cli.parse(["--device", "cpu"])
+    assert cfg.candidates == ["cupycoll:gloo", "torch:gloo"] and cfg.baseline == "torch:gloo"
+    assert cli.parse(["--device", "cpu", "--backends", "cupycoll,gloo"]).candidates == ["cupycoll:gloo", "torch:gloo"]
+    with pytest.raises(cli.UsageError, match="cupycoll:nccl does not run with --device cpu"):
+        cli.parse(["--device", "cpu", "--backends", "cupycoll:nccl"])
+    # the GPU labels stay as they were
+    assert cli.parse(["--backends", "cupycoll"]).candidates == ["cupycoll:nccl"]
+    assert cli.parse([]).candidates == ["cupycoll:nccl", "cupycoll:ring", "torch:nccl"]
 
 
 def test_static_na_rules():
@@ -170,6 +182,14 @@ def test_parse_all_and_backends():
     (["--json", "/no/such/dir/out.json"], "does not exist"),
     (["--inplace", "--outofplace"], "not allowed with"),
     (["--bogus"], "unrecognized arguments"),
+    (["-t", "2"], "-t/--nthreads 2: torch.distributed runs one rank per process"),
+    (["-G", "1"], "-G/--cudagraph 1: CUDA graph capture is not offered"),
+    (["-G", "-1"], "-G/--cudagraph"),
+    (["-N", "0"], "-N/--run_cycles 0: running forever is not offered"),
+    (["-N", "two"], "whole number"),
+    (["--output_file", "r.txt"], "the suffix names the format: .json or .csv"),
+    (["--output_file", "r.json", "-J", "s.json"], "both name the JSON file"),
+    (["--output_file", "/no/such/dir/r.csv"], "--output_file /no/such/dir/r.csv: the folder"),
 ])
 def test_parse_errors_are_one_line_usage_errors(argv, fragment):
     with pytest.raises(cli.UsageError) as info:
@@ -189,6 +209,40 @@ def test_parse_the_other_nccl_tests_flags(tmp_path):
     default = cli.parse([])
     assert (default.report_cputime, default.average, default.agg_iters, default.blocking) == (False, 1, 1, False)
     assert (default.run_timeout, default.coll_timeout, default.all_roots, default.format) == (0, 0, False, "side-by-side")
+
+
+def test_an_nccl_tests_command_line_parses(tmp_path):
+    out = tmp_path / "x.json"
+    cfg = cli.parse(["all_reduce", "-b", "8", "-e", "128M", "-f", "2", "-g", "1", "-t", "1", "-N", "1",
+                     "-G", "0", "-C", "1", "--output_file", str(out)])
+    assert cfg.collectives == ["all_reduce"] and len(cfg.sizes) == 25
+    assert (cfg.ngpus, cfg.run_cycles, cfg.report_cputime) == (1, 1, True)
+    assert cfg.json == str(out) and cfg.csv is None
+    long = cli.parse(["--nthreads", "1", "--ngpus", "4", "--run_cycles", "3", "--cudagraph", "0"])
+    assert (long.ngpus, long.run_cycles) == (4, 3)
+
+
+def test_output_file_format_comes_from_its_suffix(tmp_path):
+    cfg = cli.parse(["--output_file", str(tmp_path / "r.CSV")])
+    assert cfg.csv == str(tmp_path / "r.CSV") and cfg.json is None
+    both = cli.parse(["--output_file", str(tmp_path / "r.csv"), "-J", str(tmp_path / "r.json")])
+    assert both.csv.endswith("r.csv") and both.json.endswith("r.json")
+
+
+def test_ngpus_above_one_is_refused_under_torchrun(monkeypatch, capsys):
+    # under torchrun each rank drives one GPU (nccl-tests' -g 1 under mpirun)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv(launch.WORKER_ENV, raising=False)
+    assert cli.main(["--device", "cpu", "-g", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "-g/--ngpus 2 does not apply under torchrun" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plot_hint_names_the_install_at_hand(tmp_path):
+    assert cli.bench_extra_install(tmp_path) == "pip install 'cupycoll[bench]'"  # a wheel install
+    (tmp_path / "pyproject.toml").write_text("[project]\n")
+    assert cli.bench_extra_install(tmp_path) == f"pip install -e '.[bench]' in {tmp_path}"  # a checkout
 
 
 @pytest.mark.parametrize("flag", ["-T", "--timeout", "--coll_timeout"])
@@ -275,6 +329,8 @@ def test_torchrun_detection():
     (["all_reduce", "-b", "12Q"], "not a size"),
     (["all_reduce", "-e", "-5"], "not a size"),
     (["plot", "/no/such/results.json"], "no such file"),
+    (["all_reduce", "-t", "4"], "-t/--nthreads 4"),
+    (["all_reduce", "-G", "1"], "-G/--cudagraph 1"),
 ])
 def test_bad_input_exits_2_with_one_line(args, fragment):
     proc = run_bench(*args)
@@ -297,6 +353,7 @@ def test_no_gpu_exits_2():
     proc = run_bench("all_reduce", env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "no CUDA GPU visible" in proc.stderr
+    assert "--device cpu runs the pipeline on gloo" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
@@ -317,6 +374,18 @@ def test_version_is_the_package_version():
     assert proc.stdout.strip() == f"cupycoll-bench {cupycoll.__version__}"
 
 
+def test_version_imports_neither_torch_nor_cupycoll():
+    from cupycoll._version import __version__
+
+    probe = ("import sys; from bench import cli; print(cli.version_text()); "
+             "print(sorted({'torch', 'cupycoll'} & set(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+                              str(ROOT), os.environ.get("PYTHONPATH")]))))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"cupycoll-bench {__version__}", "[]"]
+
+
 def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
     # A stand-in matplotlib that cannot be imported, first on the path.
     fake = tmp_path / "shadow" / "matplotlib"
@@ -328,6 +397,7 @@ def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
         proc = run_bench(*args, env={"PYTHONPATH": pythonpath})
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "needs matplotlib" in proc.stderr and "Traceback" not in proc.stderr
+        assert f"pip install -e '.[bench]' in {ROOT}" in proc.stderr  # run from this checkout
         assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == ""
 
 

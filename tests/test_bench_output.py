@@ -124,6 +124,18 @@ def test_table_puts_candidates_side_by_side():
     assert len(line.split("|")) == len(header[3].split("|")) == len(CANDIDATES) + 1
 
 
+def test_cputime_heads_the_time_column_with_C1():
+    def column_names(lines):
+        return lines[-2][1:].replace("|", " ").split()
+
+    gpu = output.table_header("all_reduce", CANDIDATES, "torch:nccl", 8, "real GPUs", "GPU time")
+    cpu = output.table_header("all_reduce", CANDIDATES, "torch:nccl", 8, "real GPUs", "CPU time", cputime=True)
+    assert column_names(gpu).count("time") == 3 and "cputime" not in "\n".join(gpu)
+    assert column_names(cpu).count("cputime") == 3 and "time" not in column_names(cpu)
+    # the cells still line up under the renamed header
+    assert [len(part) for part in cpu[-2].split("|")] == [len(part) for part in gpu[-2].split("|")]
+
+
 def test_footer_counts_wrong_values_and_reasons():
     rows = [r for r in synthetic_rows() if r.get("collective") == "all_gather"]
     lines = output.table_footer(rows, CANDIDATES)
@@ -139,12 +151,13 @@ def test_not_checked_note_only_with_c0():
     assert "(not checked: -c 0)" in output.table_footer(rows, CANDIDATES, checked=False)[0]
 
 
-def parse_nccl_tests(text: str):
+def parse_nccl_tests(text: str, time: str = "time"):
     """Read a table the way scripts written for nccl-tests do: the data lines are the ones
-    not starting with '#', whitespace-separated; the column groups are named by the header."""
+    not starting with '#', whitespace-separated; the column groups are named by the header,
+    whose time columns are ``time``, or ``cputime`` under -C 1."""
     header = next(line for line in text.splitlines() if line.startswith("#") and "redop" in line)
     names = header[1:].split()
-    assert names == ["size", "count", "type", "redop", "root"] + ["time", "algbw", "busbw", "#wrong"] * 2
+    assert names == ["size", "count", "type", "redop", "root"] + [time, "algbw", "busbw", "#wrong"] * 2
     groups = next(line for line in text.splitlines() if "out-of-place" in line and " in-place" in line)
     assert groups.index("out-of-place") < groups.index("in-place")
     points = []
@@ -172,6 +185,25 @@ def test_nccl_tests_table_reads_like_nccl_tests():
         assert float(point["oop"][0]) == pytest.approx(2 * row["time_us"], abs=0.01)
         assert float(point["ip"][2]) == pytest.approx(row["busbw_gbps"], abs=0.006) and point["ip"][3] == "0"
     assert len(avg) == 1 and avg[0] > 0
+
+
+def test_nccl_tests_table_heads_cputime_with_C1():
+    rows = [r for r in synthetic_rows() if r.get("collective") == "all_gather"]
+    text = "\n".join(output.nccl_tests_tables("all_gather", rows, ["cupycoll:nccl"], 8, "real GPUs",
+                                               "CPU time", ("out-of-place", "in-place"), cputime=True))
+    points, _ = parse_nccl_tests(text, time="cputime")
+    assert len(points) == len([r for r in rows if r["candidate"] == "cupycoll:nccl"])
+
+
+def test_nccl_tests_table_prints_every_cycle():
+    rows = [r for r in synthetic_rows() if r.get("collective") == "all_gather" and r["candidate"] == "torch:nccl"]
+    cycles = [dict(r, cycle=1) for r in rows] + [dict(r, cycle=2, time_us=r["time_us"] * 3) for r in rows]
+    text = "\n".join(output.nccl_tests_tables("all_gather", cycles, ["torch:nccl"], 8, "real GPUs",
+                                               "GPU time", ("out-of-place", "in-place")))
+    points, _ = parse_nccl_tests(text)
+    assert [p["size"] for p in points] == [r["size"] for r in rows] * 2  # cycle 1's lines, then cycle 2's
+    times = [float(p["ip"][0]) for p in points]
+    assert times[len(rows):] == pytest.approx([3 * t for t in times[:len(rows)]], abs=0.02)
 
 
 def _png_facts(path: Path):
@@ -204,18 +236,21 @@ def test_plot_of_results_without_measurements_exits_2(tmp_path):
 
 
 def test_pipeline_on_cpu_in_nccl_tests_format(tmp_path):
-    """-r all, -C 1, -a 3, -m 2, -z 1, -c 0, -J/-F: a table nccl-tests' readers parse."""
+    """-r all, -C 1, -N 2, -a 3, -m 2, -z 1, -c 0, -t 1, -G 0, -J/-F: a table nccl-tests' readers parse."""
     js = tmp_path / "r.json"
     proc = run_bench("--device", "cpu", "broadcast", "-b", "64", "-e", "256", "-f", "4", "-n", "2", "-w", "1",
-                     "--ranks", "2", "--format", "nccl-tests", "-r", "all", "-C", "1", "-a", "3", "-m", "2",
-                     "-z", "1", "-c", "0", "-T", "120", "-J", str(js), "-F", str(tmp_path / "r.csv"),
-                     "--backends", "cupycoll:nccl")
+                     "--ranks", "2", "--format", "nccl-tests", "-r", "all", "-C", "1", "-N", "2", "-a", "3",
+                     "-m", "2", "-z", "1", "-c", "0", "-t", "1", "-G", "0", "-T", "120", "-J", str(js),
+                     "-F", str(tmp_path / "r.csv"), "--backends", "cupycoll:gloo")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    points, avg = parse_nccl_tests(proc.stdout)
-    assert [(p["size"], p["root"]) for p in points] == [(64, 0), (64, 1), (256, 0), (256, 1)]
+    points, avg = parse_nccl_tests(proc.stdout, time="cputime")
+    assert [(p["size"], p["root"]) for p in points] == [(64, 0), (64, 1), (256, 0), (256, 1)] * 2  # 2 cycles
     assert all(p["oop"] == ["N/A"] * 4 and float(p["ip"][0]) > 0 and p["ip"][3] == "N/A" for p in points)
     assert len(avg) == 1 and "(not checked: -c 0)" in proc.stdout
-    meta = output.read_json(str(js))["meta"]
+    document = output.read_json(str(js))
+    meta = document["meta"]
+    assert sorted(r["cycle"] for r in document["rows"]) == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert meta["run_cycles"] == 2
     assert (meta["report_cputime"], meta["average"], meta["agg_iters"], meta["blocking"]) == (True, 3, 2, True)
     assert meta["root"] == "all" and meta["timeout_s"] == 120 and "CPU time" in meta["timer"]
     assert (tmp_path / "r.csv").stat().st_size > 0
@@ -243,17 +278,20 @@ def test_whole_pipeline_on_cpu(tmp_path):
     swept = [r for r in rows if r["kind"] == "sweep"]
     for collective in catalog.COLLECTIVES:
         mine = [r for r in swept if r["collective"] == collective]
-        assert {r["candidate"] for r in mine} == {"cupycoll:nccl", "torch:gloo"}, collective
+        assert {r["candidate"] for r in mine} == {"cupycoll:gloo", "torch:gloo"}, collective
         assert all(r["status"] == "ok" and r["wrong"] == 0 for r in mine), mine
         assert all(r["time_us"] > 0 and r["busbw_gbps"] >= 0 for r in mine)
     baseline_rows = [r for r in swept if r["candidate"] == "torch:gloo"]
     assert all(r["speedup"] == pytest.approx(1.0) for r in baseline_rows)
     overhead = [r for r in rows if r.get("scenario") == "overhead"]
     assert {(r["case"], r["candidate"]) for r in overhead} == {
-        (case, cand) for case in ("1-element sync", "1-element async") for cand in ("cupycoll:nccl", "torch:gloo")}
+        (case, cand) for case in ("1-element sync", "1-element async") for cand in ("cupycoll:gloo", "torch:gloo")}
     _, csv_rows = output.read_csv(str(cs))
     assert len(csv_rows) == len(rows)
     assert png.stat().st_size > 10_000
     assert "# Out of bounds values : 0 OK" in proc.stdout
     assert "all_to_all" in proc.stdout and "sendrecv" in proc.stdout
     assert not any(math.isnan(r["time_us"]) for r in swept)
+    assert "cycle" not in swept[0]  # recorded only when -N asks for several
+    table = proc.stdout.split("# all_reduce:")[1].split("\n#\n")[0]
+    assert "cupycoll:gloo" in table and "nccl" not in table  # on CPU no label says nccl

@@ -67,6 +67,16 @@ def test_targets_without_a_measurement_are_na_not_pass():
     assert [t["status"] for t in verdicts[4:]] == ["PASS", "PASS"]
 
 
+def test_targets_judge_the_candidate_they_are_given():
+    # --device cpu: cupycoll's path is cupycoll:gloo, judged against torch:gloo
+    rename = {"cupycoll:nccl": "cupycoll:gloo", "torch:nccl": "torch:gloo"}
+    rows = [dict(r, candidate=rename[r["candidate"]]) for r in coalescing_rows()]
+    verdicts = scenarios._targets(rows, "torch:gloo", "cupycoll:gloo")
+    assert {t["candidate"] for t in verdicts} == {"cupycoll:gloo"}
+    assert [t["value"] for t in verdicts] == [t["value"] for t in scenarios._targets(coalescing_rows(), "torch:nccl")]
+    assert all(t["value"] is not None for t in verdicts)
+
+
 def test_scenario_lines_print_every_target():
     rows = coalescing_rows()
     scenarios._ratios(rows, "torch:nccl")

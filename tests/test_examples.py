@@ -86,14 +86,40 @@ def test_demo_without_gpu_says_what_it_needs():
     assert "Traceback" not in proc.stderr, explain(proc)
     message = proc.stdout + proc.stderr
     assert "NVIDIA GPU" in message, explain(proc)
-    assert "[cuda12]" in message and "CuPy" in message and "NCCL" in message, explain(proc)
+    assert _load(DEMO).install_hint(torch.version.cuda) in message, explain(proc)
+    assert "CuPy" in message and "NCCL" in message, explain(proc)
 
 
-def _load_train_ddp():
-    spec = importlib.util.spec_from_file_location("train_ddp_under_test", TRAIN)
+def test_demo_install_hint_names_the_extra_of_torchs_cuda_major():
+    hint = _load(DEMO).install_hint
+    assert "-e '.[cuda13]'" in hint("13.0") and "cuda12" not in hint("13.0")
+    assert "-e '.[cuda12]'" in hint("12.6") and "cuda13" not in hint("12.6")
+    # a CPU build needs a CUDA torch first; the extra then follows that torch
+    assert "CUDA build of torch" in hint(None) and "'.[cuda12]'" in hint(None) and "'.[cuda13]'" in hint(None)
+    assert "cuda11" not in hint("11.8")  # no such extra
+
+
+def test_demo_help_prints_usage_and_starts_nothing():
+    proc = run_python(str(DEMO), "--help", timeout=60)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.startswith("usage:") and "train_ddp.py" in proc.stdout, explain(proc)
+    assert "torch.distributed.run" not in proc.stdout and proc.stderr == "", explain(proc)
+
+
+def test_demo_passes_its_other_arguments_to_train_ddp():
+    argv = ["--steps", "200", "--optimizer", "adam", "--tolerance", "-1", "--share-gpu"]
+    assert _load(DEMO).parse_args(argv) == argv
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load_train_ddp():
+    return _load(TRAIN)
 
 
 def test_share_gpu_env_gives_each_rank_a_host_on_loopback_without_infiniband():
