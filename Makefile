@@ -13,6 +13,10 @@ RUN_PY      ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 # The torch installed when the venv sees none (an installed torch >= 2.4.1 is kept). On a
 # machine without an NVIDIA driver, TORCH_INDEX adds torch's CPU wheel index, so pip takes
 # the CPU build (about 200 MB) over PyPI's CUDA build (about 5 GB); TORCH_INDEX= turns it off.
+# tools/install_torch.py says in one line which torch it installs; it probes the default
+# index first and, where it does not answer, leaves it out and installs the torch of a CI
+# leg instead of the default TORCH_SPEC. Values the caller sets (command line, environment)
+# are used as given.
 TORCH_SPEC  ?= torch>=2.4.1
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 # cuda12 or cuda13. Empty: the CUDA major of the venv's torch build (cuda12 for a CPU
@@ -35,8 +39,9 @@ TEST_WORKERS ?= 2
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet \
-		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) tools/install_torch.py --spec "$(TORCH_SPEC)" \
+		--index "$(TORCH_INDEX)" $(if $(filter file,$(origin TORCH_SPEC)),--spec-is-default) \
+		$(if $(filter file,$(origin TORCH_INDEX)),--index-is-default)
 	@# An existing CuPy (e.g. cupy-cuda13x on a GPU machine) is kept: no second CuPy on top.
 	@# The editable install writes cupycoll.egg-info into the checkout: two venvs installed
 	@# at once from one checkout (CI builds two) take turns, holding a lock on pyproject.toml.

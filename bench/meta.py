@@ -18,7 +18,7 @@ import torch.distributed as dist
 import cupycoll
 from cupycoll import nccl_bindings
 
-from . import launch, output
+from . import gpu_info, launch, output
 from .calls import group_timeout
 from .timing import Timer
 
@@ -49,13 +49,9 @@ def _git(*args: str) -> Optional[str]:
 
 def _driver_version() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
+        return gpu_info.gpus(timeout=20)[0].driver
+    except gpu_info.GpuInfoUnavailable:
+        return "unknown"
 
 
 def collect_meta(ctx) -> Dict:

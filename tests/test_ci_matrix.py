@@ -1,6 +1,7 @@
-"""The CI version matrix is written in three places that must agree: the legs of ``.ci/run``
+"""The CI version matrix is written in four places that must agree: the legs of ``.ci/run``
 (each leg's ``leg`` line, and the table in its header comment), the README's
-compatibility table, and the floors in ``pyproject.toml``. Read from the files (nothing is
+compatibility table, the floors in ``pyproject.toml``, and the torch that
+``tools/install_torch.py`` falls back to (a CI leg's). Read from the files (nothing is
 installed or run), so a version changed in one place and not the others fails here, on every
 CI leg.
 
@@ -105,12 +106,21 @@ def pyproject_floors(text: str) -> Dict[str, object]:
             "cuda12": floors(array("cuda12")), "cuda13": floors(array("cuda13"))}
 
 
+def install_fallback(text: str) -> Tuple[str, str]:
+    """tools/install_torch.py's fallback: (CI leg, torch version)."""
+    leg = re.search(r'^FALLBACK_LEG = "([\w-]+)"', text, re.M)
+    torch = re.search(r'^FALLBACK_TORCH = "([\d.]+)"', text, re.M)
+    assert leg and torch, "tools/install_torch.py has no FALLBACK_LEG / FALLBACK_TORCH"
+    return leg.group(1), torch.group(1)
+
+
 @pytest.fixture(scope="module")
 def matrix():
     run = (ROOT / ".ci" / "run").read_text()
     return {"legs": ci_legs(run), "header": ci_header_rows(run),
             "readme": readme_rows((ROOT / "README.md").read_text()),
-            "floors": pyproject_floors((ROOT / "pyproject.toml").read_text())}
+            "floors": pyproject_floors((ROOT / "pyproject.toml").read_text()),
+            "fallback": install_fallback((ROOT / "tools" / "install_torch.py").read_text())}
 
 
 # ------------------------------------------------------------------------------- checks
@@ -152,6 +162,13 @@ def check_floors(floors: Dict[str, object], legs: Dict[str, dict]) -> None:
                 f"{extra}: {package}>={floor}, but the lowest a leg runs is {lowest}")
 
 
+def check_fallback(fallback: Tuple[str, str], legs: Dict[str, dict]) -> None:
+    leg, torch = fallback
+    assert leg in legs, f"tools/install_torch.py falls back to leg {leg!r}, which .ci/run does not run"
+    assert torch == legs[leg]["torch"], (
+        f"tools/install_torch.py falls back to torch {torch}, leg {leg} runs {legs[leg]['torch']}")
+
+
 def test_ci_runs_the_four_legs(matrix):
     assert sorted(matrix["legs"]) == sorted(LEGS)
     default = re.search(r"LEGS=\$\{CI_LEGS:-([^}]*)\}", (ROOT / ".ci" / "run").read_text())
@@ -177,6 +194,10 @@ def test_ci_header_table_is_the_ci_legs(matrix):
 
 def test_floors_are_the_lowest_versions_a_leg_runs(matrix):
     check_floors(matrix["floors"], matrix["legs"])
+
+
+def test_the_install_fallback_is_a_legs_torch(matrix):
+    check_fallback(matrix["fallback"], matrix["legs"])
 
 
 # ------------------------------------------- a change in one place alone is caught
@@ -210,3 +231,13 @@ def test_an_untested_floor_is_caught(matrix):
     lowered = _changed("pyproject.toml", '"cupy-cuda13x>=14.2"', '"cupy-cuda13x>=14"')
     with pytest.raises(AssertionError, match="cupy-cuda13x>=14, but the lowest a leg runs is 14.2"):
         check_floors(pyproject_floors(lowered), matrix["legs"])
+
+
+def test_a_bump_of_the_fallback_legs_torch_alone_is_caught(matrix):
+    leg, torch = matrix["fallback"]
+    arm = re.search(rf"^\s*{re.escape(leg)}\)\s+leg {re.escape(leg)} \S+ {re.escape(torch)} ",
+                    (ROOT / ".ci" / "run").read_text(), re.M)
+    assert arm, f"no leg line for {leg} with torch {torch}: update this test"
+    bumped = ci_legs(_changed(".ci/run", arm.group(0), arm.group(0).replace(f" {torch} ", " 9.9.9 ")))
+    with pytest.raises(AssertionError, match="falls back to torch"):
+        check_fallback(matrix["fallback"], bumped)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -493,7 +495,7 @@ def test_version_and_license_are_declared_once():
     import importlib
 
     assert getattr(importlib.import_module(module), name) == cupycoll.__version__
-    assert project["project"]["license"] == {"text": "MIT"}
+    assert project["project"]["license"] == "MIT" and project["project"]["license-files"] == ["LICENSE"]
     with open(os.path.join(root, "LICENSE")) as f:
         assert f.readline().strip() == "MIT License"
     source = open(cupycoll.__file__).read()
@@ -508,3 +510,54 @@ def test_installed_metadata_matches_the_checkout():
     except metadata.PackageNotFoundError:
         pytest.skip("cupycoll is not pip-installed here")
     assert dist_version == cupycoll.__version__
+
+
+REPOSITORY = "https://github.com/cupycoll/cupycoll"
+CHECKOUT = Path(cupycoll.__file__).resolve().parent.parent
+
+
+def _metadata_of_this_checkout():
+    """The metadata pip installed for cupycoll, where pip installed it from this checkout:
+    the dist-info of the install (its direct_url.json names the checkout), or the egg-info
+    that the editable install wrote into the checkout, found first from the checkout."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("cupycoll")
+    except metadata.PackageNotFoundError:
+        pytest.skip("cupycoll is not pip-installed here")
+    origin = json.loads(dist.read_text("direct_url.json") or "{}").get("url")
+    if origin != CHECKOUT.as_uri() and Path(dist.locate_file("")).resolve() != CHECKOUT:
+        pytest.skip(f"the cupycoll installed here comes from {origin or dist.locate_file('')}, not this checkout")
+    return dist.metadata
+
+
+def test_the_package_index_page_has_license_classifiers_keywords_authors_and_urls():
+    meta = _metadata_of_this_checkout()
+    assert meta["License-Expression"] == "MIT" and meta.get_all("License-File") == ["LICENSE"]
+    assert meta["License"] is None  # the free-text field the SPDX expression replaces
+    classifiers = meta.get_all("Classifier")
+    for wanted in ("Environment :: GPU :: NVIDIA CUDA", "Operating System :: POSIX :: Linux",
+                   "Programming Language :: Python :: 3.9", "Programming Language :: Python :: 3.12",
+                   "Topic :: System :: Distributed Computing"):
+        assert wanted in classifiers
+    assert any(c.startswith("Development Status :: ") for c in classifiers)
+    # a License classifier beside the expression is an error for setuptools >= 77
+    assert not any(c.startswith("License :: ") for c in classifiers)
+    assert {"nccl", "cupy", "torch.distributed"} <= set(meta["Keywords"].split(","))
+    assert meta["Author"] == "cupycoll developers"
+    urls = dict(entry.split(", ", 1) for entry in meta.get_all("Project-URL"))
+    assert urls == {"Homepage": REPOSITORY, "Documentation": f"{REPOSITORY}/blob/main/README.md",
+                    "Source": REPOSITORY, "Issues": f"{REPOSITORY}/issues"}
+
+
+def test_readme_links_are_absolute_and_name_files_of_the_checkout():
+    # The README is the package index's page, where a link relative to the checkout breaks.
+    text = (CHECKOUT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        assert re.match(r"https?://", link), f"README links to {link!r}: relative, broken on a package index"
+        if link.startswith(f"{REPOSITORY}/blob/main/"):
+            path = link[len(f"{REPOSITORY}/blob/main/"):].split("#")[0]
+            assert (CHECKOUT / path).is_file(), f"README links to {link}, which this checkout lacks"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import dataclasses
 import datetime
 import importlib
 import itertools
@@ -557,14 +558,6 @@ def test_every_hang_scenario_is_launched_by_the_faults_part_within_its_limit():
     assert faults.TIER_CYCLES < w.DEFAULT_CYCLES and faults._limit("cycles") < faults.BUDGET_S
 
 
-def test_process_gpu_memory_is_read_from_nvidia_smi_csv():
-    from workers.fault_worker import parse_compute_apps
-
-    text = "1234, 512\n99, 80\n"
-    assert parse_compute_apps(text, 99) == 80 and parse_compute_apps(text, 1234) == 512
-    assert parse_compute_apps(text, 5) is None and parse_compute_apps("[N/A]\n", 5) is None
-
-
 def _cycles_report(count=24, keys_late=10, threads_late=30, reserved_late=2 << 20, mib_late=600):
     def sample(cycle, keys, threads, reserved, mib):
         return {"cycle": cycle, "gpu_free": 70 << 30, "process_gpu_mib": mib, "reserved": reserved,
@@ -599,15 +592,18 @@ def test_verify_gpu_records_the_figures_a_tier_part_prints():
     assert figures["CUDA hang error"] == "after 6.80 s (timeout 5 s)"
 
 
-# -- the environment stage's nvidia-smi figures (tools/gpu_env.py) -----------------------------
+# -- the environment stage's driver figures (tools/gpu_env.py) --------------------------------
 
-H100_SMI = "NVIDIA H100 80GB HBM3, 580.65.06, 81559 MiB, {mode}, {mig}\n"
+def _h100(mode="Default", mig="Disabled", index=0):
+    from bench.gpu_info import Gpu
+
+    return Gpu(index, "NVIDIA H100 80GB HBM3", f"GPU-{index}", "580.65.06", 81559, mode, mig)
 
 
-def test_nvidia_smi_figures_in_the_default_compute_mode_are_no_problem():
+def test_driver_figures_in_the_default_compute_mode_are_no_problem():
     from tools import gpu_env
 
-    info = gpu_env.parse_nvidia_smi(H100_SMI.format(mode="Default", mig="Disabled"))
+    info = gpu_env.smi_figures([_h100()])
     assert info == {"smi_name": "NVIDIA H100 80GB HBM3", "driver": "580.65.06", "smi_memory": "81559 MiB",
                     "compute_modes": ["Default"], "compute_mode": "Default", "mig_mode": "Disabled"}
     assert gpu_env.smi_problems(info) == []
@@ -617,8 +613,7 @@ def test_nvidia_smi_figures_in_the_default_compute_mode_are_no_problem():
 def test_a_compute_mode_other_than_default_is_a_problem(mode):
     from tools import gpu_env
 
-    info = gpu_env.parse_nvidia_smi(H100_SMI.format(mode=mode, mig="Disabled"))
-    (problem,) = gpu_env.smi_problems(info)
+    (problem,) = gpu_env.smi_problems(gpu_env.smi_figures([_h100(mode=mode)]))
     assert f"GPU 0 is in compute mode {mode}, not Default" in problem
     assert "nvidia-smi -i 0 -c DEFAULT" in problem
 
@@ -626,56 +621,46 @@ def test_a_compute_mode_other_than_default_is_a_problem(mode):
 def test_each_gpus_modes_are_read_and_the_odd_one_named():
     from tools import gpu_env
 
-    text = ("NVIDIA A100-SXM4-80GB, 550.54.15, 81920 MiB, Default, Enabled\n"
-            "NVIDIA A100-SXM4-80GB, 550.54.15, 81920 MiB, Exclusive_Process, Disabled\n")
-    info = gpu_env.parse_nvidia_smi(text)
+    info = gpu_env.smi_figures([_h100(mig="Enabled"), _h100(mode="Exclusive_Process", index=1)])
     assert info["compute_mode"] == "GPU 0: Default; GPU 1: Exclusive_Process"
     assert info["mig_mode"] == "GPU 0: Enabled; GPU 1: Disabled"
     (problem,) = gpu_env.smi_problems(info)
     assert problem.startswith("GPU 1 is in compute mode Exclusive_Process")
-    # a GPU without MIG says [N/A]; a driver without the field gives four columns
-    assert gpu_env.parse_nvidia_smi(H100_SMI.format(mode="Default", mig="[N/A]"))["mig_mode"] == "[N/A]"
-    assert "mig_mode" not in gpu_env.parse_nvidia_smi("Tesla V100-SXM2-16GB, 418.87.01, 16130 MiB, Default\n")
+    # a GPU without MIG says [N/A]; a driver without the field gives none
+    assert gpu_env.smi_figures([_h100(mig="[N/A]")])["mig_mode"] == "[N/A]"
+    assert "mig_mode" not in gpu_env.smi_figures([_h100(mig=None)])
+    assert gpu_env.smi_figures([dataclasses.replace(_h100(), memory_mib=None)])["smi_memory"] == "[N/A]"
 
 
-def test_unreadable_nvidia_smi_output_is_recorded_as_is():
+def test_a_driver_that_does_not_answer_is_recorded_as_is(monkeypatch):
+    from bench import gpu_info
     from tools import gpu_env
 
-    assert gpu_env.parse_nvidia_smi("", "No devices were found\n") == {"nvidia_smi": "No devices were found"}
-    assert gpu_env.parse_nvidia_smi("") == {"nvidia_smi": "no output"}
-    assert gpu_env.smi_problems(gpu_env.parse_nvidia_smi("garbage")) == []
+    def unavailable(timeout=None):
+        raise gpu_info.GpuInfoUnavailable("No devices were found")
+
+    monkeypatch.setattr(gpu_info, "gpus", unavailable)
+    info = gpu_env._driver_figures()
+    assert info == {"nvidia_smi": "No devices were found"}
+    assert gpu_env.smi_problems(info) == []
 
 
-def _fake_smi(calls, mode="Exclusive_Process", knows_mig=True):
-    def run(argv, **kwargs):
-        calls.append(argv)
-        if "mig.mode.current" in argv[1] and not knows_mig:
-            return subprocess.CompletedProcess(argv, 2, "", 'Field "mig.mode.current" is not a valid field to query.\n')
-        columns = H100_SMI.format(mode=mode, mig="Disabled") if knows_mig else \
-            H100_SMI.format(mode=mode, mig="").rstrip(", \n") + "\n"
-        return subprocess.CompletedProcess(argv, 0, columns, "")
-    return run
-
-
-def test_a_driver_without_the_mig_field_is_asked_again_without_it(monkeypatch):
-    from tools import gpu_env
-
-    calls = []
-    monkeypatch.setattr(gpu_env.subprocess, "run", _fake_smi(calls, mode="Default", knows_mig=False))
-    info = gpu_env._nvidia_smi()
-    assert [c[1] for c in calls] == ["--query-gpu=name,driver_version,memory.total,compute_mode,mig.mode.current",
-                                     "--query-gpu=name,driver_version,memory.total,compute_mode"]
-    assert info["compute_mode"] == "Default" and "mig_mode" not in info and "nvidia_smi" not in info
+H100_SMI = "0, NVIDIA H100 80GB HBM3, GPU-0, 580.65.06, 81559, {mode}, {mig}\n"
 
 
 def test_the_environment_stage_reports_an_exclusive_gpu_as_a_problem(monkeypatch, tmp_path, capsys):
-    # collect() and main() as make verify-gpu runs them, with nvidia-smi's answer canned
+    # collect() and main() as make verify-gpu runs them, without NVML, nvidia-smi's answer canned
     from tools import gpu_env
 
-    monkeypatch.setattr(gpu_env.subprocess, "run", _fake_smi([]))
+    def smi(argv, **kwargs):
+        return subprocess.CompletedProcess(argv, 0, H100_SMI.format(mode="Exclusive_Process", mig="Disabled"), "")
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(subprocess, "run", smi)
     out_json = tmp_path / "env.json"
     status = gpu_env.main(["--json", str(out_json)])
     printed = capsys.readouterr().out
+    assert "smi_memory: 81559 MiB" in printed
     assert "compute_mode: Exclusive_Process" in printed and "mig_mode: Disabled" in printed
     assert "problem: GPU 0 is in compute mode Exclusive_Process, not Default" in printed
     recorded = json.loads(out_json.read_text())

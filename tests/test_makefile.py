@@ -47,8 +47,34 @@ def test_install_picks_the_extra_from_torch_and_honours_pins(tmp_path):
         assert 'flock pyproject.toml ' in out.split('-e ".[$extras]"')[0].splitlines()[-1]
     out = _dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_INDEX=https://example.invalid/cpu",
                    "CUDA_EXTRA=cuda13")
-    assert "--extra-index-url https://example.invalid/cpu" in out
+    assert '--index "https://example.invalid/cpu"' in out and "--index-is-default" not in out
     assert 'extra="cuda13"' in out
+
+
+def _torch_install(out: str) -> str:
+    """The recipe line that installs torch, continuation lines joined, spaces collapsed."""
+    joined = out.replace("\\\n", " ")
+    (line,) = [line for line in joined.splitlines() if "tools/install_torch.py" in line]
+    return " ".join(line.split())
+
+
+def test_torch_is_installed_by_the_script_only_where_the_venv_has_none(tmp_path):
+    line = _torch_install(_dry_run("install", f"VENV={tmp_path / 'v'}"))
+    assert line.startswith(f'{tmp_path / "v"}/bin/python -c "import torch" 2>/dev/null || '
+                           f'{tmp_path / "v"}/bin/python tools/install_torch.py --spec "torch>=2.4.1"')
+    # the defaults are marked as such: the script may probe the index and replace the spec
+    assert "--spec-is-default" in line and "--index-is-default" in line
+    index = "" if shutil.which("nvidia-smi") else "https://download.pytorch.org/whl/cpu"
+    assert f'--index "{index}"' in line
+
+
+def test_torch_spec_and_index_set_on_the_command_line_are_passed_as_set(tmp_path):
+    # CI's legs: TORCH_INDEX= TORCH_SPEC=torch==X
+    line = _torch_install(_dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_INDEX=", "TORCH_SPEC=torch==2.4.1"))
+    assert '--spec "torch==2.4.1" --index ""' in line
+    assert "-is-default" not in line
+    line = _torch_install(_dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_SPEC=torch==2.11.0"))
+    assert "--spec-is-default" not in line and "--index-is-default" in line
 
 
 def test_demo_without_torch_says_how_to_install():

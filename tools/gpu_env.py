@@ -4,7 +4,9 @@ GPU name, count, compute capability and memory, driver, compute mode (anything b
 is a problem: ranks sharing a GPU need it) and MIG mode, Python, torch (and its CUDA and
 NCCL), CuPy, the CUDA runtime, the NCCL version as CuPy loaded it and as cupycoll's ctypes
 bindings loaded it (with the library path; the two must agree, or cupycoll would drive two
-different NCCLs), and one tiny CUDA computation through torch and through CuPy.
+different NCCLs), and one tiny CUDA computation through torch and through CuPy. The
+driver's figures (GPU name, driver, memory, the modes) come from bench/gpu_info.py: NVML, or
+nvidia-smi where nvidia-ml-py is not installed.
 
 ``python -m tools.gpu_env [--json PATH]`` prints one ``key: value`` line per figure.
 Exit status: 0 all good; 1 something is missing or disagrees (the JSON says what, under
@@ -19,10 +21,10 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 from typing import Dict, List
 
+from bench import gpu_info
 from cupycoll import nccl_bindings
 
 NO_GPU_EXIT = 3
@@ -32,24 +34,18 @@ def _cuda_text(code: int) -> str:
     return f"{code // 1000}.{code // 10 % 100}"
 
 
-# What nvidia-smi is asked, one line per GPU. A driver that does not know the MIG field
-# rejects the whole query: then it is asked again without it.
-SMI_FIELDS = ("name", "driver_version", "memory.total", "compute_mode", "mig.mode.current")
-
-
-def parse_nvidia_smi(stdout: str, stderr: str = "") -> Dict:
-    """The figures of ``nvidia-smi --query-gpu=<SMI_FIELDS> --format=csv,noheader`` (the MIG
-    field may be missing): name, driver and memory of the first GPU; the compute mode and
-    the MIG mode of all of them ("Default", or "GPU 0: Default; GPU 1: Exclusive_Process"
-    where they differ). Unreadable output comes back as ``nvidia_smi``: what it said."""
-    rows = [[p.strip() for p in line.split(",")] for line in stdout.strip().splitlines() if line.strip()]
-    if not rows or any(len(row) < 4 for row in rows):
-        return {"nvidia_smi": (stderr or stdout).strip()[:200] or "no output"}
-    info = {"smi_name": rows[0][0], "driver": rows[0][1], "smi_memory": rows[0][2],
-            "compute_modes": [row[3] for row in rows]}
+def smi_figures(found: List[gpu_info.Gpu]) -> Dict:
+    """The driver's figures (NVML's, or nvidia-smi's where nvidia-ml-py is absent): name,
+    driver and memory of the first GPU; the compute mode and the MIG mode of all of them
+    ("Default", or "GPU 0: Default; GPU 1: Exclusive_Process" where they differ; no MIG mode
+    where the driver has no such field)."""
+    first = found[0]
+    memory = gpu_info.NOT_AVAILABLE if first.memory_mib is None else f"{first.memory_mib} MiB"
+    info = {"smi_name": first.name, "driver": first.driver, "smi_memory": memory,
+            "compute_modes": [gpu.compute_mode for gpu in found]}
     info["compute_mode"] = _per_gpu(info["compute_modes"])
-    if all(len(row) > 4 for row in rows):
-        info["mig_mode"] = _per_gpu([row[4] for row in rows])
+    if all(gpu.mig_mode is not None for gpu in found):
+        info["mig_mode"] = _per_gpu([gpu.mig_mode for gpu in found])
     return info
 
 
@@ -70,24 +66,20 @@ def smi_problems(info: Dict) -> List[str]:
             for index, mode in enumerate(info.get("compute_modes", [])) if mode != "Default"]
 
 
-def _nvidia_smi() -> Dict:
-    for fields in (SMI_FIELDS, SMI_FIELDS[:4]):
-        try:
-            out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return {"nvidia_smi": f"not usable: {exc}"}
-        info = parse_nvidia_smi(out.stdout if out.returncode == 0 else "", out.stderr or out.stdout)
-        if "nvidia_smi" not in info:
-            return info
-    return info
+def _driver_figures() -> Dict:
+    """smi_figures of this machine's GPUs; where the driver does not answer, ``nvidia_smi``:
+    what it said."""
+    try:
+        return smi_figures(gpu_info.gpus())
+    except gpu_info.GpuInfoUnavailable as exc:
+        return {"nvidia_smi": str(exc)}
 
 
 def collect() -> (Dict, List[str], int):
     info: Dict = {"python": platform.python_version(), "host": platform.node(),
                   "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)")}
     problems: List[str] = []
-    info.update(_nvidia_smi())
+    info.update(_driver_figures())
     problems += smi_problems(info)
     info.pop("compute_modes", None)  # in compute_mode, per GPU where they differ
     import torch

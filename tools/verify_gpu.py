@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import gpu_info  # noqa: E402
 from tools import bench_merge, verify_figures, verify_summary  # noqa: E402
 from tools.verify_runner import Step, run_plan, compress_log  # noqa: E402
 
@@ -155,7 +156,8 @@ def _timed(step: Step, key: Optional[str] = None) -> Step:
 # -- is there a GPU at all? (fast: no torch) -------------------------------------------
 def find_gpu() -> Optional[str]:
     """A few words on the NVIDIA GPU found, or None. Looks at device files, the driver's
-    /proc entries and ``nvidia-smi -L``: importing torch to ask would take seconds."""
+    /proc entries and the driver (bench/gpu_info.py: NVML, or nvidia-smi): importing torch to
+    ask would take seconds."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return None
@@ -165,15 +167,10 @@ def find_gpu() -> Optional[str]:
     gpus = glob.glob("/proc/driver/nvidia/gpus/*")
     if gpus:
         return f"{len(gpus)} GPU(s) in /proc/driver/nvidia/gpus"
-    if shutil.which("nvidia-smi"):
-        try:
-            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=3).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        found = [line for line in listed.splitlines() if line.startswith("GPU ")]
-        if found:
-            return found[0]
-    return None
+    try:
+        return gpu_info.gpus(timeout=3)[0].listing()
+    except gpu_info.GpuInfoUnavailable:
+        return None
 
 
 def no_gpu_message() -> str:

@@ -150,12 +150,17 @@ def check() -> List[str]:
 
 
 def _compute_mode() -> Optional[str]:
+    """The first GPU's compute mode and MIG mode ("Default, Disabled"), or None where the
+    driver does not answer."""
+    if str(ROOT) not in sys.path:  # run as a script without PYTHONPATH: the checkout's bench
+        sys.path.append(str(ROOT))
+    from bench import gpu_info
+
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode,mig.mode.current", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+        first = gpu_info.gpus()[0]
+    except gpu_info.GpuInfoUnavailable:
         return None
-    return out.splitlines()[0] if out else None
+    return ", ".join(filter(None, [first.compute_mode, first.mig_mode]))
 
 
 def run_part(name: str, path: str, budget: float, python: Optional[str] = None,

@@ -16,7 +16,6 @@ import datetime
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore
 
 import cupycoll
+from bench import gpu_info
 
 TIMEOUT_S = 5.0  # the groups' timeout: faults must surface within TIMEOUT_S + 5 s
 
@@ -277,26 +277,9 @@ def _resources():
 
 
 def process_gpu_mib(pid=None):
-    """This process's GPU memory (MiB) as nvidia-smi reports it, or None where it cannot."""
-    pid = os.getpid() if pid is None else pid
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_compute_apps(out, pid)
-
-
-def parse_compute_apps(text, pid):
-    """The used_memory of ``pid`` in nvidia-smi's ``pid, used_memory`` CSV (None if absent)."""
-    for line in text.splitlines():
-        fields = [f.strip() for f in line.split(",")]
-        if len(fields) == 2 and fields[0] == str(pid):
-            try:
-                return int(fields[1])
-            except ValueError:
-                return None
-    return None
+    """This process's GPU memory (MiB) as the driver reports it (NVML, or nvidia-smi), or
+    None where it cannot."""
+    return gpu_info.process_memory_mib(pid)
 
 
 def cycles(ctx, count=50, warm=5):

@@ -16,7 +16,7 @@ Each rank writes OUT_DIR/<scenario>-rank<N>.json and exits 0 (except a rank kill
   restore the checkpoint of step 10, a new 2-rank group, 5 more steps, parameters equal and
   finite; threads and fds before the fault and after recovery.
 * cycles (T7): CYCLES (default 200) init -> all_reduce -> abort -> destroy cycles; after the
-  warm-up and at the end: GPU memory (this process's, from nvidia-smi, and the device's free
+  warm-up and at the end: GPU memory (this process's, from the driver, and the device's free
   memory), torch's reserved memory, threads, fds and the store's key count.
 * cuda_hang (issue 16): 2 ranks on CUDA with CUPYCOLL_TRACE_DIR set: 3 all_reduces and a
   broadcast, then rank 1 sleeps through all_reduce #5; rank 0's CollectiveTimeoutError must
@@ -42,11 +42,9 @@ from torch.distributed import PrefixStore
 
 import cupycoll
 try:  # run as a script (tests/workers on sys.path) or imported as workers.gpu_hang_worker
-    from fault_worker import (TIMEOUT_S, Context, expect_fault, parse_compute_apps,  # noqa: F401
-                              process_gpu_mib, train_until_killed)
+    from fault_worker import TIMEOUT_S, Context, expect_fault, process_gpu_mib, train_until_killed
 except ImportError:
-    from workers.fault_worker import (TIMEOUT_S, Context, expect_fault, parse_compute_apps,  # noqa: F401
-                                      process_gpu_mib, train_until_killed)
+    from workers.fault_worker import TIMEOUT_S, Context, expect_fault, process_gpu_mib, train_until_killed
 
 SCENARIOS = ("cold_skip", "kill_mid_ddp", "cycles", "cuda_hang")
 WORLDS = {"cold_skip": 2, "kill_mid_ddp": 3, "cycles": 2, "cuda_hang": 2}
