@@ -34,7 +34,7 @@ TURN        := $(if $(shell command -v flock 2>/dev/null),flock pyproject.toml)
 # one busy worker.
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-gpu test-gpu-quick demo verify-gpu verify-gpu-lease bench clean
+.PHONY: install test test-torch-suite test-gpu test-gpu-quick demo verify-gpu verify-gpu-lease bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -55,6 +55,15 @@ install: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -m "not gpu" -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# torch's whole DistributedTest suite against cupycoll's CPU route at world size 2 (about 280
+# tests, each spawning its ranks: most of an hour on 2 cores); `make test` runs the part that
+# tests/test_torch_suite.py chooses. Under unittest, as torch runs it; TORCH_SUITE_ARGS: its
+# arguments, e.g. "-k barrier" or "TestCupycollCpuRoute.test_barrier".
+TORCH_SUITE_ARGS ?=
+test-torch-suite: $(VENV)/.installed
+	BACKEND=gloo WORLD_SIZE=2 TEMP_DIR=$$(mktemp -d) PYTHONPATH=tests/workers:$(CURDIR) \
+		$(PY) tests/workers/torch_suite.py $(TORCH_SUITE_ARGS)
 
 # The GPU tier in parts (tests/gpu/tier.py): semantics, api, ring, faults, bench, in that
 # order, each one pytest command with -x under its own time budget (<= 9 min); a failing part

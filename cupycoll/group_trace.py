@@ -132,7 +132,7 @@ class GroupTrace:
         open_works, mark = self._gloo_open, self.recorder.mark
         while open_works and open_works[0][1].is_completed():
             entry, work = open_works.popleft()
-            mark(entry, "completed" if work.is_success() else "failed")  # (2.4: no exception())
+            mark(entry, "completed" if _gloo_work_error(work) is None else "failed")
 
     def failure(self, entry: Optional[list], error: BaseException):
         """What gloo raised from a wait, as cupycoll's error naming the rank behind when it
@@ -302,6 +302,16 @@ def _first_sentence(exc: BaseException) -> str:
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
     return text.split(". ", 1)[0].rstrip(".") or type(exc).__name__
+
+
+def _gloo_work_error(work: dist.Work) -> Optional[BaseException]:
+    """A finished gloo Work's error, read from its future: ``is_success()`` prints torch's
+    deprecation warning, which plain gloo never prints for a call the user made."""
+    try:
+        future = work.get_future()
+    except RuntimeError:  # a Work gloo gives no future
+        return None if work.is_success() else CupycollError(f"{work!r} failed")
+    return _future_error(future)
 
 
 def _future_error(future) -> Optional[BaseException]:
