@@ -17,8 +17,8 @@ A :class:`CudaBackend` owns everything a group needs to run NCCL:
   communicator's internal stream after it waits for the current stream, and its tensors
   stay referenced until the GPU is done with them;
 * **faults**: every issued Work is tracked by the process's watchdog
-  (:mod:`cupycoll.watchdog`; which and when: :mod:`cupycoll.tracking`, not during a CUDA
-  graph capture). A collective that outlives the timeout, or an NCCL async
+  (:mod:`cupycoll.watchdog`), through the group's lifetime (:mod:`cupycoll.lifecycle`, which
+  also owns the group's state, abort and shutdown). A collective that outlives the timeout, or an NCCL async
   error, aborts the communicators and fails the Works; every later call raises
   CommunicatorAbortedError. :meth:`~CudaBackend.abort` works from any thread, also while a
   communicator is being created (store waits poll; nonblocking communicators can be
@@ -44,7 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import compat, config, lifecycle, tracking
+from . import compat, config, lifecycle
 from ._registration import creating_cupycoll_cuda_group
 from .bootstrap import StoreBootstrap
 from .communicator import Communicator
@@ -98,8 +98,6 @@ class CudaBackend:
         self._on_bind = _weak(on_bind)
         self.device: Optional[torch.device] = None
         self.comm: Optional[Communicator] = None
-        self.state = "ok"  # "ok" | "aborting" | "shut down" | "aborted"
-        self.fault: Optional[BaseException] = None
         self._comm_stream = None  # torch view of the communicator's internal stream
         self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
         self._p2p_on_group = False  # the group's communicator was made at init: P2P uses it
@@ -112,17 +110,16 @@ class CudaBackend:
         # gloo threads) alive until interpreter exit, where tearing gloo down aborts the process.
         this = weakref.ref(self)
         self._bootstrap = StoreBootstrap(store, rank, timeout, self._name, _weak(self.check_usable))
-        self._watch = Watch(group_id or "default", timeout, settings.watchdog_interval,
-                            lambda: this().communicators() if this() is not None else [],
-                            lambda fault: this() is not None and this()._on_fault(fault),
-                            settings.on_timeout)
-        self._watch.on_claim = lambda fault: this() is not None and lifecycle.refuse(this(), fault)
-        self._watched = False
+        watch = Watch(group_id or "default", timeout, settings.watchdog_interval,
+                      lambda: this().communicators() if this() is not None else [],
+                      lambda fault: this() is not None and this().life.on_fault(fault),
+                      settings.on_timeout)
+        self.life = lifecycle.GroupLifetime(self, watch)
         # Before torch 2.7 a Work returned to a C++ caller (DDP) must be kept alive on the
         # Python side or C++'s wait() hangs (compat.PYTHON_WORK_SURVIVES_CPP): see call_queue.
-        kept = None if compat.PYTHON_WORK_SURVIVES_CPP else KeptWorks(tracking.capturing)
+        kept = None if compat.PYTHON_WORK_SURVIVES_CPP else KeptWorks(lifecycle.capturing)
         self.calls = CallQueue(lambda issues: this()._enqueue(issues), _weak(self.check_usable),
-                               _weak(self._track_work), self._name, self.global_ranks,
+                               self.life.track_work, self._name, self.global_ranks,
                                settings.blocking_wait, kept)
 
     def use_trace(self, trace) -> None:
@@ -133,6 +130,22 @@ class CudaBackend:
         self._watch.on_done = lambda work: mark(getattr(work, "_trace_entry", None), "completed")
         self._watch.explain_timeout = lambda work, timeout_s: trace.explain_timeout(
             getattr(work, "_trace_entry", None), timeout_s)
+
+    # The group's state, fault and watch are its lifetime's (cupycoll.lifecycle).
+    @property
+    def state(self) -> lifecycle.GroupState:
+        return self.life.state
+
+    @property
+    def fault(self) -> Optional[BaseException]:
+        return self.life.fault
+
+    @property
+    def _watch(self) -> Watch:
+        return self.life.watch
+
+    def check_usable(self) -> None:
+        self.life.check_usable()
 
     # -- torch's Backend face ----------------------------------------------------------
     @property
@@ -161,14 +174,7 @@ class CudaBackend:
     def name(self) -> str:
         return config.BACKEND_NAME
 
-    # -- state and device ----------------------------------------------------------------
-    def check_usable(self) -> None:
-        if self.state != "ok":  # "aborting": a fault was claimed, its abort is under way
-            reason = f": {self.fault}" if self.fault is not None else ""
-            state = "aborted" if self.state == "aborting" else self.state
-            raise CommunicatorAbortedError(
-                f"process group {self._name()!r} was {state}{reason}") from self.fault
-
+    # -- device --------------------------------------------------------------------------
     def check_device(self, tensor: torch.Tensor, what: str) -> torch.device:
         device = tensor.device
         if self.device is not None and device != self.device:
@@ -194,7 +200,7 @@ class CudaBackend:
 
     def split_from(self, parent: "CudaBackend") -> None:
         """This group's communicator, split from ``parent``'s (collective over the parent)."""
-        self.comm = parent.comm.split(split_color(self.global_ranks), self.rank, _weak(self._fault_once))
+        self.comm = parent.comm.split(split_color(self.global_ranks), self.rank, self.life.fault_once)
         self._adopt_device(parent.device)
         self._p2p_on_group = self.comm is not None  # made at construction on every member
 
@@ -237,29 +243,24 @@ class CudaBackend:
         try:
             return self._create_comm(self._bootstrap.unique_id(key, creator, size), rank, size, device)
         except (CollectiveTimeoutError, NcclError) as exc:
-            self._fault_once(exc)
+            self.life.fault_once(exc)
             raise
 
     def _recheck(self, comm: Communicator) -> None:
         # abort() marks the state before it collects the communicators: one attached after
         # that collection is seen here, and aborted.
-        if self.state != "ok":
+        if not self.life.usable:
             comm.abort()
             self.check_usable()
-
-    def _fault_once(self, exc: BaseException) -> None:
-        """A communicator (or its creation) failed: fault the group unless it already has."""
-        if self.state == "ok":
-            self._on_fault(exc)
 
     def _create_comm(self, unique_id: bytes, rank: int, size: int, device: int) -> Communicator:
         """Create a communicator where abort() can reach it while it connects."""
         comm = Communicator.begin(unique_id, rank, size, device, self.settings.nccl_library,
                                   self.settings.nonblocking, self.settings.timeout.total_seconds(),
-                                  _weak(self._fault_once))
+                                  self.life.fault_once)
         self._pending_comms.append(comm)
         try:
-            if self.state != "ok":  # aborted while NCCL was starting
+            if not self.life.usable:  # aborted while NCCL was starting
                 comm.abort()
             self.check_usable()
             comm.wait_ready()
@@ -272,6 +273,10 @@ class CudaBackend:
         if self.comm is not None:
             comms.append(self.comm)
         return comms
+
+    def all_communicators(self) -> List[Communicator]:
+        """Those being created too: what an abort must reach."""
+        return list(self._pending_comms) + self.communicators()
 
     def ring(self, comm: Communicator):
         """The ring (scratch memory, side stream) of ``comm``, made on first use."""
@@ -296,7 +301,7 @@ class CudaBackend:
             entry = self.trace.take() if self.trace is not None else None  # the group recorded it
             if entry is not None and own_group:
                 entry[E_ROUTE] = "ring"
-            self._submitting = entry  # _track gives it to this call's Work if it launches now
+            self._submitting = entry  # _enqueue gives it to this call's Work if it launches now
             try:
                 work = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op, peer,
                                          blocking_wait or self.settings.blocking_wait, own_group, prepare)
@@ -343,9 +348,13 @@ class CudaBackend:
                     self._track(issues, stream, async_op)
                 except Exception:  # noqa: BLE001 - untracked, the queue fails them after the abort
                     pass
-                self._fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
+                self.life.fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
             raise
         self._track(issues, stream, async_op)
+
+    def _track(self, issues: List[Issue], stream, async_op: bool) -> None:
+        recorder = self.trace.recorder if self.trace is not None else None
+        self.life.track(issues, stream, async_op, recorder, self._submitting)
 
     def _launch_all(self, issues: List[Issue], comms, stream_ptr: int, launched=None) -> None:
         # D9: every prepare of the batch runs before its NCCL group opens, as ncclGroupEnd
@@ -386,11 +395,6 @@ class CudaBackend:
         # On a two-rank pair communicator the peer is whichever of the two we are not.
         issue.launch(comm, stream_ptr, issue.peer if comm is self.comm else 1 - comm.rank)
 
-    # Which Works the watchdog watches, and the watch itself: cupycoll.tracking.
-    _track = tracking.track
-    _track_work = tracking.track_work
-    _stop_watching = tracking.stop_watching
-
     def _internal_stream(self, comm: Communicator):
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.ExternalStream(comm.stream, device=self.device)
@@ -402,7 +406,7 @@ class CudaBackend:
         abort them when the group has faulted, its work does not finish within
         ``lifecycle.SHUTDOWN_GRACE`` seconds, or anything fails. Never raises; unusable
         afterwards."""
-        lifecycle.shutdown(self)
+        self.life.shutdown(self.settings.timeout.total_seconds())
 
     def abort(self, reason: Optional[BaseException] = None) -> None:
         """Abort the communicators at once, without waiting for peers or the GPU: a
@@ -410,15 +414,13 @@ class CudaBackend:
         The group's state and every Work in flight are failed with ``reason`` *before*
         ncclCommAbort, their tensors released after it; then the group's ``on_abort``.
         Callable from any thread; never waits on peers; every step runs whatever fails."""
-        lifecycle.abort(self, reason)
+        self.life.abort(reason)
 
-    def _on_fault(self, fault: BaseException) -> None:
-        """A timeout, an async NCCL error or a failed creation (from the watchdog's fault
-        thread, or the caller's): the group's fault, final."""
-        self.fault = fault
-        self.abort(fault)
+    def on_abort(self) -> None:
+        """The abort has ended the kernels: the group's CPU half shuts down too."""
+        self._on_abort()
 
-    def _close_rings(self) -> None:
+    def close_rings(self) -> None:
         rings, self._rings = list(self._rings.values()), {}
         for ring in rings:
             try:

@@ -22,9 +22,6 @@ dead; build a new one, see docs/design.md).
 from __future__ import annotations
 
 import datetime
-import threading
-import time
-import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -39,9 +36,6 @@ from .group_trace import GroupTrace
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
 from .errors import CupycollValueError
 from .work import CudaWork
-
-# Every live group, for abort_all(); weak, so that destroyed groups can go.
-_LIVE_GROUPS: "weakref.WeakSet[ProcessGroupCupycoll]" = weakref.WeakSet()
 
 _GLOO = ProcessGroup.BackendType.GLOO
 # Ops whose tensors differ by rank outside one argument: [outputs, inputs] -> the alike one.
@@ -83,7 +77,6 @@ class ProcessGroupCupycoll(ProcessGroup):
                                         on_bind=self._bind)
         self._trace = GroupTrace(store, group_id, self._global_ranks, rank, self.settings)
         self._cuda.use_trace(self._trace)
-        _LIVE_GROUPS.add(self)
 
         try:
             parent = self._split_parent()
@@ -380,7 +373,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         """Finalize and destroy the NCCL communicators once their work is done (healthy),
         or abort them when the group has faulted or its work does not finish within the
         timeout; then shut the gloo half down. The group is unusable afterwards."""
-        if self._cuda.state not in ("ok", "aborting"):  # aborting: lifecycle.shutdown aborts now
+        if self._cuda.state not in ("ok", "aborting"):  # aborting: the lifetime's shutdown aborts now
             return
         self._cuda.shutdown()  # an abort instead shuts gloo down through on_abort
         if self._cuda.state == "shut down":
@@ -408,23 +401,5 @@ class ProcessGroupCupycoll(ProcessGroup):
 compat.run_eagerly_under_compile(ProcessGroupCupycoll)
 
 
-def abort_all(timeout: Optional[float] = None) -> int:
-    """Abort every live cupycoll group of this process, from any thread or a signal handler;
-    how many were live. The groups are aborted side by side, each on a thread of its own, so
-    one whose ncclCommAbort hangs delays no other; returns once all are done, or after
-    ``timeout`` seconds (default ``lifecycle.ABORT_DEADLINE``), whichever comes first.
-
-    From a signal handler: if the signal interrupted cupycoll itself while it held one of
-    its locks, those threads wait for the lock, so this returns after ``timeout`` and the
-    aborts finish as soon as the handler returns."""
-    timeout = lifecycle.ABORT_DEADLINE if timeout is None else float(timeout)
-    groups = list(_LIVE_GROUPS)
-    live = sum(g._cuda.state != "aborted" for g in groups)
-    aborters = [threading.Thread(target=group.abort, name="cupycoll-abort-all", daemon=True) for group in groups]
-    for aborter in aborters:
-        aborter.start()
-    deadline = time.monotonic() + timeout
-    for aborter in aborters:
-        aborter.join(max(0.0, deadline - time.monotonic()))
-    return live
-
+# Every live group's abort, side by side (cupycoll.lifecycle owns the registry of groups).
+abort_all = lifecycle.abort_all

@@ -153,14 +153,14 @@ def test_f2_the_fault_thread_releases_nothing_while_another_abort_runs():
     backend._watch.track(work)
     comm = backend.comm = WatchedComm(work)
     inside, go = threading.Event(), threading.Event()
-    stop_watching = backend._stop_watching
+    stop_watching = backend.life.stop_watching
 
     def slow_stop_watching():  # the user's abort has the state, not yet the Works
         inside.set()
         go.wait(5)
         stop_watching()
 
-    backend._stop_watching = slow_stop_watching
+    backend.life.stop_watching = slow_stop_watching
     user = threading.Thread(target=group.abort)
     user.start()
     assert inside.wait(5)
@@ -239,7 +239,7 @@ _FORK_SCRIPT = """
     held, forked = threading.Event(), threading.Event()
 
     def hold():  # a thread of the parent holds the module locks when it forks
-        with recorder._lock, lifecycle._STATE_LOCK, diagnosis.RESPONDER._lock:
+        with recorder._lock, parent._cuda.life._lock, diagnosis.RESPONDER._lock:
             held.set()
             forked.wait(5)
 
@@ -248,7 +248,7 @@ _FORK_SCRIPT = """
     pid = os.fork()
     if pid == 0:
         free = [not lock.locked() for lock in
-                (recorder._lock, lifecycle._STATE_LOCK, diagnosis.RESPONDER._lock)]
+                (recorder._lock, parent._cuda.life._lock, diagnosis.RESPONDER._lock)]
         print("child locks free", free, "responder", diagnosis.RESPONDER.running, flush=True)
         child = make("child")
         sys.exit(0)  # a normal exit: atexit runs in the child
@@ -333,7 +333,7 @@ def test_abort_all_on_a_thread_that_holds_a_cupycoll_lock_returns_and_the_aborts
     group = make_group()
     group._cuda.comm = FakeComm()
     start = time.monotonic()
-    with lifecycle._STATE_LOCK:
+    with group._cuda.life._lock:
         cupycoll.abort_all(timeout=0.5)
         assert time.monotonic() - start < 2  # no deadlock
         assert group._cuda.state == "ok"  # its abort waits for the lock

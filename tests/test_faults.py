@@ -520,7 +520,7 @@ def test_a_communicator_that_aborts_itself_fails_the_works_before_ncclcommabort(
 
     comm = polling_comm([nb.ncclInProgress], timeout=0.05)
     comm._lib = Recording([nb.ncclInProgress])
-    comm.on_abort = group._cuda._fault_once
+    comm.on_abort = group._cuda.life.fault_once
     group._cuda.comm = comm
     group._cuda._watch.track(work)
     with pytest.raises((CollectiveTimeoutError, MemoryError)):
@@ -589,7 +589,7 @@ def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
     comm = polling_comm([nb.ncclSuccess])
     comm._lib = type("Lib", (ScriptedLibrary,), {"ncclGroupStart": lambda self: 0,
                                                   "ncclGroupEnd": lambda self: 0})([nb.ncclSuccess])
-    comm.on_abort = group._cuda._fault_once
+    comm.on_abort = group._cuda.life.fault_once
     group._cuda.comm = comm
     group._cuda.device = CUDA
 
@@ -662,7 +662,7 @@ def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):
     group = make_group()
     cuda = group._cuda
     comm, events = grouping_comm()
-    comm.on_abort = cuda._fault_once
+    comm.on_abort = cuda.life.fault_once
     cuda.comm, cuda.device = comm, CUDA
     cuda.calls._enqueue = lambda issues: cuda._launch_all(issues, {1: comm}, 0)
 

@@ -348,7 +348,7 @@ _EXIT_WHILE_DIAGNOSING_SCRIPT = """
     group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
     group._cuda.comm = Comm()
     # the watchdog claimed a fault; its thread is still diagnosing when the process exits
-    lifecycle.refuse(group._cuda, CollectiveTimeoutError("all_reduce #3 timed out"))
+    group._cuda.life.refuse(CollectiveTimeoutError("all_reduce #3 timed out"))
     del group
     print("exiting while the fault is diagnosed", flush=True)
 """
