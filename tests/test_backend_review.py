@@ -95,7 +95,7 @@ def kept_group(monkeypatch):
     return FiringGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=5))
 
 
-def test_f1_a_kept_work_is_let_go_once_done_and_waited_on(kept_group):
+def test_a_kept_work_is_let_go_once_done_and_waited_on(kept_group):
     cuda = kept_group._cuda
     outputs, works = [], []
     for _ in range(40):
@@ -116,7 +116,7 @@ def test_f1_a_kept_work_is_let_go_once_done_and_waited_on(kept_group):
     assert all(ref() is not None for ref in outputs[20:])
 
 
-def test_f1_a_work_still_running_is_kept_even_once_waited_on(kept_group):
+def test_a_work_still_running_is_kept_even_once_waited_on(kept_group):
     tensor = torch.ones(4)
     work = kept_group.allreduce([tensor], c10d.AllreduceOptions())
     work.wait()  # a stream wait: the GPU is not done
@@ -127,14 +127,14 @@ def test_f1_a_work_still_running_is_kept_even_once_waited_on(kept_group):
     assert ref() is not None
 
 
-def test_f1_get_future_claims_a_kept_work(kept_group, monkeypatch):
+def test_get_future_claims_a_kept_work(kept_group, monkeypatch):
     monkeypatch.setattr(CudaWork, "get_future", lambda self: "the future")  # no CUDA future on CPU
     work = kept_group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
     assert not work._claimed
     assert work.get_future() == "the future" and work._claimed  # DDP's reducer: getFuture()
 
 
-def test_f1_calls_inside_a_coalescing_block_are_not_kept_its_covering_work_is(kept_group):
+def test_calls_inside_a_coalescing_block_are_not_kept_its_covering_work_is(kept_group):
     calls = kept_group._cuda.calls
     kept_group._start_coalescing(CUDA)
     inner = kept_group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
@@ -143,7 +143,7 @@ def test_f1_calls_inside_a_coalescing_block_are_not_kept_its_covering_work_is(ke
     assert covering in kept and all(w is not inner for w in kept)
 
 
-def test_f1_f3_kept_works_are_not_queried_while_a_cuda_graph_is_captured(kept_group, monkeypatch):
+def test_kept_works_are_not_queried_while_a_cuda_graph_is_captured(kept_group, monkeypatch):
     class Unqueryable:
         def query(self):
             raise AssertionError("cudaEventQuery during a capture invalidates it")
@@ -166,7 +166,7 @@ def issues_of(*ops, peer=None):
             for i, op in enumerate(ops, 1)]
 
 
-def test_f3_calls_issued_while_capturing_are_not_handed_to_the_watchdog(monkeypatch, cuda_standins):
+def test_calls_issued_while_capturing_are_not_handed_to_the_watchdog(monkeypatch, cuda_standins):
     group = make_group()
     cuda = group._cuda
     capture(monkeypatch, True)
@@ -181,7 +181,7 @@ def test_f3_calls_issued_while_capturing_are_not_handed_to_the_watchdog(monkeypa
     group.abort()
 
 
-def test_f3_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monkeypatch):
+def test_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monkeypatch):
     from test_abort_races import IssuingGroup
     group = IssuingGroup(None, 0, 2, datetime.timedelta(seconds=5))
     capture(monkeypatch, True)
@@ -195,7 +195,7 @@ def test_f3_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monke
 # -- finding 4: shutdown while a fault is being diagnosed ------------------------------------
 
 
-def test_f4_shutdown_during_a_fault_diagnosis_aborts_the_group():
+def test_shutdown_during_a_fault_diagnosis_aborts_the_group():
     group = make_group()
     comm = group._cuda.comm = FakeComm()
     work, _ = issued_work(seq=3)
@@ -211,7 +211,7 @@ def test_f4_shutdown_during_a_fault_diagnosis_aborts_the_group():
     assert work.exception() is fault
 
 
-def test_f4_a_group_dropped_during_a_fault_diagnosis_is_still_aborted():
+def test_a_group_dropped_during_a_fault_diagnosis_is_still_aborted():
     group = make_group()
     comm = group._cuda.comm = FakeComm()
     watch = group._cuda._watch
@@ -258,7 +258,7 @@ def p2p_backend():
     return group, cuda, comm
 
 
-def test_f5_a_batch_failing_after_its_nccl_group_launched_is_tracked_and_faults(cuda_standins):
+def test_a_batch_failing_after_its_nccl_group_launched_is_tracked_and_faults(cuda_standins):
     group, cuda, comm = p2p_backend()
 
     def boom():
@@ -279,7 +279,7 @@ def test_f5_a_batch_failing_after_its_nccl_group_launched_is_tracked_and_faults(
     assert comm.kept_at_abort == [True, True]  # released only after ncclCommAbort
 
 
-def test_f5_a_single_ring_call_failing_mid_way_faults_the_group(cuda_standins):
+def test_a_single_ring_call_failing_mid_way_faults_the_group(cuda_standins):
     group = make_group()
     cuda = group._cuda
     cuda.comm, cuda.device = GroupComm(), CUDA
@@ -293,7 +293,7 @@ def test_f5_a_single_ring_call_failing_mid_way_faults_the_group(cuda_standins):
     assert cuda.state == "aborted" and cuda.comm.aborted.is_set()
 
 
-def test_f5_a_batch_failing_before_its_first_launch_is_never_issued_and_faults_nothing(cuda_standins):
+def test_a_batch_failing_before_its_first_launch_is_never_issued_and_faults_nothing(cuda_standins):
     group, cuda, comm = p2p_backend()
 
     def oom(c):
@@ -337,7 +337,7 @@ class SlowCallLibrary(ScriptedLibrary):
         return 0
 
 
-def test_f6_abort_waits_for_an_nccl_call_under_way(no_device, monkeypatch):
+def test_abort_waits_for_an_nccl_call_under_way(no_device, monkeypatch):
     monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # a late main thread must not outwait it
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
@@ -356,7 +356,7 @@ def test_f6_abort_waits_for_an_nccl_call_under_way(no_device, monkeypatch):
         comm.all_reduce(1, 1, 4, 7, 0, 0)
 
 
-def test_f6_a_call_an_abort_freed_its_communicator_under_says_aborted(no_device, monkeypatch):
+def test_a_call_an_abort_freed_its_communicator_under_says_aborted(no_device, monkeypatch):
     monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)  # a call blocked in NCCL
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
@@ -378,7 +378,7 @@ def test_f6_a_call_an_abort_freed_its_communicator_under_says_aborted(no_device,
     assert isinstance(errors[0], CommunicatorAbortedError) and isinstance(errors[0].__cause__, NcclError)
 
 
-def test_f6_an_abort_on_the_calling_thread_itself_does_not_wait(no_device):
+def test_an_abort_on_the_calling_thread_itself_does_not_wait(no_device):
     comm = polling_comm([nb.ncclSuccess])
     started = []
 
@@ -394,7 +394,7 @@ def test_f6_an_abort_on_the_calling_thread_itself_does_not_wait(no_device):
     assert started[0] < 0.5 and comm.state == "aborted"
 
 
-def test_f6_create_premul_sum_on_an_aborted_communicator_says_aborted(no_device):
+def test_create_premul_sum_on_an_aborted_communicator_says_aborted(no_device):
     class PremulLibrary(ScriptedLibrary):
         def has(self, name):
             return True
@@ -412,7 +412,7 @@ def test_f6_create_premul_sum_on_an_aborted_communicator_says_aborted(no_device)
 # -- finding 7: a flush with nothing to issue takes no lock ----------------------------------
 
 
-def test_f7_a_flush_with_nothing_queued_does_not_wait_behind_another_threads_issue():
+def test_a_flush_with_nothing_queued_does_not_wait_behind_another_threads_issue():
     group = make_group()
     calls = group._cuda.calls
     holding, done = threading.Event(), threading.Event()
@@ -435,7 +435,7 @@ def test_f7_a_flush_with_nothing_queued_does_not_wait_behind_another_threads_iss
     group.abort()
 
 
-def test_f7_touching_a_work_whose_batch_another_thread_issues_waits_for_it():
+def test_touching_a_work_whose_batch_another_thread_issues_waits_for_it():
     from test_call_queue import QueueGroup
     group = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
     cuda = group._cuda
@@ -465,7 +465,7 @@ def test_f7_touching_a_work_whose_batch_another_thread_issues_waits_for_it():
     assert group.batches == [["send", "recv"]] and send._flush is None
 
 
-def test_f7_a_work_dropped_by_an_abort_is_failed_before_it_leaves_the_queue():
+def test_a_work_dropped_by_an_abort_is_failed_before_it_leaves_the_queue():
     from test_call_queue import QueueGroup
     group = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
     calls = group._cuda.calls
@@ -484,7 +484,7 @@ def test_f7_a_work_dropped_by_an_abort_is_failed_before_it_leaves_the_queue():
 # -- finding 11a: the watchdog thread is restarted after it died -----------------------------
 
 
-def test_f11a_a_dead_watchdog_thread_is_restarted_by_the_next_tracked_call(monkeypatch, cuda_standins):
+def test_a_dead_watchdog_thread_is_restarted_by_the_next_tracked_call(monkeypatch, cuda_standins):
     watchdog = Watchdog()
     monkeypatch.setattr(tracking, "WATCHDOG", watchdog)
     monkeypatch.setattr("cupycoll.backend.WATCHDOG", watchdog, raising=False)  # before the move
@@ -530,7 +530,7 @@ def publish_own_record(store, recorder, mine):
                               incarnation=recorder.incarnation)
 
 
-def test_f11b_the_responder_keeps_its_ranks_own_record():
+def test_the_responder_keeps_its_ranks_own_record():
     store = dist.HashStore()
     recorder, mine, prefix = timed_out_in_the_first_collective("own record kept")
     publish_own_record(store, recorder, mine)  # with its own request, #1 of the group
@@ -539,7 +539,7 @@ def test_f11b_the_responder_keeps_its_ranks_own_record():
     assert store.add(f"{prefix}/1/count", 0) == 1
 
 
-def test_f11b_the_own_record_outlasts_an_answer_being_written_at_that_moment():
+def test_the_own_record_outlasts_an_answer_being_written_at_that_moment():
     # Ranks 0 and 1 time out together: rank 0's request wakes rank 1's responder while rank 1
     # publishes its own record. The responder's answer must not land on top of it.
     store = dist.HashStore()
@@ -571,7 +571,7 @@ def test_f11b_the_own_record_outlasts_an_answer_being_written_at_that_moment():
     assert eventually(lambda: json.loads(store.get(f"{prefix}/1/1")) == mine)
 
 
-def test_f11b_a_peers_request_is_still_answered():
+def test_a_peers_request_is_still_answered():
     store = dist.HashStore()
     recorder = rec_mod.Recorder("g", [0, 1], 1)
     recorder.record("broadcast", ((4,),), (torch.float32,))
@@ -583,7 +583,7 @@ def test_f11b_a_peers_request_is_still_answered():
     assert store.add(f"{prefix}/2/count", 0) == 1
 
 
-def test_f11b_a_store_error_that_ends_serving_a_group_is_a_warning(caplog):
+def test_a_store_error_that_ends_serving_a_group_is_a_warning(caplog):
     from test_diagnosis import RaisingStore, recorders
     responder = diagnosis.Responder()
     with caplog.at_level(logging.WARNING, logger="cupycoll"):
@@ -613,7 +613,7 @@ def connecting(rank, size=2):
     return backend
 
 
-def test_f11c_p2p_stays_on_the_pair_communicator_after_a_lazy_group_communicator():
+def test_p2p_stays_on_the_pair_communicator_after_a_lazy_group_communicator():
     # rank 0: send #1, all_reduce, send #2; rank 1: recv #1, recv #2, all_reduce
     rank0, rank1 = connecting(0), connecting(1)
     used0 = [rank0.p2p_comm(1).key]
@@ -624,7 +624,7 @@ def test_f11c_p2p_stays_on_the_pair_communicator_after_a_lazy_group_communicator
     assert used0 == used1 == ["p2p/0-1", "p2p/0-1"]
 
 
-def test_f11c_p2p_uses_a_group_communicator_made_at_init():
+def test_p2p_uses_a_group_communicator_made_at_init():
     backend = connecting(0, size=4)
     backend.eager_connect_single_device(CUDA)  # init_process_group(device_id=...)
     assert backend.p2p_comm(3) is backend.comm and backend._p2p_comms == {}
@@ -642,7 +642,7 @@ def test_f11c_p2p_uses_a_group_communicator_made_at_init():
 # -- finding 2 (the backend's part): the watch knows the group's device ----------------------
 
 
-def test_f2_the_watch_gets_the_device_the_first_call_picks(kept_group):
+def test_the_watch_gets_the_device_the_first_call_picks(kept_group):
     assert kept_group._cuda._watch.device is None
     kept_group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
     assert kept_group._cuda._watch.device == CUDA  # its events are queried with it current

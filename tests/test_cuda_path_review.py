@@ -49,7 +49,7 @@ def _premul_launch():
                                       lambda comm, op, s: comm.all_reduce(1, 1, 4, red.dtype, op, s))
 
 
-def test_review8_premul_sum_on_an_aborted_communicator_raises_the_abort():
+def test_premul_sum_on_an_aborted_communicator_raises_the_abort():
     launch, prepare = _premul_launch()
     comm = PremulComm(CommunicatorAbortedError("the NCCL communicator on cuda:0 was aborted"), abort=True)
     prepare(comm)
@@ -58,7 +58,7 @@ def test_review8_premul_sum_on_an_aborted_communicator_raises_the_abort():
     assert comm.destroyed == []  # it went with the communicator
 
 
-def test_review8_premul_sum_failing_on_a_healthy_communicator_still_destroys_its_op():
+def test_premul_sum_failing_on_a_healthy_communicator_still_destroys_its_op():
     launch, prepare = _premul_launch()
     comm = PremulComm(NcclError(5, "ncclAllReduce", "invalid usage"), abort=False)
     prepare(comm)
@@ -114,7 +114,7 @@ CALLS = {
 
 
 @pytest.mark.parametrize("call", sorted(CALLS))
-def test_review9_the_premul_sum_factor_tensor_is_in_the_calls_keepalive(keep_group, call):
+def test_the_premul_sum_factor_tensor_is_in_the_calls_keepalive(keep_group, call):
     if call == "reduce" and keep_group._cuda.settings.algorithm == "ring":
         pytest.skip("the ring has no reduce: it runs on NCCL")
     factor = torch.tensor([0.5])
@@ -123,7 +123,7 @@ def test_review9_the_premul_sum_factor_tensor_is_in_the_calls_keepalive(keep_gro
     assert any(t.data_ptr() == factor.data_ptr() for t in kept)  # not just the data
 
 
-def test_review9_a_number_factor_keeps_nothing_extra():
+def test_a_number_premul_factor_keeps_nothing_extra():
     plan = _args.reduction_plan(torch.ones(2), ar_opts(dist._make_nccl_premul_sum(0.5)).reduceOp, "ring", 2)
     assert _args.factor_tensor(plan) is None and plan.premul == 0.5
 
@@ -137,7 +137,7 @@ def _never_issued(error):
     return work
 
 
-def test_review10_a_never_issued_work_keeps_the_nccl_error_with_its_status():
+def test_a_never_issued_work_keeps_the_nccl_error_with_its_status():
     cause = NcclError(1, "ncclGroupEnd", "unhandled cuda error", "cudaErrorLaunchFailure")
     work = _never_issued(cause)
     error = work.exception()
@@ -150,14 +150,14 @@ def test_review10_a_never_issued_work_keeps_the_nccl_error_with_its_status():
     assert work._keepalive is None and work.is_completed() and not work.is_success()
 
 
-def test_review10_each_never_issued_work_gets_its_own_error_of_the_same_class():
+def test_each_never_issued_work_gets_its_own_error_of_the_same_class():
     cause = CommunicatorAbortedError("the NCCL communicator on cuda:0 was aborted")
     first, second = _never_issued(cause).exception(), _never_issued(cause).exception()
     assert type(first) is type(second) is CommunicatorAbortedError and first is not second
     assert "send was never issued: the NCCL communicator" in str(first) and str(cause).startswith("the NCCL")
 
 
-def test_review10_a_foreign_error_is_wrapped_as_before():
+def test_a_never_issued_works_foreign_error_is_wrapped_in_a_cupycoll_error():
     cause = torch.OutOfMemoryError("staging")
     error = _never_issued(cause).exception()
     assert type(error) is CupycollError and "send was never issued: staging" in str(error)
