@@ -15,8 +15,8 @@ from torch._C import _distributed_c10d as c10d
 
 import cupycoll
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError
-from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup
-from test_faults import FakeComm, FakeEvent, eventually, issued_work, make_group
+from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup, FakeEvent
+from test_faults import FakeComm, eventually, issued_work, make_group
 from test_watchdog import run_script, stuck_work
 
 

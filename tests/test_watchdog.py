@@ -25,7 +25,7 @@ from cupycoll import watchdog as watchdog_module
 from cupycoll import watchdog_cuda
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
 from cupycoll.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
-from test_faults import FakeComm, FakeEvent, eventually, issued_work, make_group
+from test_faults import FakeComm, eventually, issued_work, make_group
 
 TESTS = str(Path(__file__).resolve().parent)
 
