@@ -1,3 +1,4 @@
+import contextlib
 import sys
 from pathlib import Path
 
@@ -15,3 +16,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cuda_standins(monkeypatch):
+    """The few torch.cuda calls of the issue path, answered on CPU."""
+    import torch
+    from standins import FakeStream, RecordedEvent  # imports cupycoll: only where it is used
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Event", RecordedEvent)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())

@@ -6,9 +6,15 @@ and one backend seam: :class:`CpuAsCudaBackend`, the real CudaBackend for which 
 counts as being on ``cuda:0``. What happens after that (queueing, enqueue, faults) is the
 real code unless a test's subclass of the backend replaces it. The GPU tier runs the same
 paths for real.
+
+Also the CUDA objects of the issue path as stand-ins: :class:`FakeEvent`,
+:class:`RecordedEvent`, :class:`FakeStream`, and :func:`capture`, which says whether a CUDA
+graph is being captured (conftest.py's ``cuda_standins`` fixture puts them in place).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -35,3 +41,37 @@ class CpuAsCudaGroup(ProcessGroupCupycoll):
     def _classify(self, tensors, op_name):
         super()._classify(tensors, op_name)  # the real mixing/type checks, CPU tensors stand in
         return True
+
+
+class FakeEvent:
+    """A CUDA event stand-in: ``query()`` turns True when the test says the GPU is done."""
+
+    def __init__(self):
+        self.fired = threading.Event()
+
+    def query(self):
+        return self.fired.is_set()
+
+
+class RecordedEvent(FakeEvent):
+    """torch.cuda.Event's stand-in for the backend's _track: record() does nothing."""
+
+    def record(self, stream=None):
+        pass
+
+
+class FakeStream:
+    device_index = 0
+    cuda_stream = 0
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
+def capture(monkeypatch, on: bool) -> None:
+    """This thread's current stream is (``on``) or is not capturing a CUDA graph."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)

@@ -15,15 +15,15 @@ from torch._C import _distributed_c10d as c10d
 
 import cupycoll
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError
-from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup
-from test_faults import FakeComm, FakeEvent, eventually, issued_work, make_group
+from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup, FakeEvent
+from test_faults import FakeComm, eventually, issued_work, make_group
 from test_watchdog import run_script, stuck_work
 
 
 # -- finding 1: a Work issued while an abort runs fails -----------------------------------
 
 
-def test_f1_a_work_tracked_after_the_abort_failed_the_works_fails_and_is_released():
+def test_a_work_tracked_after_the_abort_failed_the_works_fails_and_is_released():
     group = make_group()
     group._cuda.comm = FakeComm()
     work, event = issued_work(seq=7)
@@ -49,7 +49,7 @@ class LateTrackingComm(FakeComm):
         super().abort()
 
 
-def test_f1_a_work_tracked_during_the_abort_fails_and_keeps_its_tensors_until_it_returned():
+def test_a_work_tracked_during_the_abort_fails_and_keeps_its_tensors_until_it_returned():
     group = make_group()
     comm = group._cuda.comm = LateTrackingComm(group._cuda._watch)
     group.abort()
@@ -74,7 +74,7 @@ class IssuingGroup(CpuAsCudaGroup):
     backend_class = IssuingBackend
 
 
-def test_f1_the_covering_work_of_a_block_closed_during_an_abort_fails():
+def test_the_covering_work_of_a_block_closed_during_an_abort_fails():
     import datetime
     group = IssuingGroup(None, 0, 2, datetime.timedelta(seconds=5))
     calls, track = group._cuda.calls, group._cuda.calls._track
@@ -96,7 +96,7 @@ def test_f1_the_covering_work_of_a_block_closed_during_an_abort_fails():
     assert covering._keepalive is None
 
 
-def test_f1_f11_calls_are_refused_while_the_fault_is_being_diagnosed():
+def test_calls_are_refused_while_the_fault_is_being_diagnosed():
     group = make_group()
     comm = group._cuda.comm = FakeComm()
     watch = group._cuda._watch
@@ -146,7 +146,7 @@ class WatchedComm(FakeComm):
         super().abort()
 
 
-def test_f2_the_fault_thread_releases_nothing_while_another_abort_runs():
+def test_the_fault_thread_releases_nothing_while_another_abort_runs():
     group = make_group()
     backend = group._cuda
     work, _ = issued_work(seq=5)
@@ -178,7 +178,7 @@ def test_f2_the_fault_thread_releases_nothing_while_another_abort_runs():
 
 
 @pytest.mark.parametrize("second", ["group.abort", "abort_all"])
-def test_f2_a_second_abort_returns_only_after_the_first_ones_ncclCommAbort(second):
+def test_a_second_abort_returns_only_after_the_first_ones_ncclCommAbort(second):
     group = make_group()
     go = threading.Event()
     comm = group._cuda.comm = WatchedComm(stuck_work(), release=go)
@@ -197,7 +197,7 @@ def test_f2_a_second_abort_returns_only_after_the_first_ones_ncclCommAbort(secon
     assert comm.aborted.is_set() and not other.is_alive()
 
 
-def test_f2_a_second_abort_from_the_aborting_thread_itself_returns_at_once():
+def test_a_second_abort_from_the_aborting_thread_itself_returns_at_once():
     group = make_group()
     again = []
 
@@ -261,7 +261,7 @@ _FORK_SCRIPT = """
 
 
 @pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs fork")
-def test_f3_a_forked_child_resets_the_locks_and_leaves_its_parents_groups_alone():
+def test_a_forked_child_resets_the_locks_and_leaves_its_parents_groups_alone():
     result = run_script(_FORK_SCRIPT, timeout=60)  # importing torch alone took 20 s on a loaded 2-core box
     out, err = result.stdout, result.stderr
     assert "child exit 0" in out, err

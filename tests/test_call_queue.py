@@ -1,5 +1,7 @@
-"""The CUDA call queue as pure logic: when point-to-point and coalesced calls are issued,
-and as which NCCL groups. A stand-in backend records each batch ``_enqueue`` would issue as
+"""The CUDA call queue (cupycoll.call_queue) as pure logic: when point-to-point and
+coalesced calls are issued, and as which NCCL groups; how a Work leaves the queue when
+another thread issues its batch or an abort drops it; and the Works kept alive for C++
+callers before torch 2.7. A stand-in backend records each batch ``_enqueue`` would issue as
 one NCCL group (the GPU tier issues the same batches for real)."""
 
 from __future__ import annotations
@@ -7,18 +9,24 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import gc
+import threading
 import warnings
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from cupycoll import compat
 from cupycoll.bootstrap import StoreBootstrap
 from cupycoll.call_queue import Issue
 from cupycoll.errors import CommunicatorAbortedError, CupycollError, CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
-from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup
+from cupycoll.work import CudaWork
+from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup, FakeEvent, FakeStream, capture
+from test_faults import make_group
 
 
 class QueueBackend(CpuAsCudaBackend):
@@ -324,3 +332,165 @@ def test_two_issuing_threads_never_enqueue_at_once():
     issued = collections.Counter(op for batch in group.batches for op in batch)
     assert not errors and Overlap.peak == 1
     assert issued == {"all_reduce": 60, "send": 60}
+
+
+# -- a Work whose batch another thread issues, or an abort drops --------------------------
+
+
+def test_a_flush_with_nothing_queued_does_not_wait_behind_another_threads_issue():
+    group = make_group()
+    calls = group._cuda.calls
+    holding, done = threading.Event(), threading.Event()
+
+    def issuer():  # e.g. inside ncclCommInitRank or a blocking NCCL call
+        with calls.lock:
+            holding.set()
+            done.wait(10)
+    thread = threading.Thread(target=issuer)
+    thread.start()
+    try:
+        assert holding.wait(5)
+        flusher = threading.Thread(target=calls.flush)  # a gloo call's flush
+        flusher.start()
+        flusher.join(1)
+        assert not flusher.is_alive()
+    finally:
+        done.set()
+        thread.join(5)
+    group.abort()
+
+
+def test_touching_a_work_whose_batch_another_thread_issues_waits_for_it():
+    group = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
+    cuda = group._cuda
+    inside, release = threading.Event(), threading.Event()
+    enqueue = cuda._enqueue
+
+    def slow_enqueue(issues):  # the batch has left ``pending`` and is not issued yet
+        inside.set()
+        release.wait(10)
+        enqueue(issues)
+
+    cuda._enqueue = slow_enqueue
+    send = group.send([torch.ones(2)], 1, 0)
+    recv = group.recv([torch.ones(2)], 2, 0)
+    issuer = threading.Thread(target=recv.wait)
+    issuer.start()
+    assert inside.wait(5) and cuda.calls.pending == []
+    toucher = threading.Thread(target=send.wait)
+    toucher.start()
+    toucher.join(0.3)
+    try:
+        assert toucher.is_alive()  # it must not report a Work done that is not even issued
+    finally:
+        release.set()
+        issuer.join(5)
+        toucher.join(5)
+    assert group.batches == [["send", "recv"]] and send._flush is None
+
+
+def test_a_work_dropped_by_an_abort_is_failed_before_it_leaves_the_queue():
+    group = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
+    calls = group._cuda.calls
+    recv = group.recv([torch.ones(2)], 2, 0)
+    seen = []
+    real_fail = recv._fail
+
+    def fail(reason, cause=None):
+        seen.append(list(calls.pending))
+        real_fail(reason, cause)
+    recv._fail = fail
+    calls.drop(CommunicatorAbortedError("aborted"))
+    assert seen and seen[0] and calls.pending == [] and recv.exception() is not None
+
+
+# -- the Works kept for C++ callers (torch < 2.7) -----------------------------------------
+
+
+class FiringBackend(CpuAsCudaBackend):
+    """Issues each batch on a stand-in event the test fires (the GPU is done)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = []
+
+    def _enqueue(self, issues):
+        event = FakeEvent()
+        self.events.append(event)
+        for issue in issues:
+            issue.work._issued(None, event, issue.keepalive)
+
+
+class FiringGroup(CpuAsCudaGroup):
+    backend_class = FiringBackend
+
+
+@pytest.fixture
+def kept_group(monkeypatch):
+    """A group as on torch < 2.7, whatever torch runs here."""
+    monkeypatch.setattr(compat, "PYTHON_WORK_SURVIVES_CPP", False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    return FiringGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=5))
+
+
+def test_a_kept_work_is_let_go_once_done_and_waited_on(kept_group):
+    cuda = kept_group._cuda
+    outputs, works = [], []
+    for _ in range(40):
+        tensor = torch.ones(4)
+        works.append(kept_group.allreduce([tensor], c10d.AllreduceOptions()))
+        outputs.append(weakref.ref(tensor))
+        del tensor
+    for event in cuda.events:
+        event.fired.set()  # the GPU finished all of them
+    for work in works[:20]:
+        work.wait()  # what _verify_params_across_processes does from C++
+    del works, work
+    for _ in range(100):  # later calls (their outputs stay referenced here)
+        kept_group.allreduce([torch.ones(1)], c10d.AllreduceOptions())
+    gc.collect()
+    assert all(ref() is None for ref in outputs[:20])  # done and waited: let go
+    # done but never touched: a C++ caller may still wait on them (DDP does, later)
+    assert all(ref() is not None for ref in outputs[20:])
+
+
+def test_a_work_still_running_is_kept_even_once_waited_on(kept_group):
+    tensor = torch.ones(4)
+    work = kept_group.allreduce([tensor], c10d.AllreduceOptions())
+    work.wait()  # a stream wait: the GPU is not done
+    ref = weakref.ref(work)
+    del work
+    for _ in range(100):
+        kept_group.allreduce([torch.ones(1)], c10d.AllreduceOptions())
+    assert ref() is not None
+
+
+def test_get_future_claims_a_kept_work(kept_group, monkeypatch):
+    monkeypatch.setattr(CudaWork, "get_future", lambda self: "the future")  # no CUDA future on CPU
+    work = kept_group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
+    assert not work._claimed
+    assert work.get_future() == "the future" and work._claimed  # DDP's reducer: getFuture()
+
+
+def test_calls_inside_a_coalescing_block_are_not_kept_its_covering_work_is(kept_group):
+    calls = kept_group._cuda.calls
+    kept_group._start_coalescing(CUDA)
+    inner = kept_group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
+    covering = kept_group._end_coalescing(CUDA)
+    kept = list(calls.kept.works)
+    assert covering in kept and all(w is not inner for w in kept)
+
+
+def test_kept_works_are_not_queried_while_a_cuda_graph_is_captured(kept_group, monkeypatch):
+    class Unqueryable:
+        def query(self):
+            raise AssertionError("cudaEventQuery during a capture invalidates it")
+
+    calls = kept_group._cuda.calls
+    for _ in range(100):
+        kept_group.allreduce([torch.ones(1)], c10d.AllreduceOptions())
+    for work in calls.kept.works:
+        work._event, work._claimed = Unqueryable(), True
+    capture(monkeypatch, True)
+    for _ in range(200):
+        kept_group.allreduce([torch.ones(1)], c10d.AllreduceOptions())  # no prune, no query

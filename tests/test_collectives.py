@@ -1,5 +1,7 @@
-"""Bad input gets a typed error before anything is enqueued; good input maps to the right
-NCCL calls. Pure logic on CPU: a stand-in group sends CPU tensors down the NCCL path and a
+"""Each collective's CUDA body (cupycoll.collectives) and its argument checks
+(cupycoll._args): bad input gets a typed error before anything is enqueued; good input maps
+to the right NCCL calls, and a PREMUL_SUM's op and factor tensor live as long as the call
+needs them. Pure logic on CPU: a stand-in group sends CPU tensors down the NCCL path and a
 recording communicator stands in for NCCL (the GPU tier runs the same calls for real)."""
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 import cupycoll
-from cupycoll import _cuda, nccl_bindings as nb
+from cupycoll import _args, _cuda, collectives, nccl_bindings as nb
 from cupycoll.backend import CudaBackend
-from cupycoll.errors import (CupycollError, CupycollTypeError, CupycollValueError,
-                             MissingDependencyError, NoCudaDeviceError)
+from cupycoll.errors import (CommunicatorAbortedError, CupycollError, CupycollTypeError,
+                             CupycollValueError, MissingDependencyError, NcclError, NoCudaDeviceError)
 from cupycoll.process_group import ProcessGroupCupycoll
 from standins import CpuAsCudaGroup
 
@@ -419,7 +421,113 @@ def test_errors_are_one_family():
     assert issubclass(CupycollValueError, ValueError) and issubclass(CupycollTypeError, TypeError)
 
 
-# ---- the real group on this machine ----------------------------------------------------
+# ---- PREMUL_SUM: the op's lifetime and the factor tensor's ----------------------------
+class PremulComm:
+    """A communicator whose all_reduce meets ``error``; ``abort`` says whether an abort
+    happened first (then its comm_ptr is 0 and ncclRedOpDestroy fails)."""
+
+    def __init__(self, error, abort):
+        self.state, self.error, self.abort, self.destroyed = "ok", error, abort, []
+
+    def create_premul_sum(self, scalar, dtype, on_device):
+        return 7
+
+    def all_reduce(self, *args):
+        if self.abort:
+            self.state = "aborted"
+        raise self.error
+
+    def destroy_op(self, op):
+        if self.state != "ok":
+            raise NcclError(4, "ncclRedOpDestroy", "invalid argument (NULL communicator)")
+        self.destroyed.append(op)
+
+
+def _premul_launch():
+    red = _args.reduction_plan(torch.ones(4), dist._make_nccl_premul_sum(0.5), "nccl", 2)
+    return collectives._reduce_launch(red, torch.float32,
+                                      lambda comm, op, s: comm.all_reduce(1, 1, 4, red.dtype, op, s))
+
+
+def test_premul_sum_on_an_aborted_communicator_raises_the_abort():
+    # The op goes with the aborted communicator: destroying it would raise NCCL's invalid
+    # argument in place of the abort's error.
+    launch, prepare = _premul_launch()
+    comm = PremulComm(CommunicatorAbortedError("the NCCL communicator on cuda:0 was aborted"), abort=True)
+    prepare(comm)
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        launch(comm, 0)
+    assert comm.destroyed == []  # it went with the communicator
+
+
+def test_premul_sum_failing_on_a_healthy_communicator_still_destroys_its_op():
+    launch, prepare = _premul_launch()
+    comm = PremulComm(NcclError(5, "ncclAllReduce", "invalid usage"), abort=False)
+    prepare(comm)
+    with pytest.raises(NcclError, match="ncclAllReduce"):
+        launch(comm, 0)
+    assert comm.destroyed == [7]
+
+
+class KeepaliveBackend(RecordingBackend):
+    def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), **kwargs):
+        self.keepalives.append(keepalive)
+        return super().submit(op_name, device, outputs, launch, finish, keepalive, **kwargs)
+
+
+class KeepaliveGroup(LogicGroup):
+    backend_class = KeepaliveBackend
+
+
+def _tensors(kept):
+    if isinstance(kept, torch.Tensor):
+        return [kept]
+    if isinstance(kept, (list, tuple)):
+        return [t for item in kept for t in _tensors(item)]
+    return []
+
+
+@pytest.fixture(params=["nccl", "ring"])
+def keep_group(request):
+    group = KeepaliveGroup(None, 0, 2, datetime.timedelta(seconds=5))
+    group.submitted = group._cuda.submitted = []
+    group._cuda.prepared, group._cuda.keepalives, group.ring_calls = [], [], []
+    group._cuda.ring = lambda comm: RecordingRing(group.ring_calls, [], group._cuda)
+    group._cuda.settings = dataclasses.replace(group._cuda.settings, algorithm=request.param)
+    return group
+
+
+def _premul(factor, options):
+    options.reduceOp = dist._make_nccl_premul_sum(factor)
+    return options
+
+
+PREMUL_CALLS = {
+    "all_reduce": lambda g, f: g.allreduce([torch.ones(4)], _premul(f, dist.AllreduceOptions())),
+    "reduce": lambda g, f: g.reduce([torch.ones(4)], _premul(f, dist.ReduceOptions())),
+    "reduce_scatter": lambda g, f: g.reduce_scatter([torch.ones(2)], [[torch.ones(2), torch.ones(2)]],
+                                                    _premul(f, dist.ReduceScatterOptions())),
+    "reduce_scatter_tensor": lambda g, f: g._reduce_scatter_base(torch.ones(2), torch.ones(4),
+                                                                 _premul(f, c10d.ReduceScatterOptions())),
+}
+
+
+@pytest.mark.parametrize("call", sorted(PREMUL_CALLS))
+def test_the_premul_sum_factor_tensor_is_in_the_calls_keepalive(keep_group, call):
+    if call == "reduce" and keep_group._cuda.settings.algorithm == "ring":
+        pytest.skip("the ring has no reduce: it runs on NCCL")
+    factor = torch.tensor([0.5])
+    PREMUL_CALLS[call](keep_group, factor)
+    kept = _tensors(keep_group._cuda.keepalives[-1])
+    assert any(t.data_ptr() == factor.data_ptr() for t in kept)  # not just the data
+
+
+def test_a_number_premul_factor_keeps_nothing_extra():
+    plan = _args.reduction_plan(torch.ones(2), ar_opts(dist._make_nccl_premul_sum(0.5)).reduceOp, "ring", 2)
+    assert _args.factor_tensor(plan) is None and plan.premul == 0.5
+
+
+# ---- the real group on this machine ---------------------------------------------------
 @pytest.fixture
 def real_group():
     store = dist.HashStore()

@@ -1,11 +1,13 @@
 """Timeout diagnosis (cupycoll.diagnosis) and the collective mismatch check
-(cupycoll.mismatch): pure message builders, a real TCPStore in-process, dead stores, and
+(cupycoll.mismatch): pure message builders, a real TCPStore in-process, dead stores, the
+responder that answers for a rank busy elsewhere (never over the rank's own record), and
 real processes on gloo (tests/workers/trace_worker.py)."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import threading
 import time
@@ -18,6 +20,7 @@ from cupycoll import diagnosis, mismatch, trace
 from cupycoll import recorder as rec_mod
 
 from mp import run_ranks
+from test_faults import eventually
 
 STUCK = {"seq": 42, "op": "all_reduce", "desc": "all_reduce #42 (float32[1048576])"}
 IN_42 = {"seq": 42, "op": "all_reduce"}
@@ -254,10 +257,91 @@ def test_the_responder_drops_a_dead_store_and_ends():
     assert not responder.running
 
 
+def test_a_store_error_that_ends_serving_a_group_is_a_warning(caplog):
+    responder = diagnosis.Responder()
+    with caplog.at_level(logging.WARNING, logger="cupycoll"):
+        responder.serve(RaisingStore(), recorders(2)[1], interval=0.01)
+        assert eventually(lambda: not responder.running)
+    assert any(r.levelno == logging.WARNING and "no longer answering" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_looks_like_timeout():
     assert diagnosis.looks_like_timeout(RuntimeError("[gloo] Timed out waiting 1000ms for recv"))
     assert diagnosis.looks_like_timeout(TimeoutError())
     assert not diagnosis.looks_like_timeout(RuntimeError("Connection closed by peer"))
+
+
+# -- the responder: a rank's own record, and its answers for a peer -----------------------
+
+
+def timed_out_in_the_first_collective(group):
+    # a group name of its own per test: the store keys (and the process' claims) are per
+    # group, incarnation and collective, and these recorders are all incarnation 0
+    recorder = rec_mod.Recorder(group, [0, 1], 1)
+    entry = recorder.record("all_reduce", ((4,),), (torch.float32,))
+    mine = diagnosis.progress(recorder)  # it timed out in #1 and publishes that
+    recorder.mark(entry, "failed")  # the gloo route then marks the entry failed
+    return recorder, mine, diagnosis.key_prefix(group, recorder.incarnation)
+
+
+def publish_own_record(store, recorder, mine):
+    # the rank's own diagnosis (rank 0 stays silent: it returns after its short wait)
+    return diagnosis.diagnose(store, recorder.group, 1, 2, mine, 30, wait_s=0.3,
+                              incarnation=recorder.incarnation)
+
+
+def test_the_responder_keeps_its_ranks_own_record():
+    store = dist.HashStore()
+    recorder, mine, prefix = timed_out_in_the_first_collective("own record kept")
+    publish_own_record(store, recorder, mine)  # with its own request, #1 of the group
+    diagnosis._Served(store, recorder, None, 0.01).poll()
+    assert json.loads(store.get(f"{prefix}/1/1")) == mine
+    assert store.add(f"{prefix}/1/count", 0) == 1
+
+
+def test_the_own_record_outlasts_an_answer_being_written_at_that_moment():
+    # Ranks 0 and 1 time out together: rank 0's request wakes rank 1's responder while rank 1
+    # publishes its own record. The responder's answer must not land on top of it.
+    store = dist.HashStore()
+    recorder, mine, prefix = timed_out_in_the_first_collective("own record outlasts")
+    store.add(f"{prefix}/requests", 1)
+    store.set(f"{prefix}/request/1", "1")  # rank 0's request for #1
+    writing, release = threading.Event(), threading.Event()
+
+    class PausedAnswers:  # the responder's store: its write waits for the test
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def set(self, key, value):
+            writing.set()
+            release.wait(5)
+            store.set(key, value)
+    responder = threading.Thread(target=diagnosis._Served(PausedAnswers(), recorder, None, 0.01).poll)
+    responder.start()
+    assert writing.wait(5)  # the responder decided to answer and is writing
+    own = threading.Thread(target=publish_own_record, args=(store, recorder, mine))
+    own.start()
+    deadline = time.monotonic() + 0.5  # the own record waits for the answer, never lands under it
+    while not store.check([f"{prefix}/1/1"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    responder.join(5)
+    own.join(5)
+    # (the publishing thread may outlive the short diagnosis: wait for its write)
+    assert eventually(lambda: json.loads(store.get(f"{prefix}/1/1")) == mine)
+
+
+def test_a_peers_request_is_still_answered():
+    store = dist.HashStore()
+    recorder = rec_mod.Recorder("g", [0, 1], 1)
+    recorder.record("broadcast", ((4,),), (torch.float32,))
+    prefix = diagnosis.key_prefix("g", recorder.incarnation)
+    store.add(f"{prefix}/requests", 1)
+    store.set(f"{prefix}/request/1", "2")  # rank 0 timed out in #2
+    diagnosis._Served(store, recorder, None, 0.01).poll()
+    assert json.loads(store.get(f"{prefix}/2/1"))["last_issued"] == 1
+    assert store.add(f"{prefix}/2/count", 0) == 1
 
 
 # -- the mismatch check -------------------------------------------------------------------

@@ -32,17 +32,7 @@ from cupycoll.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 from cupycoll.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
 from cupycoll.work import CudaWork
-from standins import CUDA, CpuAsCudaGroup
-
-
-class FakeEvent:
-    """A CUDA event stand-in: ``query()`` turns True when the test says the GPU is done."""
-
-    def __init__(self):
-        self.fired = threading.Event()
-
-    def query(self):
-        return self.fired.is_set()
+from standins import CUDA, CpuAsCudaGroup, FakeEvent
 
 
 class FakeComm:

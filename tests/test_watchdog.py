@@ -25,7 +25,7 @@ from cupycoll import watchdog as watchdog_module
 from cupycoll import watchdog_cuda
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
 from cupycoll.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
-from test_faults import FakeComm, FakeEvent, eventually, issued_work, make_group
+from test_faults import FakeComm, eventually, issued_work, make_group
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -66,7 +66,7 @@ class KernelEndingComm(FakeComm):
 
 
 @pytest.mark.parametrize("how", ["watchdog", "user abort"])
-def test_d1_works_are_failed_before_the_abort_and_released_after(how):
+def test_works_are_failed_before_the_abort_and_released_after(how):
     group = make_group()
     work, event = issued_work(seq=5)
     comm = group._cuda.comm = KernelEndingComm(work, event)
@@ -84,7 +84,7 @@ def test_d1_works_are_failed_before_the_abort_and_released_after(how):
 # -- D2: an event query that raises is the group's fault ------------------------------
 
 
-def test_d2_a_raising_event_query_is_the_groups_fault_not_a_silent_loop():
+def test_a_raising_event_query_is_the_groups_fault_not_a_silent_loop():
     faults = []
     watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=faults.append)
     work = stuck_work()
@@ -96,7 +96,7 @@ def test_d2_a_raising_event_query_is_the_groups_fault_not_a_silent_loop():
     assert work.exception() is fault
 
 
-def test_d2_d14_shutdown_with_a_sticky_cuda_error_aborts_and_never_raises():
+def test_shutdown_with_a_sticky_cuda_error_aborts_and_never_raises():
     group = make_group()
     comm = group._cuda.comm = FakeComm()
     work = stuck_work()
@@ -107,7 +107,7 @@ def test_d2_d14_shutdown_with_a_sticky_cuda_error_aborts_and_never_raises():
     assert work.exception() is not None
 
 
-def test_d2_terminate_exits_on_a_sticky_cuda_error():
+def test_terminate_exits_on_a_sticky_cuda_error():
     result = run_script("""
         import time
         from test_watchdog import RaisingEvent, stuck_work
@@ -125,7 +125,7 @@ def test_d2_terminate_exits_on_a_sticky_cuda_error():
 # -- D3: fault handling runs off the watchdog thread, bounded -------------------------
 
 
-def test_d3_a_hung_abort_in_one_group_does_not_blind_the_others():
+def test_a_hung_abort_in_one_group_does_not_blind_the_others():
     watchdog = Watchdog()
     hang, b_faulted = threading.Event(), threading.Event()
     a = Watch("a", timeout=0.05, interval=0.01, communicators=list, on_fault=lambda f: hang.wait(30))
@@ -141,7 +141,7 @@ def test_d3_a_hung_abort_in_one_group_does_not_blind_the_others():
         hang.set()
 
 
-def test_d3_terminate_exits_even_when_the_abort_hangs():
+def test_terminate_exits_even_when_the_abort_hangs():
     result = run_script("""
         import threading, time
         from test_watchdog import stuck_work
@@ -156,7 +156,7 @@ def test_d3_terminate_exits_even_when_the_abort_hangs():
     assert "all_reduce #9" in result.stderr and "still alive" not in result.stdout
 
 
-def test_d3_a_stuck_watchdog_is_detected_by_its_heartbeat_and_terminate_exits():
+def test_a_stuck_watchdog_is_detected_by_its_heartbeat_and_terminate_exits():
     result = run_script("""
         import threading, time
         from test_watchdog import stuck_work
@@ -184,7 +184,7 @@ class RaisingComm(FakeComm):
         raise RuntimeError("cudaErrorIllegalAddress while aborting")
 
 
-def test_d4_a_raising_abort_still_aborts_the_other_comms_and_fails_the_works():
+def test_a_raising_abort_still_aborts_the_other_comms_and_fails_the_works():
     group = make_group()
     first, second = RaisingComm(), FakeComm()
     group._cuda._p2p_comms[1] = first
@@ -199,7 +199,7 @@ def test_d4_a_raising_abort_still_aborts_the_other_comms_and_fails_the_works():
     assert isinstance(work.exception(), CommunicatorAbortedError) and work._keepalive is None
 
 
-def test_d4_terminate_exits_when_the_abort_raises():
+def test_terminate_exits_when_the_abort_raises():
     result = run_script("""
         import time
         from test_watchdog import stuck_work
@@ -218,7 +218,7 @@ def test_d4_terminate_exits_when_the_abort_raises():
 # -- D10, D13: configuration ----------------------------------------------------------
 
 
-def test_d10_the_default_timeout_is_cupycolls_not_torchs_30_minutes(monkeypatch):
+def test_the_default_timeout_is_cupycolls_not_torchs_30_minutes(monkeypatch):
     monkeypatch.delenv("CUPYCOLL_TIMEOUT", raising=False)
     dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -229,19 +229,19 @@ def test_d10_the_default_timeout_is_cupycolls_not_torchs_30_minutes(monkeypatch)
 
 @pytest.mark.parametrize("name,value", [("watchdog_interval", float("inf")), ("watchdog_interval", 61),
                                         ("timeout", float("inf")), ("timeout", 1e12)])
-def test_d13_unusable_values_are_rejected_naming_them(name, value):
+def test_unusable_values_are_rejected_naming_them(name, value):
     with pytest.raises(CupycollValueError, match=f"Options.{name}="):
         cupycoll.Options(**{name: value})
 
 
-def test_d13_unusable_environment_values_are_rejected_naming_them():
+def test_unusable_environment_values_are_rejected_naming_them():
     with pytest.raises(CupycollValueError, match="CUPYCOLL_TIMEOUT='inf'"):
         config.resolve(None, None, {"CUPYCOLL_TIMEOUT": "inf"})
     with pytest.raises(CupycollValueError, match="CUPYCOLL_WATCHDOG_INTERVAL='inf'"):
         config.resolve(None, None, {"CUPYCOLL_WATCHDOG_INTERVAL": "inf"})
 
 
-def test_d13_the_watchdog_restarts_after_its_thread_died(monkeypatch):
+def test_the_watchdog_restarts_after_its_thread_died(monkeypatch):
     watchdog = Watchdog()
     real = watchdog._poll_once
     calls = []
@@ -272,7 +272,7 @@ class SlowDoneEvent:
         return True
 
 
-def test_d11_drain_and_the_watchdog_never_drop_an_unfinished_work():
+def test_drain_and_the_watchdog_never_drop_an_unfinished_work():
     for _ in range(10):
         watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
         done, unfinished = stuck_work(seq=1), stuck_work(seq=2)
@@ -290,7 +290,7 @@ def test_d11_drain_and_the_watchdog_never_drop_an_unfinished_work():
 # -- R5, D14: shutdown ------------------------------------------------------------------
 
 
-def test_r5_shutdown_waits_a_short_grace_not_the_timeout(monkeypatch):
+def test_shutdown_waits_a_short_grace_not_the_timeout(monkeypatch):
     monkeypatch.setattr(lifecycle, "SHUTDOWN_GRACE", 0.2)
     group = make_group(timeout=30)
     comm = group._cuda.comm = FakeComm()
@@ -308,7 +308,7 @@ class FailingShutdownComm(FakeComm):
         raise RuntimeError("cudaErrorLaunchFailure in ncclCommFinalize")
 
 
-def test_d14_a_communicator_shutdown_that_raises_falls_back_to_abort():
+def test_a_communicator_shutdown_that_raises_falls_back_to_abort():
     group = make_group()
     comm = group._cuda.comm = FailingShutdownComm()
     with pytest.warns(RuntimeWarning, match="cudaErrorLaunchFailure"):
@@ -362,7 +362,7 @@ def test_exit_aborts_a_group_whose_fault_is_still_being_diagnosed():
 
 
 @pytest.mark.parametrize("hang", [False, True])
-def test_d15_exit_aborts_undestroyed_groups_with_a_warning_and_a_deadline(hang):
+def test_exit_aborts_undestroyed_groups_with_a_warning_and_a_deadline(hang):
     result = run_script(_EXIT_SCRIPT.format(hang=hang), timeout=60)
     ended = time.time()
     no_threads_at_exit = sys.version_info >= (3, 12)  # then faulthandler bounds the abort
@@ -379,7 +379,7 @@ def test_d15_exit_aborts_undestroyed_groups_with_a_warning_and_a_deadline(hang):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_r14_a_forked_child_gets_a_fresh_watchdog():
+def test_a_forked_child_gets_a_fresh_watchdog():
     result = run_script("""
         import os, threading, time
         from test_watchdog import stuck_work
@@ -450,7 +450,7 @@ def _released_when_done(how):
 
 
 @pytest.mark.parametrize("how", ["watchdog", "drain"])
-def test_review1_a_completed_work_still_held_releases_its_tensors(how):
+def test_a_completed_work_still_held_releases_its_tensors(how):
     # torch < 2.7 keeps the last 1,024 Works alive (backend._kept): a completed one must not
     # pin its inputs and staging buffers until the caller happens to ask is_completed().
     watch, work, gone = _released_when_done(how)
@@ -458,7 +458,7 @@ def test_review1_a_completed_work_still_held_releases_its_tensors(how):
     assert work.is_success() and work.result()  # the outputs are the caller's, kept
 
 
-def test_review1_a_work_done_only_because_it_failed_late_keeps_its_tensors_for_the_abort():
+def test_a_work_done_only_because_it_failed_late_keeps_its_tensors_for_the_abort():
     watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
     watch.close(CommunicatorAbortedError("the group is being aborted"))
     work, _ = issued_work()
@@ -502,7 +502,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", FakeDeviceGuard)
 
 
-def test_review2_the_watchdog_thread_queries_events_on_the_groups_device(fake_cuda):
+def test_the_watchdog_thread_queries_events_on_the_groups_device(fake_cuda):
     # Else cudaEventQuery on a thread that never chose a device creates a context on cuda:0.
     watchdog = Watchdog()
     watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
@@ -518,7 +518,7 @@ def test_review2_the_watchdog_thread_queries_events_on_the_groups_device(fake_cu
         watchdog.stop()
 
 
-def test_review2_drain_queries_on_the_groups_device_and_restores_the_callers(fake_cuda):
+def test_drain_queries_on_the_groups_device_and_restores_the_callers(fake_cuda):
     watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail, device=1)
     work = stuck_work()
     work._event = event = DeviceSeeingEvent(done=True)
@@ -528,7 +528,7 @@ def test_review2_drain_queries_on_the_groups_device_and_restores_the_callers(fak
     assert FakeDeviceGuard.current[threading.get_ident()] is None  # the caller's, back
 
 
-def test_review2_no_device_yet_no_guard(fake_cuda):
+def test_a_watch_with_no_device_yet_queries_without_switching_device(fake_cuda):
     watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
     work = stuck_work()
     work._event = event = DeviceSeeingEvent(done=True)
@@ -545,7 +545,7 @@ class FakeDriver:
         return self.status
 
 
-def test_review3_the_watchdog_thread_puts_itself_in_thread_local_capture_mode(monkeypatch):
+def test_the_watchdog_thread_puts_itself_in_thread_local_capture_mode(monkeypatch):
     driver = FakeDriver()
     monkeypatch.setattr(watchdog_cuda, "_driver", lambda: driver)
     watchdog = Watchdog()
@@ -564,7 +564,7 @@ def _missing_driver():
 
 
 @pytest.mark.parametrize("driver", [_missing_driver, lambda: FakeDriver(status=3), lambda: object()])
-def test_review3_without_a_usable_driver_the_watchdog_still_watches(monkeypatch, driver):
+def test_without_a_usable_driver_the_watchdog_still_watches(monkeypatch, driver):
     monkeypatch.setattr(watchdog_cuda, "_driver", driver)
     assert watchdog_cuda.use_thread_local_capture_mode() is False  # fails soft
     watchdog = Watchdog()
@@ -611,7 +611,7 @@ class CaptureRefusedEvent:
 
 
 @pytest.mark.parametrize("error", _capture_errors(), ids=repr)
-def test_review3_a_query_refused_during_a_capture_is_not_done_yet_not_a_fault(error):
+def test_a_query_refused_during_a_capture_is_not_done_yet_not_a_fault(error):
     watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
     work = stuck_work()
     work._event = event = CaptureRefusedEvent(error)
@@ -621,7 +621,7 @@ def test_review3_a_query_refused_during_a_capture_is_not_done_yet_not_a_fault(er
     assert watch.poll() is None and not watch.inflight and work.is_success()
 
 
-def test_review3_a_capture_refusing_queries_past_the_timeout_is_a_timeout():
+def test_a_capture_refusing_queries_past_the_timeout_is_a_timeout():
     faults = []
     watch = Watch("g", timeout=0.01, interval=0.01, communicators=list, on_fault=faults.append)
     work = stuck_work(seq=4)
@@ -632,7 +632,7 @@ def test_review3_a_capture_refusing_queries_past_the_timeout_is_a_timeout():
     assert isinstance(fault, CollectiveTimeoutError) and "all_reduce #4" in str(fault)
 
 
-def test_review3_other_query_errors_stay_faults():
+def test_query_errors_other_than_a_capture_stay_faults():
     illegal = RuntimeError("CUDA error: an illegal memory access was encountered")
     assert not watchdog_cuda.is_capture_error(illegal)
     assert not watchdog_cuda.is_capture_error(AcceleratorErrorLike("CUDA error: unspecified launch failure", 719))

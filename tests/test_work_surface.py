@@ -2,7 +2,8 @@
 runs the suite (every CI leg): wait, wait(timeout), is_completed, is_success, exception,
 result, get_future and source_rank, for collectives, barrier, send and recv (a fixed source
 and any source), and a recv not finished yet. Two ranks in processes, one launch per backend
-(tests/workers/work_surface_worker.py); the CUDA route's Work is tests/test_watchdog.py's.
+(tests/workers/work_surface_worker.py); the CUDA route's Work is tests/test_work.py's
+and, under the watchdog, tests/test_faults.py's and tests/test_watchdog.py's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,144 @@
+"""NCCL calls counted while they run (cupycoll.call_guard), on CPU with a scripted NCCL
+library: an abort from another thread waits for a call, or an open NCCL group, under way on
+the communicator (at most ``call_guard.ENTER_WAIT_S``) before it frees it; a call it freed
+the communicator under says so; and an abort on the calling thread itself, also inside the
+communicator's lock, never waits for that thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cupycoll import call_guard
+from cupycoll import nccl_bindings as nb
+from cupycoll.errors import CommunicatorAbortedError, NcclError
+from test_faults import ScriptedLibrary, grouping_comm, no_device, polling_comm  # noqa: F401 - no_device: a fixture
+
+
+class SlowCallLibrary(ScriptedLibrary):
+    """ncclAllReduce blocks until released; the order of events is recorded."""
+
+    def __init__(self):
+        super().__init__([nb.ncclSuccess])
+        self.inside, self.release, self.events = threading.Event(), threading.Event(), []
+        self.fail_with = None
+
+    def ncclAllReduce(self, *args):
+        self.events.append(("call", args[-2]))  # the communicator handle NCCL got
+        self.inside.set()
+        self.release.wait(10)
+        self.events.append("call returned")
+        if self.fail_with is not None:
+            raise self.fail_with
+        return nb.ncclSuccess
+
+    def ncclCommAbort(self, comm):
+        self.events.append("ncclCommAbort")
+        return 0
+
+
+def test_abort_waits_for_an_nccl_call_under_way(no_device, monkeypatch):
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # a late main thread must not outwait it
+    comm = polling_comm([nb.ncclSuccess])
+    lib = comm._lib = SlowCallLibrary()
+    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
+    caller.start()
+    assert lib.inside.wait(5)
+    aborter = threading.Thread(target=comm.abort)
+    aborter.start()
+    aborter.join(0.2)
+    assert aborter.is_alive() and "ncclCommAbort" not in lib.events  # not under the call
+    lib.release.set()
+    caller.join(5)
+    aborter.join(5)
+    assert lib.events == [("call", 1234), "call returned", "ncclCommAbort"]
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):  # never a NULL handle
+        comm.all_reduce(1, 1, 4, 7, 0, 0)
+
+
+def test_a_call_an_abort_freed_its_communicator_under_says_aborted(no_device, monkeypatch):
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)  # a call blocked in NCCL
+    comm = polling_comm([nb.ncclSuccess])
+    lib = comm._lib = SlowCallLibrary()
+    lib.fail_with = NcclError(4, "ncclAllReduce", "invalid argument")
+    errors = []
+
+    def call():
+        try:
+            comm.all_reduce(1, 1, 4, 7, 0, 0)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert lib.inside.wait(5)
+    comm.abort()  # gives up waiting after ENTER_WAIT_S: only the abort ends a blocked call
+    assert "ncclCommAbort" in lib.events and "call returned" not in lib.events
+    lib.release.set()
+    caller.join(5)
+    assert isinstance(errors[0], CommunicatorAbortedError) and isinstance(errors[0].__cause__, NcclError)
+
+
+def test_an_abort_on_the_calling_thread_itself_does_not_wait(no_device):
+    comm = polling_comm([nb.ncclSuccess])
+    started = []
+
+    class Reentrant(ScriptedLibrary):
+        def ncclAllReduce(self, *args):
+            start = time.monotonic()
+            comm.abort()  # abort_all from a signal handler, on this thread
+            started.append(time.monotonic() - start)
+            return nb.ncclSuccess
+
+    comm._lib = Reentrant([nb.ncclSuccess])
+    comm.all_reduce(1, 1, 4, 7, 0, 0)
+    assert started[0] < 0.5 and comm.state == "aborted"
+
+
+def test_an_abort_on_a_thread_holding_the_communicator_lock_does_not_hang(no_device):
+    # A signal handler (abort_all) runs between bytecodes, also inside one of the lock's
+    # blocks on the issuing thread: the abort must get through on that same thread.
+    comm = polling_comm([nb.ncclSuccess])
+    done = threading.Event()
+
+    def interrupted_inside_the_lock():
+        with comm._lock:
+            comm.abort()
+        done.set()
+    threading.Thread(target=interrupted_inside_the_lock, daemon=True).start()
+    assert done.wait(3) and comm.state == "aborted"
+
+
+def test_an_abort_waits_for_an_open_nccl_group_to_end(no_device, monkeypatch):
+    # The calls of a group really launch (and connect) in ncclGroupEnd: an abort on another
+    # thread must not free the communicator under it.
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # a late main thread must not outwait it
+    inside_end, release = threading.Event(), threading.Event()
+
+    def slow_group_end():
+        inside_end.set()
+        release.wait(10)
+
+    comm, events = grouping_comm(slow_group_end)
+
+    raised = []
+
+    def grouped_send():
+        try:
+            with comm.group():
+                comm._settle("ncclSend", nb.ncclSuccess)
+        except CommunicatorAbortedError as exc:  # polled after the end: aborted meanwhile
+            raised.append(exc)
+    caller = threading.Thread(target=grouped_send)
+    caller.start()
+    assert inside_end.wait(5)
+    aborter = threading.Thread(target=comm.abort)
+    aborter.start()
+    aborter.join(0.2)
+    assert aborter.is_alive() and events == ["start"]
+    release.set()
+    caller.join(5)
+    aborter.join(5)
+    assert events == ["start", "end", "abort"] and comm._callers == []
+    assert len(raised) == 1
