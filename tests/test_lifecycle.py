@@ -1,17 +1,94 @@
-"""How a CUDA group ends (cupycoll.lifecycle) while a fault is being diagnosed, on CPU with
-stand-ins: a shutdown then aborts the group at once, and a group torch drops meanwhile is
-held until its abort has run. The abort order, the bounded shutdown and the abort at
-process exit are in tests/test_watchdog.py; races between aborts in
-tests/test_abort_races.py."""
+"""A CUDA group's lifetime (cupycoll.lifecycle), on CPU with stand-ins: which issued Works
+the watchdog watches (none issued while a CUDA graph is captured, a coalescing block's
+covering Work included; a watchdog whose thread died is started again by the next tracked
+call), and how the group ends while a fault is being diagnosed (a shutdown then aborts it at
+once, and a group torch drops meanwhile is held until its abort has run). The abort order,
+the bounded shutdown and the abort at process exit are in tests/test_watchdog.py; races
+between aborts in tests/test_abort_races.py."""
 
 from __future__ import annotations
 
+import datetime
 import gc
+import logging
 import weakref
 
+import torch
+from torch._C import _distributed_c10d as c10d
+
 from cupycoll import lifecycle
+from cupycoll.call_queue import Issue
 from cupycoll.errors import CollectiveTimeoutError
-from test_faults import FakeComm, issued_work, make_group
+from cupycoll.watchdog import Watchdog
+from cupycoll.work import CudaWork
+from standins import CUDA, FakeStream, capture
+from test_abort_races import IssuingGroup
+from test_faults import FakeComm, eventually, issued_work, make_group
+
+
+def issues_of(*ops, peer=None):
+    return [Issue(CudaWork(op, CUDA, [torch.ones(2)], seq=i), None, None, torch.ones(2), True, peer)
+            for i, op in enumerate(ops, 1)]
+
+
+# -- Works issued during a CUDA graph capture are not watched -----------------------------
+
+
+def test_calls_issued_while_capturing_are_not_handed_to_the_watchdog(monkeypatch, cuda_standins):
+    group = make_group()
+    cuda = group._cuda
+    capture(monkeypatch, True)
+    captured = issues_of("all_reduce", "broadcast")
+    cuda._track(captured, FakeStream(), True)
+    assert not cuda._watch.inflight and not cuda.life._watched
+    assert all(i.work._event is not None and not i.tracked for i in captured)  # issued all the same
+    capture(monkeypatch, False)
+    later = issues_of("all_reduce")
+    cuda._track(later, FakeStream(), True)
+    assert list(cuda._watch.inflight) == [later[0].work] and later[0].tracked
+    group.abort()
+
+
+def test_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monkeypatch):
+    group = IssuingGroup(None, 0, 2, datetime.timedelta(seconds=5))
+    capture(monkeypatch, True)
+    group._start_coalescing(CUDA)
+    group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
+    group._cuda._watch.inflight.clear()  # the stand-in's _enqueue tracked the inner Work itself
+    covering = group._end_coalescing(CUDA)
+    assert covering not in group._cuda._watch.inflight
+
+
+# -- the watchdog thread is started again after it died -----------------------------------
+
+
+def test_a_dead_watchdog_thread_is_restarted_by_the_next_tracked_call(monkeypatch, cuda_standins):
+    watchdog = Watchdog()
+    monkeypatch.setattr(lifecycle, "WATCHDOG", watchdog)
+    group = make_group()
+    cuda = group._cuda
+    failing = []
+
+    def poll_once():
+        failing.append(True)
+        raise RuntimeError("a bug in a watchdog pass")
+
+    watchdog._poll_once = poll_once
+    logging.getLogger("cupycoll").disabled = True
+    try:
+        cuda._track(issues_of("all_reduce"), FakeStream(), True)
+        assert eventually(lambda: failing and not watchdog.running)  # the thread died
+        del watchdog._poll_once  # the next thread works
+        cuda._track(issues_of("all_reduce"), FakeStream(), True)
+        assert watchdog.running and watchdog._thread is not None and watchdog._thread.is_alive()
+    finally:
+        logging.getLogger("cupycoll").disabled = False
+        cuda.life.stop_watching()
+        watchdog.stop()
+    assert eventually(lambda: not watchdog.running)
+
+
+# -- ending while a fault is being diagnosed ----------------------------------------------
 
 
 def test_shutdown_during_a_fault_diagnosis_aborts_the_group():
@@ -43,4 +120,4 @@ def test_a_group_dropped_during_a_fault_diagnosis_is_still_aborted():
     watch.handle(fault, None, claimed=True)  # the fault thread, after the diagnosis
     assert comm.aborted.is_set()
     gc.collect()
-    assert backend() is None and backend not in [weakref.ref(b) for b in lifecycle._ABORTING]
+    assert backend() is None and all(life._backend() is not None for life in lifecycle._ABORTING)
