@@ -22,7 +22,6 @@ interpreter finalizes) and :mod:`cupycoll.nccl_bindings`' library search (no
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
 import re
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from . import hooks
 from .work import FutureWork
 
 
@@ -273,16 +273,15 @@ def _reset_aliases_in_child() -> None:
     _GLOO_ALIASES_LOCK = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_aliases_in_child)
-
-
-@atexit.register
 def _leak_aliases_gloo_holds() -> None:
     # Runs before the interpreter finalizes; the extra reference is never dropped, so the
     # list (and every alias in it) outlives the process's last gloo worker.
     if _GLOO_ALIASES:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GLOO_ALIASES))
+
+
+hooks.in_forked_child("compat", _reset_aliases_in_child)
+hooks.at_exit("compat", _leak_aliases_gloo_holds)
 
 
 def shutdown(group: Optional[ProcessGroup]) -> None:

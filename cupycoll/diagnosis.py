@@ -37,7 +37,6 @@ and reading the other ranks' whole recorders (that is ``python -m cupycoll.trace
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import json
@@ -48,7 +47,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-from . import recorder as _recorder
+from . import hooks, recorder as _recorder
 from .recorder import E_OP, E_SEQ, E_SHAPES, E_DTYPES, E_STATE, Recorder, describe, \
     dump_on_timeout
 
@@ -491,6 +490,5 @@ def _after_fork_in_child() -> None:
     _own_records.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(RESPONDER.stop)
+hooks.in_forked_child("diagnosis", _after_fork_in_child)
+hooks.at_exit("diagnosis", RESPONDER.stop)

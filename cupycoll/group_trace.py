@@ -29,7 +29,6 @@ text.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import datetime
 import threading
@@ -38,7 +37,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from . import compat, diagnosis, mismatch, recorder
+from . import compat, diagnosis, hooks, mismatch, recorder
 from .config import Settings
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, PeerFailedError
 from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
@@ -52,10 +51,12 @@ _P2P = frozenset({"send", "recv", "recv_anysource"})
 _TRACES: "weakref.WeakSet[GroupTrace]" = weakref.WeakSet()
 
 
-@atexit.register
 def _forget_gloo_works() -> None:
     for trace in list(_TRACES):
         trace._gloo_open.clear()
+
+
+hooks.at_exit("group_trace", _forget_gloo_works)
 
 
 class _Pending(threading.local):

@@ -52,7 +52,6 @@ collection runs in whatever thread collects, possibly the watchdog's), and retri
 
 from __future__ import annotations
 
-import atexit
 import enum
 import faulthandler
 import logging
@@ -65,7 +64,7 @@ from typing import List, Optional
 
 import torch
 
-from . import watchdog
+from . import hooks, watchdog
 from .errors import CommunicatorAbortedError
 from .watchdog import WATCHDOG, Watch
 
@@ -418,6 +417,5 @@ def _after_fork_in_child() -> None:
         life._lock = threading.Lock()
 
 
-atexit.register(_abort_at_exit)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+hooks.at_exit("lifecycle", _abort_at_exit)
+hooks.in_forked_child("lifecycle", _after_fork_in_child)

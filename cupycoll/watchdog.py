@@ -58,7 +58,7 @@ import time
 import weakref
 from typing import Callable, List, Optional, Tuple
 
-from . import heartbeat, watchdog_cuda
+from . import heartbeat, hooks, watchdog_cuda
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
@@ -418,5 +418,4 @@ def _terminate(watch: Watch, fault: BaseException) -> None:
 
 
 WATCHDOG = Watchdog()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=WATCHDOG._after_fork_in_child)
+hooks.in_forked_child("watchdog", WATCHDOG._after_fork_in_child)
