@@ -28,23 +28,23 @@ from .work import CudaWork
 _async_requested = compat.async_requested
 
 
-def _plan(cuda, tensor: torch.Tensor, reduce_op):
+def _plan(backend, tensor: torch.Tensor, reduce_op):
     """NCCL or the ring for this reduction (the per-call override beats the group's option)."""
-    algorithm = config.algorithm_override() or cuda.settings.algorithm
-    return _args.reduction_plan(tensor, reduce_op, algorithm, cuda.size)
+    algorithm = config.algorithm_override() or backend.settings.algorithm
+    return _args.reduction_plan(tensor, reduce_op, algorithm, backend.size)
 
 
-def _ring_launch(cuda, plan: RingReduction, method: str, send_ptr, recv_ptr, count) -> Callable:
+def _ring_launch(backend, plan: RingReduction, method: str, send_ptr, recv_ptr, count) -> Callable:
     def launch(comm, stream):
-        getattr(cuda.ring(comm), method)(send_ptr, recv_ptr, count, plan.dtype, plan.op, stream,
+        getattr(backend.ring(comm), method)(send_ptr, recv_ptr, count, plan.dtype, plan.op, stream,
                                          premul=plan.premul, premul_ptr=plan.premul_ptr)
     return launch
 
 
-def _ring_prepare(cuda, plan: RingReduction, method: str, count) -> Callable:
+def _ring_prepare(backend, plan: RingReduction, method: str, count) -> Callable:
     """The prepare(comm) of a ring call: the ring's scratch and kernels, before any launch
     (once a launch has begun, a failure faults the group)."""
-    return lambda comm: cuda.ring(comm).prepare(method, count, plan.dtype, plan.op)
+    return lambda comm: backend.ring(comm).prepare(method, count, plan.dtype, plan.op)
 
 
 def _reduce_launch(red: _args.Reduction, dtype: torch.dtype,
@@ -95,70 +95,70 @@ def _grouped(launch: Callable) -> Callable:
     return grouped
 
 
-def _check_many(cuda, tensors, reference: torch.Tensor, what: str) -> None:
+def _check_many(backend, tensors, reference: torch.Tensor, what: str) -> None:
     """A list with one tensor per rank, each like ``reference`` (device, numel, dtype)."""
     for index, tensor in enumerate(tensors):
-        cuda.check_device(tensor, f"{what}[{index}]")
+        backend.check_device(tensor, f"{what}[{index}]")
         _args.check_numel(tensor, reference.numel(), f"{what}[{index}]")
     _args.check_same_dtype(tensors, reference, what)
 
 
-def all_reduce(cuda, tensors, opts) -> CudaWork:
+def all_reduce(backend, tensors, opts) -> CudaWork:
     tensor = _args.single(tensors, "all_reduce")
-    device = cuda.check_device(tensor, "all_reduce tensor")
-    plan = _plan(cuda, tensor, opts.reduceOp)
+    device = backend.check_device(tensor, "all_reduce tensor")
+    plan = _plan(backend, tensor, opts.reduceOp)
     ptr, keep = tensor.data_ptr(), (tensor, _args.factor_tensor(plan))
     if isinstance(plan, RingReduction):
-        return cuda.submit("all_reduce", device, [tensor],
-                           _ring_launch(cuda, plan, "all_reduce", ptr, ptr, tensor.numel()),
+        return backend.submit("all_reduce", device, [tensor],
+                           _ring_launch(backend, plan, "all_reduce", ptr, ptr, tensor.numel()),
                            keepalive=keep, async_op=_async_requested(opts), own_group=True,
-                           prepare=_ring_prepare(cuda, plan, "all_reduce", tensor.numel()))
+                           prepare=_ring_prepare(backend, plan, "all_reduce", tensor.numel()))
     count = tensor.numel() * plan.count_scale
     launch, prepare = _reduce_launch(plan, tensor.dtype,
                                      lambda comm, op, s: comm.all_reduce(ptr, ptr, count, plan.dtype, op, s))
-    return cuda.submit("all_reduce", device, [tensor], launch, keepalive=keep,
+    return backend.submit("all_reduce", device, [tensor], launch, keepalive=keep,
                        async_op=_async_requested(opts), prepare=prepare)
 
 
-def broadcast(cuda, tensors, opts) -> CudaWork:
+def broadcast(backend, tensors, opts) -> CudaWork:
     tensor = _args.single(tensors, "broadcast")
-    device = cuda.check_device(tensor, "broadcast tensor")
-    root = _args.check_root(opts.rootRank, cuda.size)
+    device = backend.check_device(tensor, "broadcast tensor")
+    root = _args.check_root(opts.rootRank, backend.size)
     ptr, size = tensor.data_ptr(), nbytes(tensor)
-    return cuda.submit("broadcast", device, [tensor],
+    return backend.submit("broadcast", device, [tensor],
                        lambda comm, s: comm.broadcast(ptr, ptr, size, NCCL_BYTE, root, s),
                        keepalive=tensor, async_op=_async_requested(opts))
 
 
-def reduce(cuda, tensors, opts) -> CudaWork:
+def reduce(backend, tensors, opts) -> CudaWork:
     tensor = _args.single(tensors, "reduce")
-    device = cuda.check_device(tensor, "reduce tensor")
-    root = _args.check_root(opts.rootRank, cuda.size)
-    red = _args.reduction_plan(tensor, opts.reduceOp, "nccl", cuda.size)  # the ring has no reduce
+    device = backend.check_device(tensor, "reduce tensor")
+    root = _args.check_root(opts.rootRank, backend.size)
+    red = _args.reduction_plan(tensor, opts.reduceOp, "nccl", backend.size)  # the ring has no reduce
     ptr, count = tensor.data_ptr(), tensor.numel() * red.count_scale
     launch, prepare = _reduce_launch(red, tensor.dtype,
                                      lambda comm, op, s: comm.reduce(ptr, ptr, count, red.dtype, op, root, s))
-    return cuda.submit("reduce", device, [tensor], launch, keepalive=(tensor, _args.factor_tensor(red)),
+    return backend.submit("reduce", device, [tensor], launch, keepalive=(tensor, _args.factor_tensor(red)),
                        async_op=_async_requested(opts), prepare=prepare)
 
 
-def all_gather(cuda, output_tensors, input_tensors, opts, op_name: str = "all_gather") -> CudaWork:
+def all_gather(backend, output_tensors, input_tensors, opts, op_name: str = "all_gather") -> CudaWork:
     tensor = _args.single(input_tensors, f"{op_name} input")
     outputs = _args.check_list(_args.single_list(output_tensors, f"{op_name} output"), f"{op_name} output",
-                               cuda.size)
-    device = cuda.check_device(tensor, f"{op_name} input")
-    _check_many(cuda, outputs, tensor, f"{op_name} output")
+                               backend.size)
+    device = backend.check_device(tensor, f"{op_name} input")
+    _check_many(backend, outputs, tensor, f"{op_name} output")
     size, numel = nbytes(tensor), tensor.numel()
     if all(t.data_ptr() == outputs[0].data_ptr() + i * size for i, t in enumerate(outputs)):
         # the outputs are consecutive slices of one buffer: gather straight into it
         in_ptr, out_ptr = tensor.data_ptr(), outputs[0].data_ptr()
-        return cuda.submit(op_name, device, outputs,
+        return backend.submit(op_name, device, outputs,
                            lambda comm, s: comm.all_gather(in_ptr, out_ptr, size, NCCL_BYTE, s),
                            keepalive=(tensor, outputs), async_op=_async_requested(opts))
     staging = []
 
     def prepare(comm):  # before the NCCL group: an OOM here launches nothing
-        staging.append(torch.empty(cuda.size * numel, dtype=tensor.dtype, device=device))
+        staging.append(torch.empty(backend.size * numel, dtype=tensor.dtype, device=device))
 
     def launch(comm, s):
         comm.all_gather(tensor.data_ptr(), staging[-1].data_ptr(), size, NCCL_BYTE, s)
@@ -167,36 +167,36 @@ def all_gather(cuda, output_tensors, input_tensors, opts, op_name: str = "all_ga
         flat = staging.pop()
         for index, out in enumerate(outputs):
             out.copy_(flat[index * numel:(index + 1) * numel].view_as(out))
-    return cuda.submit(op_name, device, outputs, launch, finish, keepalive=(tensor, outputs),
+    return backend.submit(op_name, device, outputs, launch, finish, keepalive=(tensor, outputs),
                        async_op=_async_requested(opts), prepare=prepare)
 
 
-def _check_flat_pair(cuda, what: str, shard, shard_name: str, whole, whole_name: str):
+def _check_flat_pair(backend, what: str, shard, shard_name: str, whole, whole_name: str):
     """The one-tensor gather/scatter forms: both tensors on the group's device (the shard's is
     returned), ``whole`` one ``shard`` per rank, in the shard's dtype."""
-    device = cuda.check_device(shard, f"{what} {shard_name}")
-    cuda.check_device(whole, f"{what} {whole_name}")
-    _args.check_numel(whole, shard.numel() * cuda.size, f"{what} {whole_name}")
+    device = backend.check_device(shard, f"{what} {shard_name}")
+    backend.check_device(whole, f"{what} {whole_name}")
+    _args.check_numel(whole, shard.numel() * backend.size, f"{what} {whole_name}")
     _args.check_same_dtype([whole], shard, f"{what} {whole_name}")
     return device
 
 
-def all_gather_into_tensor(cuda, output, input, opts) -> CudaWork:
+def all_gather_into_tensor(backend, output, input, opts) -> CudaWork:
     what = "all_gather_into_tensor"
-    device = _check_flat_pair(cuda, what, input, "input", output, "output")
+    device = _check_flat_pair(backend, what, input, "input", output, "output")
     size, in_ptr, out_ptr = nbytes(input), input.data_ptr(), output.data_ptr()
-    return cuda.submit(what, device, [output],
+    return backend.submit(what, device, [output],
                        lambda comm, s: comm.all_gather(in_ptr, out_ptr, size, NCCL_BYTE, s),
                        keepalive=(input, output), async_op=_async_requested(opts))
 
 
-def reduce_scatter(cuda, output_tensors, input_tensors, opts) -> CudaWork:
+def reduce_scatter(backend, output_tensors, input_tensors, opts) -> CudaWork:
     output = _args.single(output_tensors, "reduce_scatter output")
     inputs = _args.check_list(_args.single_list(input_tensors, "reduce_scatter input"),
-                              "reduce_scatter input", cuda.size)
-    device = cuda.check_device(output, "reduce_scatter output")
-    _check_many(cuda, inputs, output, "reduce_scatter input")
-    plan = _plan(cuda, output, opts.reduceOp)
+                              "reduce_scatter input", backend.size)
+    device = backend.check_device(output, "reduce_scatter output")
+    _check_many(backend, inputs, output, "reduce_scatter input")
+    plan = _plan(backend, output, opts.reduceOp)
     staged = [None]  # the inputs side by side, made when the call is issued
 
     def stage(comm):  # a prepare: before the NCCL group, an OOM here launches nothing
@@ -205,60 +205,60 @@ def reduce_scatter(cuda, output_tensors, input_tensors, opts) -> CudaWork:
     out_ptr, keep = output.data_ptr(), (output, inputs, staged, _args.factor_tensor(plan))
     if isinstance(plan, RingReduction):
         def launch(comm, s):
-            cuda.ring(comm).reduce_scatter(staged[0].data_ptr(), out_ptr, output.numel(), plan.dtype, plan.op,
+            backend.ring(comm).reduce_scatter(staged[0].data_ptr(), out_ptr, output.numel(), plan.dtype, plan.op,
                                            s, premul=plan.premul, premul_ptr=plan.premul_ptr)
-        return cuda.submit("reduce_scatter", device, [output], launch, keepalive=keep,
+        return backend.submit("reduce_scatter", device, [output], launch, keepalive=keep,
                            async_op=_async_requested(opts), own_group=True,
-                           prepare=_both(stage, _ring_prepare(cuda, plan, "reduce_scatter", output.numel())))
+                           prepare=_both(stage, _ring_prepare(backend, plan, "reduce_scatter", output.numel())))
     count = output.numel() * plan.count_scale
     launch, premul = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
         staged[0].data_ptr(), out_ptr, count, plan.dtype, op, s))
-    return cuda.submit("reduce_scatter", device, [output], launch, keepalive=keep,
+    return backend.submit("reduce_scatter", device, [output], launch, keepalive=keep,
                        async_op=_async_requested(opts), prepare=_both(stage, premul))
 
 
-def reduce_scatter_tensor(cuda, output, input, opts) -> CudaWork:
+def reduce_scatter_tensor(backend, output, input, opts) -> CudaWork:
     what = "reduce_scatter_tensor"
-    device = _check_flat_pair(cuda, what, output, "output", input, "input")
-    plan = _plan(cuda, output, opts.reduceOp)
+    device = _check_flat_pair(backend, what, output, "output", input, "input")
+    plan = _plan(backend, output, opts.reduceOp)
     in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
     keep = (input, output, _args.factor_tensor(plan))
     if isinstance(plan, RingReduction):
-        return cuda.submit(what, device, [output],
-                           _ring_launch(cuda, plan, "reduce_scatter", in_ptr, out_ptr, output.numel()),
+        return backend.submit(what, device, [output],
+                           _ring_launch(backend, plan, "reduce_scatter", in_ptr, out_ptr, output.numel()),
                            keepalive=keep, async_op=_async_requested(opts), own_group=True,
-                           prepare=_ring_prepare(cuda, plan, "reduce_scatter", output.numel()))
+                           prepare=_ring_prepare(backend, plan, "reduce_scatter", output.numel()))
     count = output.numel() * plan.count_scale
     launch, prepare = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
         in_ptr, out_ptr, count, plan.dtype, op, s))
-    return cuda.submit(what, device, [output], launch, keepalive=keep,
+    return backend.submit(what, device, [output], launch, keepalive=keep,
                        async_op=_async_requested(opts), prepare=prepare)
 
 
-def all_to_all(cuda, output_tensors, input_tensors, opts) -> CudaWork:
-    outputs = _args.check_list(output_tensors, "all_to_all output", cuda.size)
-    inputs = _args.check_list(input_tensors, "all_to_all input", cuda.size)
-    device = cuda.check_device(inputs[0], "all_to_all input[0]")
+def all_to_all(backend, output_tensors, input_tensors, opts) -> CudaWork:
+    outputs = _args.check_list(output_tensors, "all_to_all output", backend.size)
+    inputs = _args.check_list(input_tensors, "all_to_all input", backend.size)
+    device = backend.check_device(inputs[0], "all_to_all input[0]")
     for name, tensors in (("output", outputs), ("input", inputs)):
         for index, tensor in enumerate(tensors):
-            cuda.check_device(tensor, f"all_to_all {name}[{index}]")
+            backend.check_device(tensor, f"all_to_all {name}[{index}]")
     _args.check_same_dtype(outputs + inputs, inputs[0], "all_to_all")
     send = [(i.data_ptr(), nbytes(i)) for i in inputs]
     recv = [(o.data_ptr(), nbytes(o)) for o in outputs]
-    return cuda.submit("all_to_all", device, outputs, _exchange_with_all(send, recv),
+    return backend.submit("all_to_all", device, outputs, _exchange_with_all(send, recv),
                        keepalive=(inputs, outputs), async_op=_async_requested(opts))
 
 
-def all_to_all_single(cuda, output, input, output_split_sizes, input_split_sizes, opts) -> CudaWork:
-    device = cuda.check_device(input, "all_to_all_single input")
-    cuda.check_device(output, "all_to_all_single output")
+def all_to_all_single(backend, output, input, output_split_sizes, input_split_sizes, opts) -> CudaWork:
+    device = backend.check_device(input, "all_to_all_single input")
+    backend.check_device(output, "all_to_all_single output")
     _args.check_same_dtype([output], input, "all_to_all_single output")
     in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
     send = [(in_ptr + offset, size)
-            for offset, size in _args.split_bytes(input, input_split_sizes, cuda.size, "input")]
+            for offset, size in _args.split_bytes(input, input_split_sizes, backend.size, "input")]
     recv = [(out_ptr + offset, size)
-            for offset, size in _args.split_bytes(output, output_split_sizes, cuda.size, "output")]
-    return cuda.submit("all_to_all_single", device, [output], _exchange_with_all(send, recv),
+            for offset, size in _args.split_bytes(output, output_split_sizes, backend.size, "output")]
+    return backend.submit("all_to_all_single", device, [output], _exchange_with_all(send, recv),
                        keepalive=(input, output), async_op=_async_requested(opts))
 
 
@@ -271,30 +271,30 @@ def _exchange_with_all(send, recv) -> Callable:
     return _grouped(launch)
 
 
-def gather(cuda, output_tensors, input_tensors, opts) -> CudaWork:
-    return _rooted(cuda, "gather", input_tensors, output_tensors, opts, to_root=True)
+def gather(backend, output_tensors, input_tensors, opts) -> CudaWork:
+    return _rooted(backend, "gather", input_tensors, output_tensors, opts, to_root=True)
 
 
-def scatter(cuda, output_tensors, input_tensors, opts) -> CudaWork:
-    return _rooted(cuda, "scatter", output_tensors, input_tensors, opts, to_root=False)
+def scatter(backend, output_tensors, input_tensors, opts) -> CudaWork:
+    return _rooted(backend, "scatter", output_tensors, input_tensors, opts, to_root=False)
 
 
-def _rooted(cuda, op_name: str, own_tensors, root_lists, opts, to_root: bool) -> CudaWork:
+def _rooted(backend, op_name: str, own_tensors, root_lists, opts, to_root: bool) -> CudaWork:
     """gather (``to_root``: every rank sends its tensor to the root, which receives one per
     rank) or scatter (the root sends one per rank, every rank receives its tensor)."""
     own, many = ("input", "output") if to_root else ("output", "input")
-    root = _args.check_root(opts.rootRank, cuda.size)
+    root = _args.check_root(opts.rootRank, backend.size)
     tensor = _args.single(own_tensors, f"{op_name} {own}")
-    device = cuda.check_device(tensor, f"{op_name} {own}")
-    if cuda.rank == root:
+    device = backend.check_device(tensor, f"{op_name} {own}")
+    if backend.rank == root:
         tensors = _args.check_list(_args.single_list(root_lists, f"{op_name} {many}"), f"{op_name} {many}",
-                                   cuda.size)
-        _check_many(cuda, tensors, tensor, f"{op_name} {many}")
+                                   backend.size)
+        _check_many(backend, tensors, tensor, f"{op_name} {many}")
         chunks = [(t.data_ptr(), nbytes(t)) for t in tensors]
     else:
         if root_lists and any(len(lst) for lst in root_lists):
             raise CupycollValueError(
-                f"{op_name}: rank {cuda.rank} is not the root ({root}) and must pass no {many}s")
+                f"{op_name}: rank {backend.rank} is not the root ({root}) and must pass no {many}s")
         tensors, chunks = [], []
     ptr, size = tensor.data_ptr(), nbytes(tensor)
 
@@ -303,29 +303,29 @@ def _rooted(cuda, op_name: str, own_tensors, root_lists, opts, to_root: bool) ->
             (comm.recv if to_root else comm.send)(chunk_ptr, chunk_bytes, NCCL_BYTE, peer, s)
         (comm.send if to_root else comm.recv)(ptr, size, NCCL_BYTE, root, s)
     outputs = tensors if to_root else [tensor]
-    return cuda.submit(op_name, device, outputs, _grouped(launch), keepalive=(tensor, tensors),
+    return backend.submit(op_name, device, outputs, _grouped(launch), keepalive=(tensor, tensors),
                        async_op=_async_requested(opts))
 
 
-def point_to_point(cuda, op_name: str, tensors, peer: int) -> CudaWork:
+def point_to_point(backend, op_name: str, tensors, peer: int) -> CudaWork:
     """send or recv: queued until the batch is issued (see cupycoll.call_queue)."""
     tensor = _args.single(tensors, op_name)
-    device = cuda.check_device(tensor, f"{op_name} tensor")
-    peer = _args.check_peer(peer, cuda.rank, cuda.size)
+    device = backend.check_device(tensor, f"{op_name} tensor")
+    peer = _args.check_peer(peer, backend.rank, backend.size)
     ptr, size = tensor.data_ptr(), nbytes(tensor)
     if op_name == "send":
         launch = lambda comm, s, comm_peer: comm.send(ptr, size, NCCL_BYTE, comm_peer, s)
     else:
         launch = lambda comm, s, comm_peer: comm.recv(ptr, size, NCCL_BYTE, comm_peer, s)
-    return cuda.submit(op_name, device, [tensor], launch, keepalive=tensor, peer=peer, async_op=True)
+    return backend.submit(op_name, device, [tensor], launch, keepalive=tensor, peer=peer, async_op=True)
 
 
-def barrier(cuda, device: torch.device) -> CudaWork:
+def barrier(backend, device: torch.device) -> CudaWork:
     """Like ProcessGroupNCCL: a one-byte all-reduce whose wait() blocks the CPU."""
-    cuda.check_usable()  # the group's routing checks are skipped for barrier(device_ids)
-    device = cuda.device or device
+    backend.check_usable()  # the group's routing checks are skipped for barrier(device_ids)
+    device = backend.device or device
     token = torch.zeros(1, dtype=torch.uint8, device=device)
     ptr = token.data_ptr()
-    return cuda.submit("barrier", device, [token],
+    return backend.submit("barrier", device, [token],
                        lambda comm, s: comm.all_reduce(ptr, ptr, 1, NCCL_BYTE, 0, s),
                        keepalive=token, async_op=True, blocking_wait=True)
