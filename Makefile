@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 TURN        := $(if $(shell command -v flock 2>/dev/null),flock pyproject.toml)
 # Worker processes for the CPU tier (pytest-xdist; 0: in pytest's own process). One worker
 # leaves a core idle while a test waits on a timeout or a deadline; two brought the four CI
-# legs from 24.6 to 19.4 min on a 2-core machine (issue 13: 30 at most on the CI machine).
+# legs from 24.6 to 19.4 min on a 2-core machine (the CI machine allows 30 at most).
 # More would oversubscribe 2 cores with the rank processes the multi-process tests start.
 # worksteal: a worker that runs out takes the other's queued tests, so a leg does not end on
 # one busy worker.

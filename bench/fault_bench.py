@@ -31,17 +31,12 @@ import datetime
 import json
 import os
 import signal
-import socket
 import statistics
 import sys
 import threading
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from .launch import free_port
 
 
 def _host_us(call, iterations: int) -> float:
@@ -258,7 +253,7 @@ def peer_faults(nonblocking: bool, parts, trials: int, timeout: float = 120.0) -
         kinds.append("killed")  # last: it ends rank 1
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_fault_rank, args=(rank, port, nonblocking, kinds, queue)) for rank in (0, 1)]
     for proc in procs:
         proc.start()

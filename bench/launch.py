@@ -6,7 +6,8 @@ torch's elastic process launcher (``torch.distributed.elastic.multiprocessing``,
 torchrun uses): it sets each rank's environment, keeps the logs of ranks 1.. in files,
 and stops every rank as soon as one fails. The launcher hosts the rendezvous store itself,
 as torchrun's agent does (the ranks connect to it with ``TORCHELASTIC_USE_AGENT_STORE``),
-so no free port has to be guessed.
+so no free port has to be guessed. Launchers whose rank 0 hosts the store (the fault
+benchmark, tools/gpu_probe.py, the tests' harness) take a port from :func:`free_port`.
 
 What torchrun cannot do, and is why this module exists: ranks beyond the number of GPUs
 share them, and each such rank needs its own ``NCCL_HOSTID`` (NCCL refuses two ranks of
@@ -26,7 +27,9 @@ import ctypes
 import dataclasses
 import logging
 import os
+import random
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -176,6 +179,40 @@ def share_gpu_env(rank: int, environ=os.environ) -> Dict[str, str]:
     return {"NCCL_HOSTID": hostid_for(rank),
             "NCCL_SOCKET_IFNAME": environ.get("NCCL_SOCKET_IFNAME", "lo"),
             "NCCL_IB_DISABLE": environ.get("NCCL_IB_DISABLE", "1")}
+
+
+_PORTS = random.Random()  # its own generator: a caller seeding ``random`` must not pin ports
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (0 when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def free_port() -> int:
+    """A port free now that nothing else is likely to take before rank 0 binds it.
+
+    Rank 0 binds it only after importing torch (seconds on a loaded box). A port the kernel
+    handed out for ``bind(0)`` lies in its ephemeral range, from which every outgoing
+    connection meanwhile (store clients, gloo, a download) draws too; one below that range is
+    only ever taken by an explicit bind."""
+    low = _ephemeral_low()
+    if low > 20000:
+        for _ in range(100):
+            port = _PORTS.randrange(low - 10000, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def spawn(plan: Plan, argv: List[str], package: str, deadline: float = 0.0) -> int:

@@ -84,13 +84,6 @@ def parse_interval(name: str, value) -> float:
     return number
 
 
-def parse_positive_float(name: str, value) -> float:
-    number = float(_number(name, value, "a positive number"))
-    if not 0 < number < float("inf"):
-        raise CupycollValueError(f"{name}={value!r}: expected a positive number")
-    return number
-
-
 def parse_positive_int(name: str, value) -> int:
     """A positive whole number; 1.5 (or "1.5") is an error, never rounded."""
     number = _number(name, value, "a positive whole number")

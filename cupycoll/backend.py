@@ -80,7 +80,7 @@ def split_color(ranks: Sequence[int]) -> int:
 
 
 class CudaBackend:
-    """Communicators, queue, streams, watchdog tracking, rings and abort of one group."""
+    """Communicators, queue, streams and rings of one group; its state and ending are its lifetime's."""
 
     supports_coalescing = False
     supports_time_estimate = False
@@ -294,7 +294,7 @@ class CudaBackend:
         ``launch(comm, stream_ptr)`` (``launch(comm, stream_ptr, comm_peer)`` for a
         point-to-point call) makes the NCCL calls; ``prepare(comm)`` precedes its NCCL group,
         ``finish()`` follows it."""
-        # R9: one issuer at a time (NCCL forbids concurrent calls on one communicator).
+        # One issuer at a time: NCCL forbids concurrent calls on one communicator.
         with self.calls.lock:
             if self.device is None:
                 self._adopt_device(device)  # the first CUDA call picks the group's device
@@ -357,7 +357,7 @@ class CudaBackend:
         self.life.track(issues, stream, async_op, recorder, self._submitting)
 
     def _launch_all(self, issues: List[Issue], comms, stream_ptr: int, launched=None) -> None:
-        # D9: every prepare of the batch runs before its NCCL group opens, as ncclGroupEnd
+        # Every prepare of the batch runs before its NCCL group opens, as ncclGroupEnd
         # would launch a partial batch. One that raises makes no NCCL call; flush fails the
         # Works. From the first launch on (``launched``), a failure faults the group instead.
         launched = [] if launched is None else launched

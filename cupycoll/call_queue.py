@@ -144,7 +144,7 @@ class CallQueue:
         self._name = name
         self._global_ranks = list(global_ranks)
         self._blocking_wait = blocking_wait
-        # R9: held while calls are queued or issued (reentrant: a Work touched inside an issue
+        # Held while calls are queued or issued (reentrant: a Work touched inside an issue
         # flushes), so two threads never make concurrent NCCL calls on one communicator.
         # drop() (the abort path) takes none: an abort must reach an issuer stuck in NCCL.
         self.lock = threading.RLock()

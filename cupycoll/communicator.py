@@ -376,7 +376,7 @@ class Communicator(GuardedCalls):
                     handle, self._handle = self._handle, None
                     self._lib.ncclCommDestroy(handle)
                 else:
-                    self._cupy_comm.destroy()  # its status is lost (D16, see the module's docstring)
+                    self._cupy_comm.destroy()  # its status is lost (see the module's docstring)
 
     def abort(self, on_behalf_of: Optional[int] = None) -> Optional[int]:
         """ncclCommAbort: frees the communicator without waiting for peers or queued work,
@@ -386,7 +386,7 @@ class Communicator(GuardedCalls):
         thread that asked for the abort when another runs it (its call under way, if any, is
         not waited for, as the caller's own would not be)."""
         # The state changes under the lock, ncclCommAbort runs outside it: an abort that
-        # hangs (NCCL's known hangs, D3) must not stall the watchdog's async_error() on the
+        # hangs (NCCL has known hangs there) must not stall the watchdog's async_error() on the
         # lock. Every holder of the lock re-checks the state, so none touches the comm after.
         with self._lock:
             if self.state in ("aborted", "shut down"):
@@ -397,5 +397,5 @@ class Communicator(GuardedCalls):
         with _cuda.cupy_module().cuda.Device(self.device):
             if self.nonblocking:
                 return self._lib.ncclCommAbort(handle) if handle else None
-            self._cupy_comm.abort()  # its status is lost (D16, see the module's docstring)
+            self._cupy_comm.abort()  # its status is lost (see the module's docstring)
             return nccl_bindings.ncclSuccess

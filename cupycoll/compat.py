@@ -74,8 +74,8 @@ else:
 def premul_factor(reduce_op) -> Optional[object]:
     """The factor of a ``ReduceOp`` made by ``dist._make_nccl_premul_sum`` (a number or a
     one-element tensor); None when ``reduce_op`` carries none."""
-    # torch 2.13 binds ReduceOp.factor; 2.4-2.12 do not (the review found 2.11 raising
-    # "PREMUL_SUM without a factor" for a valid op). The pickling state is the same on all
+    # torch 2.13 binds ReduceOp.factor; 2.4-2.12 do not, and reading it there made a valid
+    # PREMUL_SUM op look like one without a factor. The pickling state is the same on all
     # of them: __getstate__() returns (op, factor), factor None unless PREMUL_SUM.
     if type(reduce_op) is not ReduceOp:  # a bare RedOpType carries no factor
         return None

@@ -5,9 +5,11 @@ The group calls :meth:`GroupTrace.call` once per call it routes, CPU and CUDA al
 the tensors every rank passes alike. That records the call (:mod:`cupycoll.recorder`) and,
 with ``check_collectives``, compares it across ranks first (:mod:`cupycoll.mismatch`).
 
-* A CUDA call's entry is handed to the backend (``CudaBackend.trace_entry``), which marks it
-  issued when it launches; the watchdog marks it completed, and on a timeout the backend
-  asks :meth:`GroupTrace.explain_timeout` for the message.
+* A CUDA call's entry is taken by the backend, which holds this object
+  (``CudaBackend.use_trace``): its ``submit`` calls :meth:`GroupTrace.take`, and the entry
+  is marked issued when the call's batch launches (:mod:`cupycoll.lifecycle`); the watchdog
+  marks it completed, and on a timeout asks :meth:`GroupTrace.explain_timeout` for the
+  message.
 * A CPU call goes to gloo; :meth:`GroupTrace.gloo` wraps gloo's Work in a
   :class:`TracedWork` whose ``wait()`` marks the entry completed, or, when gloo reports a
   timeout, runs the diagnosis and raises :class:`~cupycoll.CollectiveTimeoutError` with its

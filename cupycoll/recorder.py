@@ -42,7 +42,6 @@ from .errors import CupycollTypeError, CupycollValueError
 
 DEFAULT_BUFFER = 2000
 STATES = ("queued", "issued", "completed", "failed", "aborted")
-ROUTES = ("nccl", "ring", "gloo")
 UNFINISHED = ("queued", "issued")
 FORMAT = "cupycoll-trace"
 FORMAT_VERSION = 1

@@ -275,12 +275,6 @@ class Watch:
         for work in works:
             work._release()
 
-    def fail_all(self, error: BaseException) -> List[object]:
-        """Mark failed and release at once (nothing of them can still run)."""
-        failed = self.mark_failed(error)
-        self.release(failed)
-        return failed
-
 
 class Watchdog:
     """The process's watchdog thread over every registered :class:`Watch`, and the monitor

@@ -1,9 +1,9 @@
 """Run a worker script as N ranks, each in its own process, like torchrun would.
 
-Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (a free port, see
-:func:`free_port`), its own NCCL_HOSTID when several ranks share a GPU, and a hard timeout:
-a hang fails the test instead of eating the suite. On failure the message shows every
-rank's output.
+Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (a free port, from
+:func:`bench.launch.free_port`), its own NCCL_HOSTID when several ranks share a GPU, and a
+hard timeout: a hang fails the test instead of eating the suite. On failure the message
+shows every rank's output.
 
 Every rank writes its stdout and stderr to files, never to a pipe: a pipe the harness is
 not reading at that moment fills at 64 KiB, the rank blocks in write(), and its peers then
@@ -16,10 +16,8 @@ import ctypes
 import dataclasses
 import os
 import re
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,42 +28,14 @@ from typing import Dict, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 
+if str(ROOT) not in sys.path:  # bench/ of this checkout, for its port helper
+    sys.path.insert(0, str(ROOT))
+
+from bench.launch import free_port  # noqa: E402  (standard library only)
+
 # Seconds the other ranks get to finish once one rank has failed (when all must succeed):
 # a rank that died leaves its peers waiting in a collective until their own timeout.
 FAIL_GRACE_S = 15.0
-
-
-_PORTS = random.Random()  # its own generator: a test seeding ``random`` must not pin ports
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def free_port() -> int:
-    """A port free now that nothing else is likely to take before rank 0 binds it.
-
-    Rank 0 binds it only after importing torch (seconds on a loaded box). A port the kernel
-    handed out for ``bind(0)`` lies in its ephemeral range, from which every outgoing
-    connection meanwhile (store clients, gloo, a download) draws too; one below that range is
-    only ever taken by an explicit bind."""
-    low = _ephemeral_low()
-    if low > 20000:
-        for _ in range(100):
-            port = _PORTS.randrange(low - 10000, low)
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def gpu_count() -> int:

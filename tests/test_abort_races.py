@@ -1,7 +1,8 @@
-"""Races in the abort/fault path (the review after issue 14): a Work issued while an abort
-runs, calls made while a fault is being diagnosed, two aborts at once, and fork/exit. The
-interleavings are forced with seams (a communicator whose abort waits, a blocking step), so
-each test is deterministic. Each test names the finding it pins down."""
+"""Races in the abort/fault path (cupycoll.lifecycle): a Work issued while an abort runs,
+calls made while a fault is being diagnosed, two aborts at once, fork, and the bound on
+every abort a user can call. The interleavings are forced with seams (a communicator whose
+abort waits, a blocking step), so each test is deterministic. Each test is named after the
+rule it pins."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from test_faults import FakeComm, eventually, issued_work, make_group
 from test_watchdog import run_script, stuck_work
 
 
-# -- finding 1: a Work issued while an abort runs fails -----------------------------------
+# -- a Work issued while an abort runs fails ----------------------------------------------
 
 
 def test_a_work_tracked_after_the_abort_failed_the_works_fails_and_is_released():
@@ -129,7 +130,7 @@ def test_calls_are_refused_while_the_fault_is_being_diagnosed():
     assert str(stuck.exception()) == "rank 1 never reached all_reduce #3"
 
 
-# -- finding 2: a second aborter waits for the first one's ncclCommAbort -----------------
+# -- a second aborter waits for the first one's ncclCommAbort ----------------------------
 
 
 class WatchedComm(FakeComm):
@@ -213,7 +214,7 @@ def test_a_second_abort_from_the_aborting_thread_itself_returns_at_once():
     assert again and again[0] < 1.0
 
 
-# -- finding 3: fork and exit -----------------------------------------------------------
+# -- fork ---------------------------------------------------------------------------------
 
 
 _FORK_SCRIPT = """

@@ -4,7 +4,8 @@ The ranks here are a stand-in package whose behaviour the test picks through the
 environment, so that what the launcher promises is checked directly: every rank gets its
 own environment (a distinct NCCL_HOSTID when GPUs are shared) and a rendezvous store, a
 failing rank stops the others and its stderr is shown, --run_timeout ends a hung run, and a
-killed launcher takes its ranks with it.
+killed launcher takes its ranks with it. Also the port helper of launchers whose rank 0
+hosts the store (free_port).
 """
 
 from __future__ import annotations
@@ -114,3 +115,12 @@ def test_killing_the_launcher_ends_the_ranks(fake_package, monkeypatch):
     while time.monotonic() < deadline and any(process_alive(pid) for pid in pids):
         time.sleep(0.1)
     assert not any(process_alive(pid) for pid in pids)
+
+
+def test_free_ports_lie_below_the_kernels_ephemeral_range():
+    # outgoing connections draw from that range: one could take the port before rank 0 binds it
+    low = launch._ephemeral_low()
+    if low <= 20000:
+        pytest.skip(f"no usable ephemeral range here (lowest port {low})")
+    ports = [launch.free_port() for _ in range(20)]
+    assert all(low - 10000 <= port < low for port in ports) and len(set(ports)) > 1, ports

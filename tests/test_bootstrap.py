@@ -58,7 +58,7 @@ def run_ranks(store, ranks, members, timeout):
 
 @pytest.mark.parametrize("present", [[0, 1], [1, 2], [0]])
 def test_after_a_failed_creation_every_rank_gets_the_same_id(counted_ids, present):
-    # D7: the old arrival counter numbered the next incarnation differently on each rank.
+    # The ranks must number the next incarnation alike, whichever of them arrived before.
     store = dist.HashStore()
     failed = run_ranks(store, present, members=3, timeout=0.3)
     assert all(isinstance(v, CollectiveTimeoutError) for v in failed.values())
@@ -69,7 +69,7 @@ def test_after_a_failed_creation_every_rank_gets_the_same_id(counted_ids, presen
 
 
 def test_the_id_is_made_only_once_everyone_arrived(counted_ids):
-    # D12: a creation nobody joins makes no id (ncclGetUniqueId starts a thread that leaks).
+    # A creation nobody joins makes no id (ncclGetUniqueId starts a thread that would leak).
     store = dist.HashStore()
     for _ in range(3):
         with pytest.raises(CollectiveTimeoutError, match=r"all 2 ranks to join .* \(1 arrived\)"):
@@ -173,7 +173,7 @@ def test_store_keys_stay_bounded_over_many_creations(counted_ids):
 
 
 def test_failed_creations_leave_threads_and_fds_flat():
-    # D12 with the real NCCL: each ncclGetUniqueId starts a bootstrap-root thread and socket.
+    # The same with the real NCCL: each ncclGetUniqueId starts a bootstrap-root thread and socket.
     from cupycoll import _cuda
     from cupycoll.errors import MissingDependencyError
 
@@ -198,7 +198,8 @@ def test_failed_creations_leave_threads_and_fds_flat():
 
 
 def test_local_failures_raise_before_the_store_gate(monkeypatch):
-    # D8: a rank that fails after arriving leaves its peers inside blocking ncclCommInitRank.
+    # Local checks come first: a rank that failed after arriving would leave its peers inside
+    # blocking ncclCommInitRank.
     def no_device(index):
         raise NoCudaDeviceError(f"CUDA device {index} does not exist (0 visible)")
     monkeypatch.setattr("cupycoll._cuda.require_device", no_device)

@@ -268,7 +268,7 @@ def test_after_a_raising_manager_torchs_fast_path_works_again(group):
 
 
 def test_abort_fails_queued_and_coalesced_works(group):
-    # D6: a Work dropped from the queue without failing it reported success when touched.
+    # A Work dropped from the queue is failed: touched later, it must not report success.
     recv = group.recv([x()], 2, 0)
     group._cuda.calls.drop(CommunicatorAbortedError("dropped"))  # the queue alone
     assert recv.exception() is not None and group.batches == []
@@ -294,8 +294,8 @@ def test_drop_fails_the_works_with_the_given_reason(group):
 
 
 def test_two_issuing_threads_never_enqueue_at_once():
-    # R9: two threads issuing on one group (DDP's autograd threads) made concurrent NCCL
-    # calls on one communicator, which NCCL forbids; the queue's lock serialises them.
+    # Two threads issuing on one group (DDP's autograd threads) must not make concurrent
+    # NCCL calls on one communicator, which NCCL forbids: the queue's lock serialises them.
     import threading
     import time
 

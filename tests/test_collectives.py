@@ -143,8 +143,8 @@ def test_premul_sum_creates_and_destroys_op(group):
 
 
 def test_fallible_steps_run_in_prepare_before_the_nccl_group(group, monkeypatch):
-    # D9: staging allocations and PREMUL_SUM op creation can raise (OOM, old NCCL); inside
-    # an open NCCL group that launched a partial batch, so they run in prepare(), not launch.
+    # Staging allocations and PREMUL_SUM op creation can raise (OOM, old NCCL); inside an
+    # open NCCL group that would launch a partial batch, so they run in prepare(), not launch.
     allocated = []
     real_empty, real_cat = torch.empty, torch.cat
     cuda = group._cuda

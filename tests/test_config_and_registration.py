@@ -43,7 +43,7 @@ def test_an_explicit_init_timeout_beats_the_environment():
     torch_default = dist.distributed_c10d._get_default_timeout(dist.Backend("cupycoll"))
     assert torch_default in config.torch_default_timeouts()
     assert config.resolve(None, torch_default, env).timeout == 12 * SECONDS
-    # ...and without it cupycoll's default (10 min), not torch's 30 (review D10).
+    # ...and without it cupycoll's default (10 min), not torch's 30.
     assert config.resolve(None, torch_default, {}).timeout == config.DEFAULT_TIMEOUT
     # torch's nccl default (10 min on CUDA builds) is never handed to cupycoll: explicit here
     assert config.resolve(None, datetime.timedelta(minutes=10), env).timeout == datetime.timedelta(minutes=10)

@@ -435,8 +435,8 @@ def test_calls_inside_a_group_are_polled_when_the_outermost_group_ends(monkeypat
 
 
 def test_an_nccl_group_never_looks_the_library_up_again(monkeypatch):
-    # A group is ncclGroupStart/End of the library the communicator already holds; finding
-    # the library again (mapped libraries, the pip package, dlopen) cost ~200 us per group.
+    # A group is ncclGroupStart/End of the library the communicator already holds: finding
+    # the library again (mapped libraries, the pip package, dlopen) costs ~200 us per group.
     pytest.importorskip("cupy.cuda.nccl")
 
     class Stream:
@@ -464,12 +464,12 @@ def test_an_nccl_group_never_looks_the_library_up_again(monkeypatch):
     assert nb.load(None) is comm._lib  # a path asked for before is not resolved again
 
 
-# -- communicator faults reach the group (part B of issue 14) ---------------------------
+# -- communicator faults reach the group ---------------------------------------------
 
 
 def test_a_communicator_that_aborts_itself_faults_its_group(monkeypatch, no_device):
-    # D5: a nonblocking poll that times out aborted the communicator but not the group, so
-    # the Works in flight later "succeeded" and the on_timeout policy never ran.
+    # A nonblocking poll that times out aborts the communicator, and the group with it:
+    # else the Works in flight would later "succeed" and the on_timeout policy never run.
     made = []
 
     def begin(cls, unique_id, rank, size, device, library, nonblocking, timeout, on_abort):
@@ -554,8 +554,8 @@ def grouping_comm(at_group_end=None):
 
 
 def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device):
-    # D9: ncclGroupEnd launched the calls enqueued before the error, a batch the peers'
-    # full one no longer matches; the communicator must be aborted and its owner told.
+    # ncclGroupEnd launches the calls enqueued before the error, a batch the peers' full
+    # one no longer matches: the communicator must be aborted and its owner told.
     told = []
     comm, events = grouping_comm()
     comm.on_abort = told.append
@@ -598,7 +598,8 @@ def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
 
 
 def test_calls_after_an_abort_name_the_abort(no_device):
-    # D18: CuPy's handle is NULL after an abort; NCCL would answer ncclInvalidArgument.
+    # CuPy's handle is NULL after an abort, and NCCL would answer ncclInvalidArgument: the
+    # call is refused first, naming the abort.
     class CupyComm:
         comm = 0
 
@@ -617,8 +618,8 @@ def test_calls_after_an_abort_name_the_abort(no_device):
 
 
 def test_a_hung_abort_does_not_stall_async_error(no_device):
-    # D3: ncclCommAbort ran under the communicator's lock, so a hung abort blocked the
-    # watchdog in async_error() on that lock, blinding every group it watches.
+    # ncclCommAbort runs outside the communicator's lock: under it, a hung abort would
+    # block the watchdog in async_error() on that lock, blinding every group it watches.
     release = threading.Event()
 
     class HangingAbort(ScriptedLibrary):
@@ -646,7 +647,7 @@ def test_a_hung_abort_does_not_stall_async_error(no_device):
 
 
 def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):
-    # D9: fallible Python steps (staging, PREMUL_SUM ops) run as prepares before the NCCL
+    # Fallible Python steps (staging, PREMUL_SUM ops) run as prepares before the NCCL
     # group opens; one that raises leaves NCCL untouched, fails the batch, faults nothing.
     from cupycoll.call_queue import Issue
     group = make_group()

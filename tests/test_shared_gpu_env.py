@@ -64,11 +64,11 @@ def test_the_scan_sees_each_way_of_setting_a_variable():
     assert variables_set('x = os.environ.get("NCCL_HOSTID", "")\n'
                          'y = {k: v for k, v in e.items() if k != "NCCL_HOSTID"}\n'
                          'print("each rank gets its own NCCL_HOSTID")') == set()
-    # the omission this file exists to catch (examples/train_ddp.py before the fix)
-    old_train_ddp = ('if args.share_gpu:\n'
+    # the omission this file exists to catch: NCCL_HOSTID set, NCCL_IB_DISABLE not
+    no_ib_disable = ('if args.share_gpu:\n'
                      '    os.environ["NCCL_HOSTID"] = f"{os.uname().nodename}-rank{rank}"\n'
                      '    os.environ["NCCL_SOCKET_IFNAME"] = "lo"\n')
-    assert "NCCL_HOSTID" in variables_set(old_train_ddp) and "NCCL_IB_DISABLE" not in variables_set(old_train_ddp)
+    assert "NCCL_HOSTID" in variables_set(no_ib_disable) and "NCCL_IB_DISABLE" not in variables_set(no_ib_disable)
 
 
 def test_every_source_that_sets_nccl_hostid_also_disables_infiniband():

@@ -1,7 +1,8 @@
-"""The watchdog, abort and teardown under hostile stand-ins (issue 14, part A; the review's
-5.2 items): events that raise or are slow, aborts that raise, hang or end the kernel
-before returning, config values that used to kill the watchdog, and process exit/fork.
-Each test names the review finding it pins down."""
+"""The watchdog (cupycoll.watchdog, watchdog_cuda, heartbeat), abort and teardown under
+hostile stand-ins: events that raise or are slow, aborts that raise, hang or end the kernel
+before returning, config values the watchdog could not run with, process exit and fork,
+completed Works releasing their tensors, and event queries on the group's device and next
+to a CUDA graph capture. Each test is named after the rule it pins."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def stuck_work(seq=1):
     return work
 
 
-# -- D1: Works are failed before ncclCommAbort, released after -------------------------
+# -- Works are failed before ncclCommAbort, released after --------------------------------
 
 
 class KernelEndingComm(FakeComm):
@@ -81,7 +82,7 @@ def test_works_are_failed_before_the_abort_and_released_after(how):
     assert work._keepalive is None and group._cuda.state == "aborted"
 
 
-# -- D2: an event query that raises is the group's fault ------------------------------
+# -- an event query that raises is the group's fault --------------------------------------
 
 
 def test_a_raising_event_query_is_the_groups_fault_not_a_silent_loop():
@@ -122,7 +123,7 @@ def test_terminate_exits_on_a_sticky_cuda_error():
     assert "illegal memory access" in result.stderr and "still alive" not in result.stdout
 
 
-# -- D3: fault handling runs off the watchdog thread, bounded -------------------------
+# -- fault handling runs off the watchdog thread, bounded ---------------------------------
 
 
 def test_a_hung_abort_in_one_group_does_not_blind_the_others():
@@ -175,7 +176,7 @@ def test_a_stuck_watchdog_is_detected_by_its_heartbeat_and_terminate_exits():
     assert "no heartbeat" in result.stderr and "in communicators" in result.stderr
 
 
-# -- D4: an abort that raises skips nothing ---------------------------------------------
+# -- an abort that raises skips nothing ---------------------------------------------------
 
 
 class RaisingComm(FakeComm):
@@ -215,7 +216,7 @@ def test_terminate_exits_when_the_abort_raises():
     assert "still alive" not in result.stdout
 
 
-# -- D10, D13: configuration ----------------------------------------------------------
+# -- configuration ------------------------------------------------------------------------
 
 
 def test_the_default_timeout_is_cupycolls_not_torchs_30_minutes(monkeypatch):
@@ -263,7 +264,7 @@ def test_the_watchdog_restarts_after_its_thread_died(monkeypatch):
     assert faulted.wait(5)
 
 
-# -- D11: one popper ----------------------------------------------------------------
+# -- one popper ---------------------------------------------------------------------------
 
 
 class SlowDoneEvent:
@@ -287,7 +288,7 @@ def test_drain_and_the_watchdog_never_drop_an_unfinished_work():
         assert list(watch.inflight) == [unfinished] and drained == [False]
 
 
-# -- R5, D14: shutdown ------------------------------------------------------------------
+# -- shutdown -----------------------------------------------------------------------------
 
 
 def test_shutdown_waits_a_short_grace_not_the_timeout(monkeypatch):
@@ -316,7 +317,7 @@ def test_a_communicator_shutdown_that_raises_falls_back_to_abort():
     assert comm.aborted.is_set() and group._cuda.state == "shut down"
 
 
-# -- D15: process exit; R14: fork --------------------------------------------------------
+# -- process exit; fork -------------------------------------------------------------------
 
 _EXIT_SCRIPT = """
     import datetime, threading, torch.distributed as dist
@@ -433,7 +434,7 @@ def test_explain_timeout_becomes_the_timeout_message():
     assert isinstance(fault, CollectiveTimeoutError) and faults == [fault] and work.exception() is fault
 
 
-# -- the CUDA path review (2026-11-23), findings 1-3 --------------------------------------
+# -- completed Works, and event queries on the group's device and next to a capture -------
 
 
 def _released_when_done(how):
@@ -451,7 +452,7 @@ def _released_when_done(how):
 
 @pytest.mark.parametrize("how", ["watchdog", "drain"])
 def test_a_completed_work_still_held_releases_its_tensors(how):
-    # torch < 2.7 keeps the last 1,024 Works alive (backend._kept): a completed one must not
+    # torch < 2.7 keeps the last 1,024 Works alive (call_queue.KeptWorks): a completed one must not
     # pin its inputs and staging buffers until the caller happens to ask is_completed().
     watch, work, gone = _released_when_done(how)
     assert not watch.inflight and work._keepalive is None and gone() is None

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.launch import free_port  # noqa: E402  (standard library only)
+
 WORLD = 2
 GROUP_TIMEOUT_S = 20.0
 
@@ -183,15 +187,9 @@ def rank_main(results_path: str, on_cpu: bool = False) -> int:
 
 
 # -- launcher -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(json_path, timeout: float, on_cpu: bool = False) -> int:
     work = tempfile.mkdtemp(prefix="gpu-probe-")
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),

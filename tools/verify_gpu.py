@@ -1,7 +1,7 @@
 """``make verify-gpu``: one command that proves cupycoll's CUDA path on a GPU and records it.
 
 On a GPU machine with torch, CuPy and NCCL already installed (it installs nothing and needs
-no network), it runs the stages of issue 12, each step a subprocess under its own time
+no network), it runs the stages below, each step a subprocess under its own time
 limit, going on after a failure, all within one overall budget (``--budget``, default
 525 s full, 170 s ``--quick``, so that the command ends inside 9 / 3 minutes):
 

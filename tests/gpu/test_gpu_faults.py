@@ -10,12 +10,12 @@ and nonblocking communicators.
 Each mode is one launch of fault_worker.py's "suite" (every scenario in turn, one process
 start), the two modes side by side; the tests then read what each scenario recorded.
 
-Side by side with them (one start for all, so the part's time is the suite's), the review's
-§5.1 figures the suite lacks, from tests/workers/gpu_hang_worker.py: a peer skipping the
-first collective of a cold communicator (T2a), SIGKILL mid-DDP with the documented recovery
-(T4a), TIER_CYCLES init/abort cycles with GPU memory, threads, fds and store keys (T7; 200 with
-CUPYCOLL_GPU_CYCLES=200 outside the tier), and the hung peer on CUDA named by the watchdog's
-diagnosis (issue 16). Each test prints its figures as ``GPU-FIGURE name: value`` lines
+Side by side with them (one start for all, so the part's time is the suite's), the figures
+the suite lacks, from tests/workers/gpu_hang_worker.py: a peer skipping the first collective
+of a cold communicator (cold_skip), SIGKILL mid-DDP with the documented recovery
+(kill_mid_ddp), TIER_CYCLES init/abort cycles with GPU memory, threads, fds and store keys
+(cycles; 200 with CUPYCOLL_GPU_CYCLES=200 outside the tier), and the hung peer on CUDA named
+by the watchdog's diagnosis (cuda_hang). Each test prints its figures as ``GPU-FIGURE name: value`` lines
 straight to the terminal (tools/verify_figures.py's read_pytest collects them).
 """
 
@@ -156,7 +156,8 @@ def test_a_skipped_collective_errors_on_the_others_within_the_timeout(suites, mo
         assert report["later_error"] and "Aborted" in report["later_error"], report
         assert report["later_seconds"] < 0.5, report
         if scenario == "skip" and "after_sync" in report:
-            # D1: right after synchronize() returned, the Work already says it failed
+            # Works are failed before the abort: right after synchronize() returned, the
+            # Work already says it failed
             assert report["after_sync"] == {"is_success": False, "exception": True}, report
 
 
@@ -222,7 +223,7 @@ def test_three_abort_and_recover_cycles_keep_training(suites, mode):
 
 
 
-# -- the §5.1 figures the suite lacks (tests/workers/gpu_hang_worker.py) -----------------------
+# -- the figures the suite lacks (tests/workers/gpu_hang_worker.py) ---------------------------
 
 
 def _launch(launched, scenario, mode):
@@ -234,27 +235,30 @@ def _launch(launched, scenario, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_peer_skipping_the_first_collective_of_a_cold_communicator(launched, mode, capsys):
-    """T2a: eager init (device_id), then the last rank skips the very first all_reduce, so
+    """Eager init (device_id), then the last rank skips the very first all_reduce, so
     NCCL's lazy connection setup runs inside the others' call.
 
     nonblocking: every NCCL call returns and is polled under the timeout, so rank 0 must get
-    an error within timeout + 5 s, the Work saying failed right after synchronize() (D1).
-    blocking: NCCL may block the host inside ncclAllReduce while it connects, before a Work
-    exists for the watchdog to time out (review R1). An error in time passes as in
+    an error within timeout + 5 s, the Work saying failed right after synchronize() (Works
+    are failed before the abort). blocking: NCCL may block the host inside ncclAllReduce
+    while it connects, before a Work exists for the watchdog to time out (docs/design.md,
+    "Decision: blocking communicators by default, for now"). An error in time passes as in
     nonblocking mode; a hang is recorded (where it was stuck: the worker's deadline thread
     after HANG_DEADLINE_S, or this launch's own limit when the thread could not run) and the
-    test xfails with it, as the known R1 limit, instead of hanging the tier."""
+    test xfails with it, as that known limit of blocking mode, instead of hanging the tier."""
     results, reports, logs = _launch(launched, "cold_skip", mode)
     report = reports.get(0)
     if report is None and isinstance(results, WorkersFailed) and mode == "blocking":
         figure(capsys, f"cold skip {mode}", f"hang past the launch limit of {SUBPROCESS_LIMITS_S['cold skip']} s "
                "(the deadline thread never ran: the GIL was held)")
-        pytest.xfail(f"R1: blocking mode hung on a cold communicator, not even the deadline thread ran\n{logs}")
+        pytest.xfail(f"blocking mode hung on a cold communicator (its known limit), not even the deadline "
+                     f"thread ran\n{logs}")
     assert report is not None, logs
     if report["outcome"] == "hang":
         figure(capsys, f"cold skip {mode}", f"hang: {report['seconds']:.1f} s, stuck in {report['stuck_in']}")
         if mode == "blocking":
-            pytest.xfail(f"R1: blocking mode hung in the host ({report['stuck_in']}) for {report['seconds']:.0f} s"
+            pytest.xfail(f"blocking mode hung in the host ({report['stuck_in']}) for {report['seconds']:.0f} s "
+                         "(its known limit)"
                          f"\n{report['stacks']}")
         pytest.fail(f"nonblocking mode hung ({report['stuck_in']}) for {report['seconds']:.0f} s:\n"
                     f"{report['stacks']}\n{logs}", pytrace=False)
@@ -262,7 +266,7 @@ def test_a_peer_skipping_the_first_collective_of_a_cold_communicator(launched, m
     assert report["outcome"] == "error", report
     assert report["seconds"] < TIMEOUT_S + GRACE_S, report
     assert "Timeout" in report["error"] or "timed out" in report["error"], report["error"]
-    if "after_sync" in report:  # synchronize() returned: the Work must already say failed (D1)
+    if "after_sync" in report:  # synchronize() returned: the Work must already say failed
         assert report["after_sync"]["is_success"] is False, report
         assert report["after_sync"]["exception"] not in (None, False), report
     assert report["later_error"] and "Aborted" in report["later_error"], report
@@ -272,8 +276,9 @@ def test_a_peer_skipping_the_first_collective_of_a_cold_communicator(launched, m
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sigkill_mid_ddp_then_the_survivors_restore_and_train_on(launched, mode, capsys):
-    # T4a: latency, exit codes, destroy time, R2 (equality without a restore: a figure), the
-    # documented recovery (checkpoint, new group), threads and fds after it
+    # Latency, exit codes, destroy time, whether the parameters agree without a restore (a
+    # figure: an aborted last bucket may already be applied), the documented recovery
+    # (checkpoint, new group), threads and fds after it
     results, reports, logs = _launch(launched, "kill_mid_ddp", mode)
     if isinstance(results, WorkersFailed):
         pytest.fail(str(results), pytrace=False)
@@ -295,7 +300,7 @@ def test_sigkill_mid_ddp_then_the_survivors_restore_and_train_on(launched, mode,
 
 
 def cycle_deltas(report):
-    """The T7 figures of one rank's cycles report: growth from the warm sample to the last,
+    """The figures of one rank's cycles report: growth from the warm sample to the last,
     and store keys added per cycle in each half."""
     warm, middle, last = report["after_warm"], report["middle"], report["after_all"]
     mib = 1 << 20
@@ -315,7 +320,7 @@ def cycle_deltas(report):
 
 
 def check_cycle_deltas(d):
-    """Flat within a small tolerance (review T7: < 1 MiB a cycle; threads, fds +2 in all)."""
+    """Flat within a small tolerance (< 1 MiB a cycle; threads +2, fds +4 in all)."""
     cycles = d["count"]
     assert d.get("process_gpu_mib", 0) <= max(16, cycles), d  # < 1 MiB a cycle (nvidia-smi, this process)
     # the device's free memory moves with the other launches beside this one: a loose bound
@@ -342,7 +347,7 @@ def test_init_abort_cycles_keep_gpu_memory_threads_fds_and_store_keys_flat(launc
 
 
 def test_a_hung_peer_on_cuda_is_named_by_the_watchdog(launched, capsys):
-    # issue 16: the CUDA route of tests/test_hang_diagnosis.py, through the watchdog
+    # The CUDA route of tests/test_hang_diagnosis.py, through the watchdog
     results, reports, logs = _launch(launched, "cuda_hang", "blocking")
     if isinstance(results, WorkersFailed):
         pytest.fail(str(results), pytrace=False)
@@ -356,7 +361,7 @@ def test_a_hung_peer_on_cuda_is_named_by_the_watchdog(launched, capsys):
     assert f"all_reduce #5 (float32[1024]) timed out after {TIMEOUT_S:g} s on rank 0;" in error, error
     assert "rank 1 is behind: its last collective was #4 (broadcast)" in error, error
     assert "never reached #5" in error, error
-    if "after_sync" in report:  # D1 on this path too
+    if "after_sync" in report:  # failed before the abort on this path too
         assert report["after_sync"]["is_success"] is False, report
     trace = launched[("cuda_hang", "blocking")][1] / "trace"
     dumps = sorted(os.listdir(trace)) if trace.is_dir() else []

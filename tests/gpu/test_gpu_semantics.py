@@ -153,7 +153,7 @@ def _bopts(root):
     return o
 
 
-# -- the watchdog next to CUDA graph capture and other devices (review of the CUDA path) ----
+# -- the watchdog next to CUDA graph capture and other devices -----------------------------
 
 
 def test_the_watchdog_thread_can_take_thread_local_capture_mode():

@@ -143,7 +143,8 @@ def skip(ctx, eager=True):
             work = dist.all_reduce(x, async_op=True)
             work.wait()
             torch.cuda.synchronize()  # ends when the watchdog's abort ends the kernel
-            # D1: the Work must say failed right away, not once the abort has finished
+            # Works are failed before the abort: the Work must say failed right away, not
+            # once the abort has finished
             result["after_sync"] = {"is_success": _quietly(work.is_success),
                                     "exception": _quietly(lambda: work.exception() is not None)}
             work.wait()  # the fault, now on the Work

@@ -1,24 +1,26 @@
-"""One rank of the GPU faults that tests/workers/fault_worker.py's suite lacks (review §5.1,
-issues 14 and 16); read by tests/gpu/test_gpu_faults.py.
+"""One rank of the GPU faults that tests/workers/fault_worker.py's suite lacks; read by
+tests/gpu/test_gpu_faults.py.
 
 Usage: gpu_hang_worker.py SCENARIO MODE OUT_DIR [CYCLES]; MODE "blocking" or "nonblocking".
 Each rank writes OUT_DIR/<scenario>-rank<N>.json and exits 0 (except a rank killed on purpose).
 
-* cold_skip (T2a): the last rank skips the FIRST collective after an eager init (device_id,
-  no warm-up): NCCL connects lazily inside that first call. In blocking mode the caller may
-  be blocked in the host inside NCCL, where the watchdog cannot see it (review R1); a
-  deadline thread then records ``"outcome": "hang"`` with the stacks and ends the rank, so
-  the tier records what happened instead of hanging. Rank 0 records what the Work said right
-  after ``torch.cuda.synchronize()`` returned (D1).
-* kill_mid_ddp (T4a): 3 ranks train DDP; the last is SIGKILLed at step 20. The survivors'
+* cold_skip: the last rank skips the FIRST collective after an eager init (device_id, no
+  warm-up): NCCL connects lazily inside that first call. In blocking mode the caller may be
+  blocked in the host inside NCCL, where the watchdog cannot see it (docs/design.md,
+  "Decision: blocking communicators by default, for now"); a deadline thread then records
+  ``"outcome": "hang"`` with the stacks and ends the rank, so the tier records what happened
+  instead of hanging. Rank 0 records what the Work said right after
+  ``torch.cuda.synchronize()`` returned (it must already say failed: Works are failed before
+  the abort).
+* kill_mid_ddp: 3 ranks train DDP; the last is SIGKILLed at step 20. The survivors'
   error latency, ``destroy_process_group`` time, whether their parameters still agree
-  (R2: an aborted last bucket may already be applied), then the documented recovery:
+  (an aborted last bucket may already be applied), then the documented recovery:
   restore the checkpoint of step 10, a new 2-rank group, 5 more steps, parameters equal and
   finite; threads and fds before the fault and after recovery.
-* cycles (T7): CYCLES (default 200) init -> all_reduce -> abort -> destroy cycles; after the
+* cycles: CYCLES (default 200) init -> all_reduce -> abort -> destroy cycles; after the
   warm-up and at the end: GPU memory (this process's, from the driver, and the device's free
   memory), torch's reserved memory, threads, fds and the store's key count.
-* cuda_hang (issue 16): 2 ranks on CUDA with CUPYCOLL_TRACE_DIR set: 3 all_reduces and a
+* cuda_hang: 2 ranks on CUDA with CUPYCOLL_TRACE_DIR set: 3 all_reduces and a
   broadcast, then rank 1 sleeps through all_reduce #5; rank 0's CollectiveTimeoutError must
   name rank 1 as behind (the watchdog's diagnosis).
 """
@@ -48,7 +50,7 @@ except ImportError:
 
 SCENARIOS = ("cold_skip", "kill_mid_ddp", "cycles", "cuda_hang")
 WORLDS = {"cold_skip": 2, "kill_mid_ddp": 3, "cycles": 2, "cuda_hang": 2}
-DEFAULT_CYCLES = 200  # the review's figure (T7); the tier passes fewer
+DEFAULT_CYCLES = 200  # enough for a leak of a little a cycle to show; the tier passes fewer
 HANG_DEADLINE_S = TIMEOUT_S + 12  # cold_skip: past this the caller counts as hung in the host
 KILL_AT_STEP, CHECKPOINT_AT_STEP = 20, 10
 HANG_SLEEP_S = 16  # cuda_hang: rank 1 outlives rank 0's timeout (5 s) and diagnosis (<= 5 s)
@@ -159,7 +161,7 @@ def cold_skip(ctx):
         work.wait()
         stage["where"] = "torch.cuda.synchronize()"
         torch.cuda.synchronize()
-        result["after_sync"] = work_state(work)  # D1: must already say failed
+        result["after_sync"] = work_state(work)  # failed before the abort: must already say so
         stage["where"] = "work.wait() after synchronize"
         work.wait()
 
@@ -218,7 +220,7 @@ def kill_mid_ddp(ctx):
         world_size=survivors, timeout=datetime.timedelta(seconds=60), device_id=ctx.device,
         pg_options=cupycoll.Options(timeout=TIMEOUT_S, nonblocking=ctx.nonblocking, watchdog_interval=0.05))
     result["reinit_s"] = time.monotonic() - start
-    # R2: without a restore the survivors may disagree (the aborted step may be applied)
+    # Without a restore the survivors may disagree (the aborted step may be applied)
     result["equal_without_restore"], result["finite_without_restore"] = _agree(ctx, survivors, _flat(model))
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
