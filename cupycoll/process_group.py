@@ -33,6 +33,7 @@ from . import _args, collectives, compat, config, lifecycle
 from .backend import CudaBackend
 from .call_queue import calling_manager
 from .group_trace import GroupTrace
+from .lifecycle import GroupState
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
 from .errors import CupycollValueError
 from .work import CudaWork
@@ -188,7 +189,7 @@ class ProcessGroupCupycoll(ProcessGroup):
 
     def _classify(self, tensors, op_name: str) -> bool:
         """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""
-        if self._cuda.state != "ok":
+        if not self._cuda.life.usable:
             self._cuda.check_usable()
         flat = _args.flat(tensors)
         # Fast path (the hot one): all tensors, all on CUDA, one device; or all on CPU.
@@ -373,10 +374,10 @@ class ProcessGroupCupycoll(ProcessGroup):
         """Finalize and destroy the NCCL communicators once their work is done (healthy),
         or abort them when the group has faulted or its work does not finish within the
         timeout; then shut the gloo half down. The group is unusable afterwards."""
-        if self._cuda.state not in ("ok", "aborting"):  # aborting: the lifetime's shutdown aborts now
+        if self._cuda.state not in (GroupState.OK, GroupState.ABORTING):  # aborting: the shutdown aborts now
             return
         self._cuda.shutdown()  # an abort instead shuts gloo down through on_abort
-        if self._cuda.state == "shut down":
+        if self._cuda.state is GroupState.SHUT_DOWN:
             self._cpu_shutdown()
 
     def abort(self) -> None:
