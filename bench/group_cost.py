@@ -23,15 +23,32 @@ import types
 from typing import Callable, List, Optional
 
 
-def _per_call_us(call: Callable[[], None], iterations: int, repeats: int = 7) -> float:
-    """Median over ``repeats`` runs of the mean time of one ``call``, in microseconds."""
+def per_call_us(call: Callable[[], None], iterations: int, repeats: int = 7,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median over ``repeats`` runs of the mean time of one ``call``, in microseconds, on
+    ``clock`` (wall time; ``time.thread_time``: this thread's CPU time)."""
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(iterations):
             call()
-        samples.append((time.perf_counter() - start) / iterations * 1e6)
+        samples.append((clock() - start) / iterations * 1e6)
     return statistics.median(samples)
+
+
+class _Stream:
+    ptr = 0
+
+    def __init__(self, non_blocking: bool = False):
+        pass
+
+
+def cupy_without_device():
+    """What :class:`cupycoll.communicator.Communicator` asks of CuPy (``cuda.Device``, a
+    ``cuda.Stream``), answered without a device: put in place of ``_cuda.cupy_module()``'s
+    answer, a blocking-mode Communicator is built, used and aborted on a CPU-only machine."""
+    return types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(), Stream=_Stream))
 
 
 def _communicator(nccl_library: Optional[str]):
@@ -39,16 +56,8 @@ def _communicator(nccl_library: Optional[str]):
     group(), which only needs the library the communicator holds."""
     from cupycoll import _cuda, communicator
 
-    class _Stream:
-        ptr = 0
-
-        def __init__(self, non_blocking: bool = False):
-            pass
-
-    cupy_without_device = types.SimpleNamespace(
-        cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(), Stream=_Stream))
     real = _cuda.cupy_module
-    _cuda.cupy_module = lambda: cupy_without_device
+    _cuda.cupy_module = cupy_without_device
     try:
         return communicator.Communicator(0, 0, 1, nccl_library, cupy_comm=object())
     finally:
@@ -68,9 +77,9 @@ def measure(iterations: int = 20000, nccl_library: Optional[str] = None) -> dict
             pass
 
     for call in (raw, through_communicator):
-        _per_call_us(call, iterations // 10, repeats=1)  # warm-up
-    raw_us = _per_call_us(raw, iterations)
-    group_us = _per_call_us(through_communicator, iterations)
+        per_call_us(call, iterations // 10, repeats=1)  # warm-up
+    raw_us = per_call_us(raw, iterations)
+    group_us = per_call_us(through_communicator, iterations)
     return {"library": lib.path, "nccl_version": ".".join(map(str, lib.version_tuple())),
             "iterations": iterations, "raw_us": raw_us, "group_us": group_us,
             "ratio": group_us / raw_us if raw_us else float("inf")}

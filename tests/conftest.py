@@ -1,4 +1,3 @@
-import contextlib
 import sys
 from pathlib import Path
 
@@ -21,11 +20,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cuda_standins(monkeypatch):
     """The few torch.cuda calls of the issue path, answered on CPU."""
-    import torch
-    from standins import FakeStream, RecordedEvent  # imports cupycoll: only where it is used
+    from standins import use_cuda_standins  # imports cupycoll: only where it is used
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "Event", RecordedEvent)
-    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    use_cuda_standins(monkeypatch.setattr)

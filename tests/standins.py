@@ -8,12 +8,14 @@ real code unless a test's subclass of the backend replaces it. The GPU tier runs
 paths for real.
 
 Also the CUDA objects of the issue path as stand-ins: :class:`FakeEvent`,
-:class:`RecordedEvent`, :class:`FakeStream`, and :func:`capture`, which says whether a CUDA
-graph is being captured (conftest.py's ``cuda_standins`` fixture puts them in place).
+:class:`RecordedEvent`, :class:`FakeStream`; :func:`use_cuda_standins`, which puts them in
+place of torch.cuda's (conftest.py's ``cuda_standins`` fixture, ``tools/call_path.py``), and
+:func:`capture`, which says whether a CUDA graph is being captured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -75,3 +77,14 @@ def capture(monkeypatch, on: bool) -> None:
     """This thread's current stream is (``on``) or is not capturing a CUDA graph."""
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)
+
+
+def use_cuda_standins(setattr, event=RecordedEvent) -> None:
+    """The few torch.cuda calls of the issue path, answered on CPU. ``setattr(obj, name,
+    value)`` puts each in place and is what undoes it (pytest's ``monkeypatch.setattr``);
+    ``event``: the class that stands in for ``torch.cuda.Event``."""
+    setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    setattr(torch.cuda, "current_device", lambda: 0)
+    setattr(torch.cuda, "Event", event)
+    setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: FakeStream())
+    setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())

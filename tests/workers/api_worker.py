@@ -4,7 +4,8 @@ Every rank can compute every other rank's inputs (they are a function of the ran
 case is checked against a reference computed locally with plain torch ops on the CPU. The
 outputs are also saved (``--out``; large ones as digests) so a test can compare two backends
 case by case. Which cases a reference backend skips, and how exactly each reduction is
-checked, is decided in api_plan.py (tested on CPU).
+checked, is decided in api_plan.py (tested on CPU). The cases come in families, one
+``check_*`` function each, run in the order of FAMILIES.
 
 Usage: api_worker.py --backend cupycoll --device cpu --suite quick --out DIR [--device-id]
 """
@@ -12,8 +13,8 @@ Usage: api_worker.py --backend cupycoll --device cpu --suite quick --out DIR [--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
-import json
 import os
 import sys
 import traceback
@@ -25,9 +26,11 @@ import torch.distributed as dist
 try:  # run as a script (tests/workers on sys.path), or imported by the CPU tier
     from api_plan import (LARGE, kept, reduce_check, reduce_ops_for, reference_lacks,
                           self_p2p_cases_apply)
+    from epilogue import end_suite
 except ImportError:
     from workers.api_plan import (LARGE, kept, reduce_check, reduce_ops_for, reference_lacks,
                                   self_p2p_cases_apply)
+    from workers.epilogue import end_suite
 
 # Defaults let the CPU tier import the checking code without a launcher.
 RANK = int(os.environ.get("RANK", "0"))
@@ -139,48 +142,22 @@ def finish(work, async_op):
             work.get_future().wait()  # gloo's Works do not all implement get_future
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", required=True)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--suite", default="quick", choices=["quick", "full"])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device-id", action="store_true")
-    ap.add_argument("--no-import", action="store_true", help="rely on the torch.backends entry point")
-    args = ap.parse_args()
+@dataclasses.dataclass
+class Coverage:
+    """The dtypes, reduce ops and sizes the cases run over."""
 
-    if "cupycoll" in args.backend and not args.no_import:
-        import cupycoll  # noqa: F401
+    gloo_like: bool  # on CPU the group routes to gloo: gloo's op/dtype coverage applies
+    dtypes: list
+    bdtypes: list  # what broadcast and the gathers move: also int16 and uint16 in the full suite
+    ops: list
+    sizes: list
 
-    if args.device == "cuda":
-        local = RANK % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    kwargs = dict(backend=args.backend, timeout=timedelta(seconds=60))
-    if args.device_id:
-        kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
-    s = Suite(device, args.out, args.backend)
-    full = args.suite == "full"
-    cpu = device.type == "cpu"
-    gloo_like = cpu  # on CPU the group routes to gloo: gloo's op/dtype coverage applies
 
-    dtypes = [torch.float32, torch.int64]
-    if full:
-        dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
-                  torch.uint8, torch.int32, torch.int64, torch.bool]
-        if not cpu:
-            from cupycoll import nccl_bindings
-            import cupy.cuda.nccl as cnccl  # noqa: F401
-            if nccl_bindings.fp8_supported(cnccl.get_version()) and "cupycoll" in args.backend:
-                dtypes += [torch.float8_e4m3fn, torch.float8_e5m2]
-            dtypes += [torch.complex64, torch.complex128]
-    ops = [R.SUM, R.PRODUCT, R.MIN, R.MAX] + ([] if gloo_like else [R.AVG])
-    sizes = [0, 1, 1001] + ([LARGE] if full and not cpu else [])
-
-    # ---- all_reduce ----------------------------------------------------------------
+def check_all_reduce(s: Suite, cover: Coverage) -> None:
+    """all_reduce over every dtype, reduce op and size, sync and async; PREMUL_SUM
+    (a scalar factor and a tensor one) where the route is NCCL's."""
+    dtypes, ops, sizes = cover.dtypes, cover.ops, cover.sizes
+    device, gloo_like = s.device, cover.gloo_like
     for dtype in dtypes:
         for op in ops:
             if dtype.is_complex and op not in (R.SUM, R.AVG):
@@ -209,8 +186,11 @@ def main():
                     s.check(name, t, exp, exact=True)
                 s.run(f"all_reduce/{dtype}/premul_sum/{factor}", case)
 
-    # ---- broadcast / reduce -------------------------------------------------------
-    bdtypes = dtypes + ([torch.int16, torch.uint16] if full else [])
+
+def check_broadcast_and_reduce(s: Suite, cover: Coverage) -> None:
+    """broadcast from every root over every dtype it moves, sync and async; reduce to
+    every root with each dtype's reduce ops."""
+    dtypes, bdtypes = cover.dtypes, cover.bdtypes
     for root in range(WORLD):
         for dtype in bdtypes:
             for async_op in (False, True):
@@ -232,7 +212,12 @@ def main():
                         s.cases += 1
                 s.run(f"reduce/{dtype}/{op}/root{root}", case, "reduce", dtype)
 
-    # ---- gathers ------------------------------------------------------------------
+
+def check_all_gather(s: Suite, cover: Coverage) -> None:
+    """all_gather and all_gather_into_tensor over every dtype they move and every size,
+    sync and async; all_gather into adjacent views of one buffer."""
+    bdtypes, sizes = cover.bdtypes, cover.sizes
+    device = s.device
     for dtype in bdtypes:
         for n in sizes:
             if n > 4096 and dtype != torch.float32:
@@ -259,7 +244,12 @@ def main():
         s.check(name, flat, torch.cat([value(r, 5, torch.float32) for r in range(WORLD)]))
     s.run("all_gather/adjacent_views", case)
 
-    # ---- reduce-scatter -----------------------------------------------------------
+
+def check_reduce_scatter(s: Suite, cover: Coverage) -> None:
+    """reduce_scatter_tensor, and the list reduce_scatter where the route is NCCL's,
+    over the dtypes and ops that reduce-scatter supports and every size, sync and async."""
+    dtypes, sizes = cover.dtypes, cover.sizes
+    device, gloo_like = s.device, cover.gloo_like
     rs_ops = [R.SUM, R.MAX] + ([R.AVG] if not gloo_like else [])
     for dtype in dtypes:
         if dtype == torch.bool or dtype.is_complex:
@@ -292,7 +282,11 @@ def main():
                         s.check(name, out, full_ref[RANK * n:(RANK + 1) * n], **how)
                     s.run(f"reduce_scatter/{dtype}/{op}/{n}/{mode}", case)
 
-    # ---- all-to-all -----------------------------------------------------------------
+
+def check_all_to_all(s: Suite, cover: Coverage) -> None:
+    """all_to_all and all_to_all_single (even splits, uneven ones, one with a zero-sized
+    split) over every dtype."""
+    dtypes, device = cover.dtypes, s.device
     for dtype in dtypes:
         def case(name, dtype=dtype):
             ins = [s.t(RANK, 3, dtype, salt=p) for p in range(WORLD)]
@@ -329,7 +323,10 @@ def main():
         s.check(name, out, torch.cat([value(p, rows, torch.float32, salt=RANK) for p, rows in enumerate(recv_rows)]))
     s.run("all_to_all_single/uneven_with_zero", case)
 
-    # ---- gather / scatter -----------------------------------------------------------
+
+def check_gather_and_scatter(s: Suite, cover: Coverage) -> None:
+    """gather to and scatter from every root."""
+    device = s.device
     for root in range(WORLD):
         def case(name, root=root):
             outs = [torch.zeros(7, device=device) for _ in range(WORLD)] if RANK == root else None
@@ -347,7 +344,11 @@ def main():
             s.check(name, out, value(RANK, 7, torch.float32, salt=root))
         s.run(f"scatter/root{root}", case)
 
-    # ---- point-to-point -------------------------------------------------------------
+
+def check_point_to_point(s: Suite, cover: Coverage) -> None:
+    """send/recv (a star of blocking calls), isend/irecv and batch_isend_irecv: a ring, a
+    pairwise swap, all-to-one and one-to-all."""
+    device = s.device
     def case(name):
         # rank 0 sends to every other rank, then each answers (blocking calls)
         if RANK == 0:
@@ -427,7 +428,13 @@ def main():
             s.check(name, out, value(RANK, 6, torch.float32, salt=4))
     s.run("batch_isend_irecv/one_to_all", case)
 
-    # ---- coalescing manager forms ------------------------------------------------------
+
+def check_coalescing(s: Suite, cover: Coverage) -> None:
+    """Every _coalescing_manager form (plain, async, device=, device= async) around
+    all_reduce, all_gather_into_tensor and reduce_scatter_tensor, recording the forms a
+    backend rejects; on CUDA, a block mixing collectives with send/recv, and a block whose
+    body raises followed by a collective that works."""
+    device = s.device
     for form in ("plain", "async", "device", "device_async"):
         cm_device = device if form.startswith("device") else None
         async_ops = form.endswith("async")
@@ -499,7 +506,10 @@ def main():
             s.check(name, t, reduce_ref([value(r, 8, torch.float32) for r in range(WORLD)], R.SUM))
         s.run("coalesced/exception_then_collective", case)
 
-    # ---- barrier --------------------------------------------------------------------
+
+def check_barrier(s: Suite, cover: Coverage) -> None:
+    """barrier, and on CUDA barrier(device_ids=...)."""
+    device = s.device
     def case(name):
         dist.barrier()
         if device.type == "cuda":
@@ -507,7 +517,9 @@ def main():
         s.cases += 1
     s.run("barrier", case)
 
-    # ---- object collectives ---------------------------------------------------------
+
+def check_object_collectives(s: Suite, cover: Coverage) -> None:
+    """all_gather_object, broadcast_object_list, gather_object and scatter_object_list."""
     def case(name):
         objs = [None] * WORLD
         dist.all_gather_object(objs, {"rank": RANK, "sq": RANK * RANK})
@@ -540,7 +552,10 @@ def main():
             s.failures.append(f"{name}: {out}")
     s.run("scatter_object_list", case)
 
-    # ---- subgroups --------------------------------------------------------------------
+
+def check_subgroups(s: Suite, cover: Coverage) -> None:
+    """new_group: all_reduce and broadcast on a subgroup, all_reduce on the ranks left
+    out, and the world group still working afterwards."""
     def case(name):
         members = [0, WORLD - 1] if WORLD > 1 else [0]
         sub = dist.new_group(members)
@@ -565,16 +580,72 @@ def main():
         dist.destroy_process_group(sub) if RANK in members else None
     s.run("new_group", case)
 
+
+def coverage(args, device: torch.device) -> Coverage:
+    """What the cases run over, by suite (quick, full) and device."""
+    full = args.suite == "full"
+    cpu = device.type == "cpu"
+    gloo_like = cpu  # on CPU the group routes to gloo: gloo's op/dtype coverage applies
+
+    dtypes = [torch.float32, torch.int64]
+    if full:
+        dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                  torch.uint8, torch.int32, torch.int64, torch.bool]
+        if not cpu:
+            from cupycoll import nccl_bindings
+            import cupy.cuda.nccl as cnccl  # noqa: F401
+            if nccl_bindings.fp8_supported(cnccl.get_version()) and "cupycoll" in args.backend:
+                dtypes += [torch.float8_e4m3fn, torch.float8_e5m2]
+            dtypes += [torch.complex64, torch.complex128]
+    ops = [R.SUM, R.PRODUCT, R.MIN, R.MAX] + ([] if gloo_like else [R.AVG])
+    sizes = [0, 1, 1001] + ([LARGE] if full and not cpu else [])
+    bdtypes = dtypes + ([torch.int16, torch.uint16] if full else [])
+    return Coverage(gloo_like, dtypes, bdtypes, ops, sizes)
+
+
+def connect(args) -> torch.device:
+    """Initialise the default group as the arguments say; the device the cases use."""
+    if "cupycoll" in args.backend and not args.no_import:
+        import cupycoll  # noqa: F401
+
+    if args.device == "cuda":
+        local = RANK % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    kwargs = dict(backend=args.backend, timeout=timedelta(seconds=60))
+    if args.device_id:
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    return device
+
+
+FAMILIES = (check_all_reduce, check_broadcast_and_reduce, check_all_gather, check_reduce_scatter,
+            check_all_to_all, check_gather_and_scatter, check_point_to_point, check_coalescing,
+            check_barrier, check_object_collectives, check_subgroups)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--suite", default="quick", choices=["quick", "full"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device-id", action="store_true")
+    ap.add_argument("--no-import", action="store_true", help="rely on the torch.backends entry point")
+    args = ap.parse_args()
+
+    device = connect(args)
+    s = Suite(device, args.out, args.backend)
+    cover = coverage(args, device)
+    for family in FAMILIES:
+        family(s, cover)
+
     os.makedirs(args.out, exist_ok=True)
     torch.save(s.results, os.path.join(args.out, f"rank{RANK}.pt"))
-    with open(os.path.join(args.out, f"rank{RANK}.json"), "w") as f:
-        json.dump({"cases": s.cases, "failures": s.failures, "errors": s.errors, "skipped": s.skipped,
-                   "group_type": type(dist.group.WORLD).__name__}, f)
-    dist.destroy_process_group()
-    print(f"rank {RANK}: {s.cases} cases, {len(s.failures)} failures")
-    for failure in s.failures[:50]:
-        print("FAIL", failure, file=sys.stderr)
-    return 1 if s.failures else 0
+    return end_suite(args.out, RANK, {"cases": s.cases, "failures": s.failures, "errors": s.errors,
+                                      "skipped": s.skipped, "group_type": type(dist.group.WORLD).__name__})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ about the group and takes minutes on a small machine.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import traceback
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import cupycoll  # noqa: F401 - registers the backend
+from epilogue import write_json
 
 STEPS = 3
 
@@ -87,8 +87,7 @@ def main() -> None:
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
         torch._dynamo.reset()
         dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-        json.dump(results, fh)
+    write_json(out_dir, f"rank{rank}.json", results)
     dist.destroy_process_group()
 
 

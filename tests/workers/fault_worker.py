@@ -13,7 +13,6 @@ recorded and the next one still runs; "killed" comes last, as it ends a rank.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import sys
@@ -27,6 +26,10 @@ from torch.distributed import PrefixStore
 
 import cupycoll
 from bench import gpu_info
+try:  # run as a script (tests/workers on sys.path), or imported by the CPU tier
+    from epilogue import write_json
+except ImportError:
+    from workers.epilogue import write_json
 
 TIMEOUT_S = 5.0  # the groups' timeout: faults must surface within TIMEOUT_S + 5 s
 
@@ -66,13 +69,11 @@ def main() -> None:
                         dist.destroy_process_group()
                 except Exception:  # noqa: BLE001 - best effort, the next scenario starts fresh
                     traceback.print_exc()
-            with open(os.path.join(out_dir, f"{name}-rank{rank}.json"), "w") as fh:
-                json.dump(result or {}, fh)
+            write_json(out_dir, f"{name}-rank{rank}.json", result or {})
         survivors = world - 1  # "killed" ended the last rank
     else:
         result = SCENARIOS[scenario](ctx)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-            json.dump(result or {}, fh)
+        write_json(out_dir, f"rank{rank}.json", result or {})
         survivors = world - 1 if scenario == "killed" else world
     # The store's host must outlive the others' last use of it.
     store.add("exited", 1)

@@ -17,7 +17,6 @@ usage: hang_worker.py OUT_DIR skip|kill|mismatch|bad_input
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 import cupycoll
 from cupycoll import compat
+from epilogue import write_json
 
 
 def main() -> int:
@@ -91,8 +91,7 @@ def main() -> int:
                           peer_failed=isinstance(exc, cupycoll.PeerFailedError))
     report["elapsed_s"] = time.monotonic() - started
     report["log"] = list(logged)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-        json.dump(report, fh)
+    write_json(out_dir, f"rank{rank}.json", report)
     sys.stdout.flush()
     if rank == 0:  # it hosts the store: the others may still be asking it
         deadline = time.monotonic() + 30

@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import functools
 import hashlib
-import json
 import os
 import sys
 import traceback
@@ -31,6 +30,7 @@ import torch.distributed as dist
 import cupycoll
 from cupycoll._kernels import supports
 from cupycoll.ring_simulator import simulate_all_reduce, simulate_reduce_scatter
+from epilogue import end_suite
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -256,14 +256,7 @@ def main() -> int:
         bf16_error_vs_nccl(s, device, args.large)
     torch.cuda.synchronize()
 
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{RANK}.json"), "w") as f:
-        json.dump({"cases": s.cases, "failures": s.failures, "metrics": s.metrics}, f)
-    dist.destroy_process_group()
-    print(f"rank {RANK}: {s.cases} cases, {len(s.failures)} failures")
-    for failure in s.failures[:50]:
-        print("FAIL", failure, file=sys.stderr)
-    return 1 if s.failures else 0
+    return end_suite(args.out, RANK, {"cases": s.cases, "failures": s.failures, "metrics": s.metrics})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Each rank writes OUT_DIR/rank<N>.json with what it saw; the test asserts.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from cupycoll import diagnosis, mismatch, recorder
 from cupycoll.errors import CupycollValueError
+from epilogue import write_json
 
 WAIT_S = 4.0  # what the peers have to answer in: room for 4 processes on a loaded 2-core box
 
@@ -122,8 +122,7 @@ def main() -> None:
         result = diagnose_scenario(rank, world, out_dir)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-        json.dump(result, fh)
+    write_json(out_dir, f"rank{rank}.json", result)
     os._exit(0)  # the responder thread may sit in a store call: no interpreter teardown
 
 

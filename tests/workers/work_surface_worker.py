@@ -10,7 +10,6 @@ tests/mp.py). BACKEND is "gloo" or "cupycoll". Writes ``<OUT_DIR>/rank<R>.json``
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
@@ -20,6 +19,10 @@ import torch.distributed as dist
 
 import cupycoll  # noqa: F401 - registers the backend
 from cupycoll import compat
+try:  # run as a script (tests/workers on sys.path), or imported by the CPU tier
+    from epilogue import write_json
+except ImportError:
+    from workers.epilogue import write_json
 
 QUIET_DONE = "--- wait, is_completed and get_future done ---"
 
@@ -93,11 +96,9 @@ def main() -> None:
         dist.barrier()
         dist.send(torch.ones(1), 0)
     dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-        json.dump(cases, fh)
+    write_json(out_dir, f"rank{rank}.json", cases)
     if backend == "cupycoll" and compat.PYTHON_WORK_SURVIVES_CPP:
-        with open(os.path.join(out_dir, f"rank{rank}.closed.json"), "w") as fh:
-            json.dump(closed_with_work_in_flight(rank), fh)
+        write_json(out_dir, f"rank{rank}.closed.json", closed_with_work_in_flight(rank))
     dist.destroy_process_group()
 
 

@@ -1,0 +1,94 @@
+"""tools/call_path.py: the traced all_reduce runs the real path from the group down to the
+communicator and the figures it prints are those of its trace; the trace, the callers and
+the upward-call detector follow their rules on call lists built here."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's tools/ and bench/, also under a bare `pytest`
+
+from tools.call_path import Call, callers, cross_module, main, trace_calls, upward_calls  # noqa: E402
+
+
+def _section(lines, header):
+    """The indented lines under ``header``."""
+    section = []
+    for line in lines[lines.index(header) + 1:]:
+        if not line.startswith("  "):
+            break
+        section.append(line)
+    return section
+
+
+def test_the_traced_all_reduce_goes_from_the_group_through_the_backend_to_the_communicator(tmp_path, capsys):
+    assert main(["--calls", "20", "--json", str(tmp_path / "figures.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    tree = _section(lines, "call tree (module.function, indented by depth):")
+    names = [line.strip() for line in tree]
+    path = [(c["module"], c["function"].split(".")[-1]) for c in figures["trace"]]
+    # in this order, not necessarily adjacent
+    expected = iter([("process_group", "allreduce"), ("collectives", "all_reduce"), ("backend", "submit"),
+                     ("call_queue", "submit"), ("backend", "_enqueue"), ("communicator", "all_reduce"),
+                     ("lifecycle", "track"), ("work", "wait")])
+    step = next(expected)
+    for entry in path:
+        if entry == step:
+            step = next(expected, None)
+    assert step is None, f"{step} missing from {path}"
+    assert path[0] == ("process_group", "allreduce") and tree[0].startswith("  process_group.")
+    # the counts printed are those of the list printed
+    assert f"calls: {len(tree)}" in lines and figures["calls"] == len(tree) == len(figures["trace"])
+    assert names == [f"{c['module']}.{c['function']}" for c in figures["trace"]]
+    modules = {name.split(".")[0] for name in names}
+    assert any(line.startswith(f"modules: {len(modules)} (") for line in lines)
+    crossings = _section(lines, f"cross-module calls: {figures['cross_module_calls']}")
+    assert len(crossings) == len(figures["cross_module"]) and sum(int(line.rsplit(": ", 1)[1]) for line in crossings) == figures["cross_module_calls"] > 0
+    upward = [line for line in lines if line.startswith("upward calls (")]
+    assert upward and upward[0].endswith(f": {len(figures['upward_calls'])}")
+    assert figures["timed_calls"] == 20 and figures["host_us_per_call"] > 0
+
+
+def test_an_upward_call_goes_into_a_higher_layer_and_unlisted_modules_are_not_judged():
+    layers = [("top",), ("mid", "mid2"), ("low",)]
+    calls = [Call(0, "top", "entry"),
+             Call(1, "mid", "f"),
+             Call(2, "low", "g"),
+             Call(3, "mid", "callback"),   # low -> mid: upward
+             Call(4, "mid2", "same"),      # one layer: not upward
+             Call(3, "low", "h"),
+             Call(2, "other", "x"),
+             Call(3, "top", "y"),          # from a module outside the layers: not judged
+             Call(1, "low", "z"),
+             Call(0, "low", "outside")]    # called from outside the package: no caller
+    found = upward_calls(calls, layers)
+    assert [(a.function, b.function) for a, b in found] == [("g", "callback")]
+    assert upward_calls(calls, [("low",), ("mid", "mid2"), ("top",)]) == [
+        (calls[0], calls[1]), (calls[1], calls[2]), (calls[0], calls[8])]
+
+
+def test_a_call_is_made_by_the_nearest_shallower_call_before_it():
+    calls = [Call(0, "a", "f"), Call(1, "b", "g"), Call(2, "b", "h"), Call(1, "a", "i"), Call(0, "c", "j"),
+             Call(1, "b", "k")]
+    assert callers(calls) == [None, calls[0], calls[1], calls[0], None, calls[4]]
+    assert cross_module(calls) == {("a", "b"): 1, ("c", "b"): 1}
+
+
+def test_only_the_package_s_calls_are_traced_and_a_resumed_generator_is_not_a_new_call(tmp_path, monkeypatch):
+    package = tmp_path / "tracedpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "inner.py").write_text("def leaf():\n    return 1\n\n\ndef numbers():\n    yield leaf()\n    yield 2\n")
+    (tmp_path / "outside.py").write_text(
+        "from tracedpkg import inner\n\n\ndef through():\n    return sum(inner.numbers())\n")
+    (package / "outer.py").write_text("import outside\n\n\ndef entry():\n    return outside.through()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    outer = importlib.import_module("tracedpkg.outer")
+    calls = trace_calls(outer.entry, package)
+    # outside.through is not the package's: numbers sits one below entry, its resumptions uncounted
+    assert calls == [Call(0, "outer", "entry"), Call(1, "inner", "numbers"), Call(2, "inner", "leaf")]

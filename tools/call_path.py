@@ -1,0 +1,287 @@
+"""The path of one synchronous CUDA all_reduce through cupycoll, traced and timed on CPU:
+``python -m tools.call_path [--calls N] [--json FILE]``.
+
+It builds the group the CPU tests build (``tests/standins.py``: the real
+``ProcessGroupCupycoll`` and ``CudaBackend``, every tensor counting as ``cuda:0``, torch.cuda's
+streams and events answered on CPU) over a real blocking :class:`~cupycoll.communicator.Communicator`
+whose CuPy communicator does nothing. A first all_reduce creates the communicator; then one
+``group.allreduce([t], opts)`` and its ``wait()`` run under ``sys.setprofile``, and every
+Python call whose code lives in the cupycoll package is listed with its depth. From that list
+it prints the number of calls, the modules they touch, the calls from one module into
+another, and the upward calls: those from a module into one above it in :data:`LAYERS`
+(docs/design.md, "The house"). Then it times ``--calls`` all_reduce + wait without tracing
+and prints host microseconds per call, wall time and the calling thread's CPU time (which
+other processes on a loaded machine stretch less): a proxy, on CPU, for the Python share of
+the host cost.
+
+Deliberately left out: the GPU and NCCL themselves (the GPU machine measures the real cost
+against torch's nccl: ``cupycoll-bench --scenario overhead``), C functions and code outside
+the package (torch, the stand-ins: their cupycoll callees still count, at the depth of their
+nearest cupycoll caller), other threads (the watchdog's), other collectives and more ranks.
+A generator counts as called once, when first entered, not at each resumption. Needs CuPy's
+NCCL module and libnccl, as the CPU tier does; no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import inspect
+import json
+import os
+import sys
+import time
+from collections import Counter, namedtuple
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# docs/design.md's house, top to bottom; the modules of one entry are one layer. The last
+# one holds the services every layer above calls (Works, the watchdog, the flight recorder,
+# settings): a call from them into a layer above (a callback) is an upward call too.
+LAYERS: Tuple[Tuple[str, ...], ...] = (
+    ("process_group",),
+    ("collectives",),
+    ("_args",),
+    ("backend",),
+    ("lifecycle", "call_queue", "bootstrap"),
+    ("communicator", "call_guard", "nccl_group"),
+    ("nccl_bindings", "_cuda", "compat", "config", "errors", "work", "watchdog", "watchdog_cuda",
+     "heartbeat", "group_trace", "recorder", "diagnosis", "mismatch"),
+)
+
+GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+Call = namedtuple("Call", "depth module function")
+"""One call: its depth below the traced entry (0: called from outside the package), its
+module (the file's path under cupycoll/, dotted, no ``.py``) and its function (the
+qualified name from Python 3.11 on, the bare name before)."""
+
+
+def name(call: Call) -> str:
+    return f"{call.module}.{call.function}"
+
+
+# -- tracing ----------------------------------------------------------------------------
+
+
+def trace_calls(run: Callable[[], object], package_dir: Path) -> List[Call]:
+    """The Python calls into code under ``package_dir`` that ``run()`` makes on this thread."""
+    prefix = str(package_dir) + os.sep
+    calls: List[Call] = []
+    open_frames: list = []  # the package's frames under way, innermost last
+    generators: Dict[int, object] = {}  # id -> frame (held, so the id stays its own)
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            if not code.co_filename.startswith(prefix):
+                return
+            resumed = False
+            if code.co_flags & GENERATOR_FLAGS:
+                resumed = generators.get(id(frame)) is frame
+                generators[id(frame)] = frame
+            if not resumed:
+                module = code.co_filename[len(prefix):-len(".py")].replace(os.sep, ".")
+                calls.append(Call(len(open_frames), module, getattr(code, "co_qualname", code.co_name)))
+            open_frames.append(frame)
+        elif event == "return" and open_frames and open_frames[-1] is frame:
+            open_frames.pop()
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(previous)
+    return calls
+
+
+def callers(calls: Sequence[Call]) -> List[Optional[Call]]:
+    """Each call's caller in the list (None for a call from outside the package)."""
+    stack: List[Call] = []
+    found: List[Optional[Call]] = []
+    for call in calls:
+        del stack[call.depth:]
+        found.append(stack[-1] if stack else None)
+        stack.append(call)
+    return found
+
+
+def cross_module(calls: Sequence[Call]) -> Dict[Tuple[str, str], int]:
+    """(caller's module, callee's module) -> how many calls, in order of first occurrence."""
+    pairs: Counter = Counter()
+    for call, caller in zip(calls, callers(calls)):
+        if caller is not None and caller.module != call.module:
+            pairs[caller.module, call.module] += 1
+    return dict(pairs)
+
+
+def layer_of(layers: Sequence[Sequence[str]]) -> Dict[str, int]:
+    return {module: index for index, modules in enumerate(layers) for module in modules}
+
+
+def upward_calls(calls: Sequence[Call], layers: Sequence[Sequence[str]]) -> List[Tuple[Call, Call]]:
+    """(caller, callee) for each call from a module into one of a higher layer (a lower index
+    in ``layers``); modules outside ``layers`` are not judged."""
+    level = layer_of(layers)
+    found = []
+    for call, caller in zip(calls, callers(calls)):
+        if caller is None or call.module not in level or caller.module not in level:
+            continue
+        if level[call.module] < level[caller.module]:
+            found.append((caller, call))
+    return found
+
+
+# -- the group on CPU stand-ins -------------------------------------------------------
+
+
+class _CupyComm:
+    """CuPy's NcclCommunicator for a Communicator in blocking mode: every verb does nothing.
+    ``comm`` 0: the watchdog's async-error query then asks NCCL nothing."""
+
+    comm = 0
+
+    def allReduce(self, *args):
+        pass
+
+    def abort(self):
+        pass
+
+
+@contextlib.contextmanager
+def standin_group(size: int = 2) -> Iterator[object]:
+    """Rank 0 of a ``size``-rank cupycoll group whose CUDA route runs on CPU tensors and whose
+    GPU finishes every call at once; aborted on exit, when the stand-ins go."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    import torch.distributed as dist
+    import standins
+    from bench.group_cost import cupy_without_device
+    from cupycoll import _cuda
+    from cupycoll.communicator import Communicator
+
+    class DoneEvent(standins.RecordedEvent):
+        def query(self):
+            return True  # the watchdog lets each Work go at its next poll
+
+    class Backend(standins.CpuAsCudaBackend):
+        def _connect(self, key, creator, size, rank, device):
+            # No store gate, no NCCL: the Communicator is the real one around a stand-in.
+            return Communicator(device, rank, size, cupy_comm=_CupyComm())
+
+    class Group(standins.CpuAsCudaGroup):
+        backend_class = Backend
+
+    with contextlib.ExitStack() as patches:
+        def put(obj, attribute, value):
+            patches.enter_context(mock.patch.object(obj, attribute, value))
+
+        standins.use_cuda_standins(put, DoneEvent)
+        put(_cuda, "cupy_module", cupy_without_device)
+        group = Group(dist.HashStore(), 0, size, datetime.timedelta(seconds=60))
+        try:
+            yield group
+        finally:
+            group.abort()
+
+
+def _sync_options():
+    from torch._C import _distributed_c10d as c10d
+
+    opts = c10d.AllreduceOptions()
+    if hasattr(opts, "asyncOp"):  # torch < 2.7 has none: every call is asynchronous there
+        opts.asyncOp = False
+    return opts
+
+
+def measure(timed_calls: int = 2000) -> dict:
+    """The traced call's figures and the host time of ``timed_calls`` untraced ones."""
+    import torch
+    from bench.group_cost import per_call_us
+
+    import cupycoll
+
+    with standin_group() as group:
+        tensor, opts = torch.ones(4), _sync_options()
+
+        def all_reduce():
+            group.allreduce([tensor], opts).wait()
+
+        all_reduce()  # the first call creates the communicator
+        calls = trace_calls(all_reduce, Path(cupycoll.__file__).resolve().parent)
+        per_call_us(all_reduce, max(1, timed_calls // 10), repeats=1)  # warm-up
+        host_us = per_call_us(all_reduce, timed_calls, repeats=3)
+        # The caller's CPU time: what other processes on a loaded machine do not stretch.
+        cpu_us = per_call_us(all_reduce, timed_calls, repeats=3, clock=time.thread_time)
+    pairs = cross_module(calls)
+    upward = upward_calls(calls, LAYERS)
+    level = layer_of(LAYERS)
+    modules = list(dict.fromkeys(call.module for call in calls))
+    return {
+        "what": "one synchronous all_reduce of 4 float32 elements (group.allreduce + Work.wait), "
+                "rank 0 of 2, CPU stand-ins (tests/standins.py)",
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "calls": len(calls),
+        "modules": len(modules),
+        "module_names": modules,
+        "unlayered_modules": [m for m in modules if m not in level],
+        "cross_module_calls": sum(pairs.values()),
+        "cross_module": [{"from": a, "to": b, "calls": n} for (a, b), n in pairs.items()],
+        "layers": [list(layer) for layer in LAYERS],
+        "upward_calls": [{"from": name(a), "to": name(b)} for a, b in upward],
+        "trace": [call._asdict() for call in calls],
+        "timed_calls": timed_calls,
+        "host_us_per_call": host_us,
+        "thread_cpu_us_per_call": cpu_us,
+    }
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def report(figures: dict) -> List[str]:
+    lines = [f"cupycoll call path: {figures['what']}",
+             f"Python {figures['python']}, torch {figures['torch']}; Python calls into cupycoll on "
+             "the caller's thread", "", "call tree (module.function, indented by depth):"]
+    lines += ["  " * (c["depth"] + 1) + f"{c['module']}.{c['function']}" for c in figures["trace"]]
+    lines += ["", f"calls: {figures['calls']}",
+              f"modules: {figures['modules']} ({', '.join(figures['module_names'])})",
+              f"cross-module calls: {figures['cross_module_calls']}"]
+    lines += [f"  {p['from']} -> {p['to']}: {p['calls']}" for p in figures["cross_module"]]
+    order = " > ".join("/".join(layer) for layer in figures["layers"][:-1]) + " > services"
+    lines.append(f"upward calls ({order}): {len(figures['upward_calls'])}")
+    lines += [f"  {u['from']} -> {u['to']}" for u in figures["upward_calls"]]
+    if figures["unlayered_modules"]:
+        lines.append(f"modules outside the layer order: {', '.join(figures['unlayered_modules'])}")
+    lines += [f"host time: {figures['host_us_per_call']:.1f} us per call (wall), "
+              f"{figures['thread_cpu_us_per_call']:.1f} us (the calling thread's CPU time); each the "
+              f"median of 3 runs of {figures['timed_calls']} synchronous all_reduce + wait, untraced, "
+              "on the CPU stand-ins",
+              "  a proxy for the Python share of the host cost; the GPU machine measures the real "
+              "cost against torch's nccl (cupycoll-bench --scenario overhead)"]
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.call_path", description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000, help="untraced calls per timed run (default 2000)")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    args = parser.parse_args(argv)
+    if args.calls < 1:
+        parser.error("--calls must be >= 1")
+    figures = measure(args.calls)
+    print("\n".join(report(figures)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
