@@ -132,9 +132,10 @@ def recorders(world, behind=2):
     return out
 
 
-def test_diagnose_through_a_real_store(stores, tmp_path):
-    recs = recorders(3)
-    diagnosis.serve(stores[2], recs[2], str(tmp_path), interval=0.05)
+def ranks_0_and_1_time_out_while_rank_2_answers(stores, recs, dump_dir=None) -> dict:
+    """Ranks 0 and 1 diagnose their timeout side by side; rank 2's responder answers for it.
+    Their reports, by rank."""
+    diagnosis.serve(stores[2], recs[2], dump_dir, interval=0.05)
     reports = {}
 
     def run(rank):
@@ -148,6 +149,12 @@ def test_diagnose_through_a_real_store(stores, tmp_path):
             thread.join(10)
     finally:
         diagnosis.unserve(recs[2])
+    return reports
+
+
+def test_diagnose_through_a_real_store(stores, tmp_path):
+    recs = recorders(3)
+    reports = ranks_0_and_1_time_out_while_rank_2_answers(stores, recs, str(tmp_path))
     for rank in (0, 1):
         report = reports[rank]
         assert report.message == (
@@ -177,16 +184,7 @@ def test_diagnose_through_a_real_store(stores, tmp_path):
 def test_the_last_rank_out_deletes_the_groups_diagnosis_keys(stores):
     recs = recorders(3)
     baseline = stores[0].num_keys()
-    diagnosis.serve(stores[2], recs[2], interval=0.05)
-    try:
-        threads = [threading.Thread(target=diagnosis.diagnose_timeout, args=(stores[r], recs[r]),
-                                    kwargs={"timeout_s": 30, "wait_s": 5.0}) for r in (0, 1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(10)
-    finally:
-        diagnosis.unserve(recs[2])
+    ranks_0_and_1_time_out_while_rank_2_answers(stores, recs)
     assert stores[0].num_keys() > baseline  # the records, the requests and their counters
     for rank in (0, 1):
         diagnosis.forget(stores[rank], recs[rank])
