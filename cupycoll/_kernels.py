@@ -3,8 +3,8 @@ compiler options and template instantiations each pair compiles to.
 
 Both the runtime (:mod:`cupycoll.ring`, through ``cupy.RawModule``) and the CPU tests
 (straight through NVRTC, no GPU needed) build from :func:`module_spec`, so the tests
-compile exactly what runs. The numpy simulator in :mod:`cupycoll.ring_simulator` reads the
-same tables, so it computes what the kernels compute.
+compile exactly what runs. The tests' numpy model of the kernels (tests/ring_simulator.py)
+reads the same tables, so it computes what the kernels compute.
 
 dtypes and ops are torch-style lower-case names (``"bfloat16"``, ``"premul_sum"``).
 bool is reduced as bytes 0/1 with the byte kernels: SUM and MAX are OR (``max``),
