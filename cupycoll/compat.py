@@ -26,6 +26,7 @@ import atexit
 import ctypes
 import os
 import re
+import sys
 import threading
 from typing import List, Optional, Sequence
 
@@ -297,6 +298,35 @@ def shutdown(group: Optional[ProcessGroup]) -> None:
         group.shutdown()
     except RuntimeError:
         pass
+
+
+# ------------------------------------------------------------------------------ torch's private state
+#
+# What torch keeps only in its own Python (a caller's frame, a module global) and hands no
+# backend. Read here by the names torch's distributed_c10d.py gives them, which are the same
+# on every supported release (2.4.1 - 2.15; each CI leg's tests/test_compat.py checks them).
+
+
+def cuda_backend_being_created() -> Optional[str]:
+    """The CUDA backend (lower case, as torch's backend string names it) of the group that
+    torch's ``_new_process_group_helper``, up the caller's stack, is creating: ``""`` when
+    that string does not parse, None when the caller is not inside the helper."""
+    # torch 2.4.1 - 2.14 ask the default group's CUDA backend ``supports_splitting`` while
+    # creating any subgroup of a bound default group (_get_split_source), whatever the new
+    # group's backend, and tell it nothing of that backend; 2.15 passes the requested backend
+    # to _get_split_source and compares the names itself, but still asks. The helper's
+    # ``backend`` argument, read from its frame, is the only record of the new group's.
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_new_process_group_helper":
+            backend = frame.f_locals.get("backend")
+            try:
+                mapping = dist.distributed_c10d.BackendConfig(backend).get_device_backend_map()
+            except Exception:  # noqa: BLE001 - an unparsable backend names no CUDA backend
+                return ""
+            return str(mapping.get("cuda", "")).lower()
+        frame = frame.f_back
+    return None
 
 
 # ------------------------------------------------------------------------------ CuPy

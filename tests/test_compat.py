@@ -376,6 +376,27 @@ def test_split_source_offered_only_to_cupycoll_groups(world_of_one):
         pg.bound_device_id = None
 
 
+def test_the_group_creator_runs_inside_torchs_helper_that_names_the_cuda_backend(monkeypatch):
+    # CudaBackend.supports_splitting tells a new cupycoll group from any other by this frame.
+    from cupycoll import process_group
+
+    seen = []
+
+    class Recording(process_group.ProcessGroupCupycoll):
+        def __init__(self, *args, **kwargs):
+            seen.append(compat.cuda_backend_being_created())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(process_group, "ProcessGroupCupycoll", Recording)
+    dist.init_process_group("cpu:gloo,cuda:cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert isinstance(dist.group.WORLD, Recording)
+    finally:
+        dist.destroy_process_group()
+    assert seen == ["cupycoll"]
+    assert compat.cuda_backend_being_created() is None  # outside any creation
+
+
 def test_pg_options_reach_the_group_settings():
     """``pg_options=cupycoll.Options(...)`` given to init_process_group with a per-device
     backend string, and to new_group, reaches the group cupycoll builds: torch hands it to
