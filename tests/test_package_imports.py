@@ -1,12 +1,14 @@
 """CPU tier: the cupycoll package's import rules (docs/design.md, "The house").
 
 Read from the source (module- and function-level imports alike), so nothing is imported:
-no module imports one that imports it back.
+no module imports one that imports it back, and torch's private state is read in
+cupycoll/compat.py alone.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cupycoll"
@@ -46,3 +48,17 @@ def test_no_package_module_imports_one_that_imports_it_back():
     circles = sorted(name for name in graph if name in _reachable(graph, name))
     assert circles == [], f"modules on an import circle: {circles}"
 
+
+# What reads torch's private state: frames of torch's code, distributed_c10d's globals.
+_TORCH_PRIVATE = {"sys._getframe": r"\bsys\._getframe\b", "_world": r"\._world\b",
+                  "_get_default_group": r"\b_get_default_group\b"}
+
+
+def test_torchs_private_state_is_read_in_compat_alone():
+    readers = {}
+    for path in PACKAGE.glob("*.py"):
+        source = path.read_text(encoding="utf-8")
+        found = [name for name, pattern in _TORCH_PRIVATE.items() if re.search(pattern, source)]
+        if found:
+            readers[path.name] = found
+    assert readers == {"compat.py": ["sys._getframe", "_world"]}
