@@ -32,6 +32,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from cupycoll import compat
+
 from . import catalog, metrics, output
 from .rank import Rank
 
@@ -132,7 +134,7 @@ def _coalescing(group, device, async_ops: bool):
         with dist._coalescing_manager(group, device, async_ops=async_ops) as cm:
             yield cm
     except BaseException:
-        dist.distributed_c10d._world.pg_coalesce_state.pop(group, None)
+        compat.forget_coalescing_manager(group)
         raise
 
 

@@ -3,8 +3,8 @@ compiler options and template instantiations each pair compiles to.
 
 Both the runtime (:mod:`cupycoll.ring`, through ``cupy.RawModule``) and the CPU tests
 (straight through NVRTC, no GPU needed) build from :func:`module_spec`, so the tests
-compile exactly what runs. The numpy simulator in :mod:`cupycoll.ring_simulator` reads the
-same tables, so it computes what the kernels compute.
+compile exactly what runs. The tests' numpy model of the kernels (tests/ring_simulator.py)
+reads the same tables, so it computes what the kernels compute.
 
 dtypes and ops are torch-style lower-case names (``"bfloat16"``, ``"premul_sum"``).
 bool is reduced as bytes 0/1 with the byte kernels: SUM and MAX are OR (``max``),
@@ -20,11 +20,11 @@ import dataclasses
 import functools
 import importlib.resources
 import re
-from pathlib import Path
 from typing import Dict, Tuple
 
 from .errors import CupycollValueError
 
+KERNEL_DIR = "kernels"  # the CUDA C++ sources: a data folder of this package
 KERNEL_SOURCE = "ring_reduce.cu"
 
 # Compiled with the caller's arch added by CuPy (or by the tests). --fmad=false keeps the
@@ -108,17 +108,15 @@ def stages_first_contribution(dtype: str, op: str) -> bool:
 # ----------------------------------------------------------------------------- sources
 
 def _kernel_dir_files() -> Dict[str, str]:
-    """name -> text of every .cu/.cuh shipped in cupycoll.kernels."""
-    try:
-        root = importlib.resources.files("cupycoll.kernels")
-        entries = list(root.iterdir())
-    except (ModuleNotFoundError, FileNotFoundError, TypeError):
-        # A checkout on PYTHONPATH (not installed) has kernels/ beside cupycoll/, and no
-        # cupycoll.kernels package to import.
-        root = Path(__file__).resolve().parent.parent / "kernels"
-        entries = list(root.iterdir()) if root.is_dir() else []
+    """name -> text of every .cu/.cuh in the package's kernels/ folder.
+
+    One place, read through importlib.resources: the folder is package data beside this
+    module, in a checkout, an editable install and a wheel (zipped or not) alike."""
+    root = importlib.resources.files(__package__).joinpath(KERNEL_DIR)
+    if not root.is_dir():
+        return {}
     return {entry.name: entry.read_text(encoding="utf-8")
-            for entry in entries if entry.name.endswith((".cu", ".cuh"))}
+            for entry in root.iterdir() if entry.name.endswith((".cu", ".cuh"))}
 
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -131,8 +129,8 @@ def source() -> str:
     files = _kernel_dir_files()
     if KERNEL_SOURCE not in files:
         raise FileNotFoundError(
-            f"{KERNEL_SOURCE} not found in cupycoll.kernels nor in a kernels/ folder beside "
-            "the cupycoll package; the installation is incomplete")
+            f"{KERNEL_SOURCE} not found in {__package__}/{KERNEL_DIR}/; the installation is "
+            "incomplete")
 
     def inline(match, seen=()):
         name = match.group(1)

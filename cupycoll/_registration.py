@@ -11,7 +11,6 @@ and the creator below on first use).
 from __future__ import annotations
 
 import logging
-import sys
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
@@ -41,27 +40,6 @@ def register() -> None:
     if BACKEND_NAME.upper() in Backend._plugins:
         return
     Backend.register_backend(BACKEND_NAME, _create_process_group, extended_api=True, devices=["cuda"])
-
-
-def creating_cupycoll_cuda_group() -> bool:
-    """Is torch's ``_new_process_group_helper`` (up the stack) building a group whose CUDA
-    backend is cupycoll? True when called from anywhere else. (CudaBackend.supports_splitting
-    asks; it lives here, beside the registration, as it reads torch's backend routing.)"""
-    import torch.distributed as dist
-
-    from .config import BACKEND_NAME
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_new_process_group_helper":
-            backend = frame.f_locals.get("backend")
-            try:
-                mapping = dist.distributed_c10d.BackendConfig(backend).get_device_backend_map()
-            except Exception:  # noqa: BLE001 - an unparsable backend is not ours
-                return False
-            return str(mapping.get("cuda", "")).lower() == BACKEND_NAME
-        frame = frame.f_back
-    return True
 
 
 def autoload() -> None:

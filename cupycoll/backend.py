@@ -45,7 +45,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import compat, config, lifecycle
-from ._registration import creating_cupycoll_cuda_group
 from .bootstrap import StoreBootstrap
 from .communicator import Communicator
 from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError,
@@ -154,7 +153,9 @@ class CudaBackend:
         # the new group's backend: splitting must only be offered for cupycoll groups, or a
         # new_group(backend="nccl") would get this backend as ProcessGroupNCCL's split_from,
         # and its non-members would split our communicator while its members never do.
-        return creating_cupycoll_cuda_group()
+        # Asked outside group creation, it is offered.
+        creating = compat.cuda_backend_being_created()
+        return creating is None or creating == config.BACKEND_NAME
 
     def eager_connect_single_device(self, device) -> None:
         """Eager init (``device_id``): bind the group to ``device`` and connect now. torch

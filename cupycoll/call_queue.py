@@ -30,7 +30,8 @@ never touched stays until :data:`KEPT_WORKS` newer ones push it out. Calls insid
 coalescing block are not kept (their Python caller gets the block's covering Work, which is).
 
 Deliberately left out: communicators, streams and events (the backend's), detecting
-torch's manager on the stack (the group's hooks hand in ``manager_ref``), and making the
+torch's manager on the stack (the group's hooks hand in ``manager_ref``, from
+:func:`cupycoll.compat.calling_coalescing_manager`), and making the
 coalescing block thread-safe: a block is one thread's, opened and closed by it.
 """
 
@@ -39,10 +40,8 @@ from __future__ import annotations
 import collections
 import datetime
 import inspect
-import sys
 import threading
 import warnings
-import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch.distributed as dist
@@ -320,23 +319,3 @@ class CallQueue:
             f"{op_name} on group {target._name()!r} inside a coalescing block of group "
             f"{owner._name()!r}: a coalescing manager batches the calls of one group; "
             "close it first or use one manager per group")
-
-
-def calling_manager(on_freed: Optional[Callable] = None):
-    """A weak reference to the ``torch.distributed._coalescing_manager`` generator that is
-    calling ``_start_coalescing`` (None when called some other way). When the manager's
-    body raises, torch never calls ``_end_coalescing``; the closed (or freed, then
-    ``on_freed(ref)`` runs) generator tells us."""
-    frame = sys._getframe(3)
-    for _ in range(4):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        generator = getattr(owner, "gen", None)
-        if inspect.isgenerator(generator) and generator.gi_code.co_name == "_coalescing_manager":
-            if on_freed is None:
-                return weakref.ref(generator)
-            method = weakref.WeakMethod(on_freed)  # the ref must not keep the group alive
-            return weakref.ref(generator, lambda ref: method() and method()(ref))
-        frame = frame.f_back
-    return None

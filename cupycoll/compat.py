@@ -1,10 +1,13 @@
-"""Every torch and CuPy version difference cupycoll copes with, in one place.
+"""Every torch and CuPy version difference cupycoll copes with, and every read of torch's
+private state, in one place.
 
 cupycoll supports torch 2.4.1 to 2.15, CuPy 13 (from 13.0) and 14 (from 14.2), NCCL 2.20.5
 onwards (the versions CI runs: see the README's compatibility table). Where those versions
 differ in something cupycoll uses, the difference is handled here, once, with a comment
 naming the version that changed it; the rest of the package calls these functions and never
-probes versions itself.
+probes versions itself. What torch keeps only in its own Python (a caller's frame, the
+``_world`` of distributed_c10d) is read here too, by helpers that name the releases whose
+code they read, so a torch release that renames them breaks this module alone.
 Each entry has a test in ``tests/test_compat.py`` that asserts the installed version's
 behaviour.
 
@@ -17,16 +20,25 @@ no CuPy at import time: CuPy is handed in by the callers that already loaded it.
 Elsewhere on purpose, as a try/except at their one call site rather than a version check:
 :mod:`cupycoll.lifecycle`'s exit hook (Python 3.12+ refuses to start a thread while the
 interpreter finalizes) and :mod:`cupycoll.nccl_bindings`' library search (no
-``cuda.pathfinder`` with CuPy 13).
+``cuda.pathfinder`` with CuPy 13). Also elsewhere: torch's protocol for a ProcessGroup
+written in Python (the ``_``-named methods :mod:`cupycoll.process_group` overrides or calls
+on itself, and the options classes of ``torch._C._distributed_c10d``, where
+``AllgatherOptions`` has no public name), which torch itself drives; ``Backend._plugins``
+in :mod:`cupycoll._registration`, whose entry point runs during ``import torch`` and stays
+cheap by not importing this module; and ``_create_work_from_future`` in
+:mod:`cupycoll.work`, a module this one imports.
 """
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import os
 import re
+import sys
 import threading
-from typing import List, Optional, Sequence
+import weakref
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -296,6 +308,74 @@ def shutdown(group: Optional[ProcessGroup]) -> None:
         group.shutdown()
     except RuntimeError:
         pass
+
+
+# ------------------------------------------------------------------------------ torch's private state
+#
+# What torch keeps only in its own Python (a caller's frame, a module global) and hands no
+# backend. Read here by the names torch's distributed_c10d.py gives them, which are the same
+# on every supported release (2.4.1 - 2.15; each CI leg's tests/test_compat.py checks them).
+
+
+def cuda_backend_being_created() -> Optional[str]:
+    """The CUDA backend (lower case, as torch's backend string names it) of the group that
+    torch's ``_new_process_group_helper``, up the caller's stack, is creating: ``""`` when
+    that string does not parse, None when the caller is not inside the helper."""
+    # torch 2.4.1 - 2.14 ask the default group's CUDA backend ``supports_splitting`` while
+    # creating any subgroup of a bound default group (_get_split_source), whatever the new
+    # group's backend, and tell it nothing of that backend; 2.15 passes the requested backend
+    # to _get_split_source and compares the names itself, but still asks. The helper's
+    # ``backend`` argument, read from its frame, is the only record of the new group's.
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_new_process_group_helper":
+            backend = frame.f_locals.get("backend")
+            try:
+                mapping = dist.distributed_c10d.BackendConfig(backend).get_device_backend_map()
+            except Exception:  # noqa: BLE001 - an unparsable backend names no CUDA backend
+                return ""
+            return str(mapping.get("cuda", "")).lower()
+        frame = frame.f_back
+    return None
+
+
+# How far above its caller calling_coalescing_manager looks for torch's manager: the caller
+# (a group's hook), _start_coalescing, torch.compiler.disable's wrapper around it
+# (run_eagerly_under_compile), the manager's body and contextlib's __enter__.
+_COALESCING_MANAGER_REACH = 6
+
+
+def calling_coalescing_manager(on_freed: Optional[Callable] = None):
+    """A weak reference to the ``torch.distributed._coalescing_manager`` generator whose
+    ``with`` statement is calling ``_start_coalescing`` up the caller's stack (None when it
+    is called some other way); ``on_freed(ref)`` runs when that generator is freed."""
+    # torch 2.4.1 - 2.15: _coalescing_manager is a contextlib generator that calls
+    # _start_coalescing from its body and, when the ``with`` body raises, never calls
+    # _end_coalescing (nothing runs in a finally). Only the generator (contextlib's
+    # __enter__ frame holds it as ``self.gen``) tells when that ``with`` statement is over:
+    # closed, or freed.
+    frame = sys._getframe(1)
+    for _ in range(_COALESCING_MANAGER_REACH):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        generator = getattr(owner, "gen", None)
+        if inspect.isgenerator(generator) and generator.gi_code.co_name == "_coalescing_manager":
+            if on_freed is None:
+                return weakref.ref(generator)
+            method = weakref.WeakMethod(on_freed)  # the ref must not keep the group alive
+            return weakref.ref(generator, lambda ref: method() and method()(ref))
+        frame = frame.f_back
+    return None
+
+
+def forget_coalescing_manager(group: ProcessGroup) -> None:
+    """Drop torch's record of a ``_coalescing_manager`` on ``group`` whose body raised."""
+    # torch 2.4.1 - 2.15 pop the group from _world.pg_coalesce_state only after the manager's
+    # body returned; a raising body leaves it there, and every later dist.all_reduce (and the
+    # other fast-path collectives) on the group is captured into that dead manager's list
+    # instead of reaching the group.
+    dist.distributed_c10d._world.pg_coalesce_state.pop(group, None)
 
 
 # ------------------------------------------------------------------------------ CuPy

@@ -31,7 +31,6 @@ from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _args, collectives, compat, config, lifecycle
 from .backend import CudaBackend
-from .call_queue import calling_manager
 from .group_trace import GroupTrace
 from .lifecycle import GroupState
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
@@ -109,7 +108,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         """The default group when torch splits subgroups from it (it was bound to a device)."""
         if not self._global_ranks or not dist.is_initialized():
             return None
-        parent = dist.distributed_c10d._get_default_group()
+        parent = dist.group.WORLD
         if not isinstance(parent, ProcessGroupCupycoll) or parent is self:
             return None
         if not parent._cuda.splits_children(getattr(parent, "bound_device_id", None)):
@@ -356,7 +355,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         return self._cuda.calls.close_block()
 
     def _open_block(self) -> None:
-        self._cuda.calls.open_block(calling_manager(self._manager_gone))
+        self._cuda.calls.open_block(compat.calling_coalescing_manager(self._manager_gone))
 
     def _manager_gone(self, manager_ref) -> None:
         """The generator of a ``_coalescing_manager`` that opened a block was freed (the
@@ -367,7 +366,7 @@ class ProcessGroupCupycoll(ProcessGroup):
         if calls.block_manager is not manager_ref or calls.block is None:
             return
         calls.discard_raised_block(stacklevel=3)
-        dist.distributed_c10d._world.pg_coalesce_state.pop(self, None)
+        compat.forget_coalescing_manager(self)
 
     # -- lifetime ---------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -3,8 +3,8 @@
 NCCL's reductions add fp16/bf16 in fp16/bf16 at every hop, have no bitwise ops, and give
 results that depend on the algorithm NCCL picks. The ring here accumulates fp16/bf16 in
 fp32 and rounds once, offers BAND/BOR/BXOR, and is bitwise reproducible: every element is
-reduced in an order fixed by the schedule (:mod:`cupycoll.ring_schedule`; :mod:`cupycoll.ring_simulator`
-runs the same plans on the CPU), and all-reduce copies each finished chunk from
+reduced in an order fixed by the schedule (:mod:`cupycoll.ring_schedule`; the tests' numpy
+model, tests/ring_simulator.py, runs the same plans on the CPU), and all-reduce copies each finished chunk from
 its owner, so every rank holds the same bits.
 
 Public API (pointers, counts, dtype/op names and the stream are plain values, as in

@@ -1,8 +1,8 @@
 """The ring algorithm's schedule, as plain data: chunks, slices, per-rank plans, stream order.
 
 :mod:`cupycoll.ring` executes the plans built here on the GPU, action by action, in list
-order; :mod:`cupycoll.ring_simulator` executes the very same plans with numpy, one array
-per rank, so the CPU tests of the schedule test what the GPU runs.
+order; the tests' numpy model (tests/ring_simulator.py) executes the very same plans, one
+array per rank, so the CPU tests of the schedule test what the GPU runs.
 
 The schedule
 ------------
@@ -31,7 +31,7 @@ so that one lane's transfer overlaps the other's reduction, and within a lane st
 receives into slot ``s % 2`` while sending from slot ``(s + 1) % 2``.
 
 Deliberately left out: arithmetic on values (the numpy model of the kernels is
-:mod:`cupycoll.ring_simulator`; this module imports no numpy), CuPy, torch, real streams
+tests/ring_simulator.py; this module imports no numpy), CuPy, torch, real streams
 and pointers (see :mod:`cupycoll.ring`). Streams appear only as the two names that
 :func:`issue` orders commands on.
 """

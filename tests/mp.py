@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKERS = Path(__file__).resolve().parent / "workers"
+TESTS = Path(__file__).resolve().parent
+WORKERS = TESTS / "workers"
 
 if str(ROOT) not in sys.path:  # bench/ of this checkout, for its port helper
     sys.path.insert(0, str(ROOT))
@@ -204,10 +205,12 @@ def start_ranks(
             # Several ranks, each building CPU references: torch's default of one intra-op
             # thread per core oversubscribes the machine world-fold.
             child_env.setdefault("OMP_NUM_THREADS", "2")
+            # The checkout, and tests/ for the helpers workers share with the tests
+            # (ring_simulator), imported by name as the tests import them.
             child_env.update(
                 RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                 LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), child_env.get("PYTHONPATH")])),
+                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), str(TESTS), child_env.get("PYTHONPATH")])),
                 PYTHONUNBUFFERED="1",
             )
             if share_gpu:

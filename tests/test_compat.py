@@ -376,6 +376,69 @@ def test_split_source_offered_only_to_cupycoll_groups(world_of_one):
         pg.bound_device_id = None
 
 
+def test_the_group_creator_runs_inside_torchs_helper_that_names_the_cuda_backend(monkeypatch):
+    # CudaBackend.supports_splitting tells a new cupycoll group from any other by this frame.
+    from cupycoll import process_group
+
+    seen = []
+
+    class Recording(process_group.ProcessGroupCupycoll):
+        def __init__(self, *args, **kwargs):
+            seen.append(compat.cuda_backend_being_created())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(process_group, "ProcessGroupCupycoll", Recording)
+    dist.init_process_group("cpu:gloo,cuda:cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert isinstance(dist.group.WORLD, Recording)
+    finally:
+        dist.destroy_process_group()
+    assert seen == ["cupycoll"]
+    assert compat.cuda_backend_being_created() is None  # outside any creation
+
+
+class _ManagedGroup:
+    """What torch's _coalescing_manager calls on a group with a device: start, end."""
+
+    def __init__(self):
+        self.managers = []
+        self.freed = []
+
+    def _start_coalescing(self, device):
+        self.managers.append(compat.calling_coalescing_manager(self.on_freed))
+
+    def _end_coalescing(self, device):
+        return None
+
+    def on_freed(self, ref):
+        self.freed.append(ref)
+
+
+def test_a_raising_coalescing_body_is_seen_only_through_torchs_generator():
+    group = _ManagedGroup()
+    with pytest.raises(KeyError):
+        with dist._coalescing_manager(group=group, device=torch.device("cpu")):
+            raise KeyError("the body raised")
+    compat.forget_coalescing_manager(group)
+    [manager] = group.managers
+    assert manager is not None and group.freed == [manager]  # freed: the with statement is over
+    assert compat.calling_coalescing_manager() is None  # not called from a manager
+
+
+def test_torch_keeps_its_record_of_a_raising_coalescing_manager_until_it_is_forgotten():
+    group = _ManagedGroup()
+    state = dist.distributed_c10d._world.pg_coalesce_state
+    with pytest.raises(KeyError):
+        with dist._coalescing_manager(group=group, device=torch.device("cpu")):
+            raise KeyError("the body raised")
+    try:
+        assert group in state  # torch 2.4.1 - 2.15 pop it only after a body that returned
+    finally:
+        compat.forget_coalescing_manager(group)
+    assert group not in state
+    compat.forget_coalescing_manager(group)  # nothing left to forget: no error
+
+
 def test_pg_options_reach_the_group_settings():
     """``pg_options=cupycoll.Options(...)`` given to init_process_group with a per-device
     backend string, and to new_group, reaches the group cupycoll builds: torch hands it to

@@ -78,6 +78,14 @@ def test_jobs_run_side_by_side_and_a_failure_kills_the_rest():
     assert all(p.poll() is not None for p in hung.procs + failing.procs)
 
 
+def test_workers_import_the_helpers_of_tests_by_name(monkeypatch):
+    # ring_worker.py imports ring_simulator as the tests do; the harness, not the caller's
+    # environment, puts tests/ on the ranks' path
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    [result] = mp.run_ranks("harness_worker.py", 1, ["helpers"], timeout=120)
+    assert Path(result.stdout.strip()) == ROOT / "tests" / "ring_simulator.py"
+
+
 def test_ranks_end_when_the_test_process_is_killed():
     # a tier part over its budget is killed with its process group; the ranks lead sessions
     # of their own, so only their tie to the test process (tests/mp.py) can end them

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import cupycoll._cuda
-from cupycoll import nccl_bindings, ring, ring_schedule as rs, ring_simulator as sim
+import ring_simulator as sim
+from cupycoll import nccl_bindings, ring, ring_schedule as rs
 from cupycoll._kernels import ELEMENTS, KINDS, all_pairs
 from cupycoll.errors import CommunicatorAbortedError, CupycollTypeError, CupycollValueError
 

@@ -8,8 +8,10 @@ the cuda12 extra installed.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.resources
 import re
+from pathlib import Path
 
 import pytest
 
@@ -97,9 +99,26 @@ def test_supported_pairs_pass_check():
         ring.check(dtype, op)
 
 
-def test_sources_ship_in_the_kernels_package():
-    names = {entry.name for entry in importlib.resources.files("cupycoll.kernels").iterdir()}
+def test_sources_are_read_from_the_packages_kernels_folder():
+    folder = importlib.resources.files("cupycoll").joinpath("kernels")
+    names = {entry.name for entry in folder.iterdir()}
     assert {"ring_reduce.cu", "ring_common.cuh"} <= names
+    assert folder.joinpath("ring_common.cuh").read_text(encoding="utf-8") in _kernels.source()
+
+
+def test_every_kernel_source_is_declared_package_data():
+    # A source the wheel leaves out compiles in a checkout and fails once installed.
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(_kernels.__file__).resolve().parent
+    if not (root.parent / "pyproject.toml").is_file():
+        pytest.skip("cupycoll is imported from an installation, not from a checkout")
+    with open(root.parent / "pyproject.toml", "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["cupycoll"]
+    sources = [p.relative_to(root).as_posix() for p in (root / "kernels").iterdir()
+               if p.suffix in (".cu", ".cuh")]
+    assert sources
+    for name in sources:
+        assert any(fnmatch.fnmatch(name, glob) for glob in globs), name
 
 
 def test_source_is_self_contained():
@@ -109,15 +128,12 @@ def test_source_is_self_contained():
     assert "namespace cupycoll" in source and "ring_reduce_final" in source
 
 
-def test_source_falls_back_to_the_checkout_folder(monkeypatch):
-    def no_package(name):
-        raise ModuleNotFoundError(name)
-
+def test_a_missing_kernel_folder_names_the_incomplete_installation(monkeypatch):
     _kernels.source.cache_clear()
-    monkeypatch.setattr(_kernels.importlib.resources, "files", no_package)
+    monkeypatch.setattr(_kernels, "KERNEL_DIR", "no_such_folder")
     try:
-        assert _kernels.source() == _kernels.source.__wrapped__()
-        assert "ring_stage" in _kernels.source()
+        with pytest.raises(FileNotFoundError, match=r"cupycoll/no_such_folder/.*incomplete"):
+            _kernels.source()
     finally:
         _kernels.source.cache_clear()
 

@@ -1,5 +1,5 @@
 """CPU tier: the ring schedule (cupycoll.ring_schedule), run by its numpy simulator
-(cupycoll.ring_simulator).
+(tests/ring_simulator.py).
 
 The GPU executes the same plans (:func:`cupycoll.ring.plan_for` builds them through the
 same functions) and the same stream commands (:func:`issue`), so what is proven here about
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from cupycoll import ring, ring_schedule as rs, ring_simulator as sim
+import ring_simulator as sim
+from cupycoll import ring, ring_schedule as rs
 from cupycoll._kernels import ELEMENTS, all_pairs
 from cupycoll.errors import CupycollValueError
 

@@ -3,7 +3,7 @@ are fewer GPUs than ranks, each with its own NCCL_HOSTID).
 
 tests/workers/ring_worker.py drives ``dist.all_reduce`` and ``dist.reduce_scatter_tensor``
 for every supported dtype x op x size and checks each result bitwise against
-cupycoll.ring_simulator's numpy model and loosely against torch; it checks bitwise
+tests/ring_simulator.py's numpy model and loosely against torch; it checks bitwise
 reproducibility over 10 runs and across ranks, and (selected through ``cupycoll.algorithm``)
 that the ring's bf16 SUM error is no larger than NCCL's.
 

@@ -5,6 +5,8 @@ Usage: harness_worker.py SCENARIO
           sets a store key that rank 0 waits for.
   hang:   rank 0 prints a line, then sleeps forever.
   fail:   rank 1 exits 3 at once; rank 0 sleeps forever (a peer stuck in a collective).
+  helpers: imports ring_simulator, a helper of tests/ the workers share, by name, and
+          prints the file it came from.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ def main() -> int:
             print("rank 1 fails on purpose", file=sys.stderr, flush=True)
             return 3
         time.sleep(3600)
+        return 0
+    if scenario == "helpers":
+        import ring_simulator
+
+        print(ring_simulator.__file__, flush=True)
         return 0
     raise SystemExit(f"unknown scenario {scenario!r}")
 

@@ -2,7 +2,7 @@
 tensors through cupycoll's ring kernels, checked against local references.
 
 Every rank can compute every rank's inputs (a function of rank and case), so each result is
-checked twice, locally: bitwise against cupycoll.ring_simulator's numpy model (the ring
+checked twice, locally: bitwise against ring_simulator's numpy model (the ring
 computes exactly what it computes), and against a plain torch reduction (exact for integers
 and bool, loosely for floating point, where the ring's order differs from torch's).
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import cupycoll
 from cupycoll._kernels import supports
-from cupycoll.ring_simulator import simulate_all_reduce, simulate_reduce_scatter
+from ring_simulator import simulate_all_reduce, simulate_reduce_scatter
 from epilogue import end_suite
 
 RANK = int(os.environ["RANK"])

@@ -1,4 +1,5 @@
-"""A numpy model of the ring kernels running the schedule: the tests' oracle.
+"""A numpy model of the ring kernels running the schedule: the tests' oracle (test-only
+code, not shipped: tests import it as ``ring_simulator``).
 
 :func:`simulate_all_reduce` and :func:`simulate_reduce_scatter` build every rank's plan
 with :mod:`cupycoll.ring_schedule` (the same functions :mod:`cupycoll.ring` calls) and run
@@ -11,7 +12,8 @@ compare the ring's results with these bit for bit.
 
 Deliberately left out: timing and streams (all ranks run action ``i`` before any runs
 ``i + 1``; the stream order is :func:`cupycoll.ring_schedule.issue`, tested on its own),
-pointers and CuPy. Nothing in production imports this module.
+pointers and CuPy. It reads the package's tables (:mod:`cupycoll._kernels`,
+:mod:`cupycoll.ring_schedule`); the package never imports it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ._kernels import ELEMENTS, check, op_struct
-from .errors import CupycollValueError
-from .ring_schedule import (
+from cupycoll._kernels import ELEMENTS, check, op_struct
+from cupycoll.errors import CupycollValueError
+from cupycoll.ring_schedule import (
     LANES,
     SLOTS,
     Action,
