@@ -16,7 +16,7 @@ def _imports() -> dict:
     graph = {}
     for path in BENCH.glob("*.py"):
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench"):

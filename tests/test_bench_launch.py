@@ -68,7 +68,7 @@ def test_ranks_sharing_a_gpu_get_their_own_hostid_and_a_store(fake_package, monk
     monkeypatch.setenv("FAKE_MODE", "env")
     plan = launch.Plan(2, [0, 0], True, "NCCL_HOSTID ranks sharing 1 GPU(s)")
     assert launch.spawn(plan, ["all_reduce", "-b", "8"], "fakebench") == 0
-    seen = [json.loads((fake_package / f"{rank}.json").read_text()) for rank in (0, 1)]
+    seen = [json.loads((fake_package / f"{rank}.json").read_text(encoding="utf-8")) for rank in (0, 1)]
     assert [s["NCCL_HOSTID"] for s in seen] == ["cupycoll-bench-0", "cupycoll-bench-1"]
     assert all(s["NCCL_SOCKET_IFNAME"] == "lo" and s["NCCL_IB_DISABLE"] == "1" for s in seen)
     assert [s["LOCAL_RANK"] for s in seen] == ["0", "1"] and seen[0]["argv"] == ["all_reduce", "-b", "8"]
@@ -104,7 +104,7 @@ def test_killing_the_launcher_ends_the_ranks(fake_package, monkeypatch):
         pids = []
         for _ in range(600):
             if all((fake_package / f"pid{r}").exists() for r in (0, 1)):
-                pids = [int((fake_package / f"pid{r}").read_text()) for r in (0, 1)]
+                pids = [int((fake_package / f"pid{r}").read_text(encoding="utf-8")) for r in (0, 1)]
                 break
             time.sleep(0.1)
         assert len(pids) == 2, "the ranks never started"

@@ -78,7 +78,7 @@ def test_json_round_trip(tmp_path):
     assert document["rows"][0]["time_us"] is None
     for got, want in zip(document["rows"][1:], rows[1:]):
         assert got == want
-    json.loads(path.read_text())  # strict JSON
+    json.loads(path.read_text(encoding="utf-8"))  # strict JSON
 
 
 def test_csv_round_trip(tmp_path):
@@ -96,7 +96,7 @@ def test_csv_round_trip(tmp_path):
                 assert got[key] == pytest.approx(value, rel=1e-12), key
             else:
                 assert got[key] == value, key
-    header = [line for line in path.read_text().splitlines() if not line.startswith("#")][0]
+    header = [line for line in path.read_text(encoding="utf-8").splitlines() if not line.startswith("#")][0]
     assert header.split(",")[:3] == ["kind", "collective", "scenario"]
 
 

@@ -28,7 +28,7 @@ def _section(lines, header):
 def test_the_traced_all_reduce_goes_from_the_group_through_the_backend_to_the_communicator(tmp_path, capsys):
     assert main(["--calls", "20", "--json", str(tmp_path / "figures.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    figures = json.loads((tmp_path / "figures.json").read_text())
+    figures = json.loads((tmp_path / "figures.json").read_text(encoding="utf-8"))
     tree = _section(lines, "call tree (module.function, indented by depth):")
     names = [line.strip() for line in tree]
     path = [(c["module"], c["function"].split(".")[-1]) for c in figures["trace"]]

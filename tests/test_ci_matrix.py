@@ -116,11 +116,11 @@ def install_fallback(text: str) -> Tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def matrix():
-    run = (ROOT / ".ci" / "run").read_text()
+    run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     return {"legs": ci_legs(run), "header": ci_header_rows(run),
-            "readme": readme_rows((ROOT / "README.md").read_text()),
-            "floors": pyproject_floors((ROOT / "pyproject.toml").read_text()),
-            "fallback": install_fallback((ROOT / "tools" / "install_torch.py").read_text())}
+            "readme": readme_rows((ROOT / "README.md").read_text(encoding="utf-8")),
+            "floors": pyproject_floors((ROOT / "pyproject.toml").read_text(encoding="utf-8")),
+            "fallback": install_fallback((ROOT / "tools" / "install_torch.py").read_text(encoding="utf-8"))}
 
 
 # ------------------------------------------------------------------------------- checks
@@ -171,7 +171,7 @@ def check_fallback(fallback: Tuple[str, str], legs: Dict[str, dict]) -> None:
 
 def test_ci_runs_the_four_legs(matrix):
     assert sorted(matrix["legs"]) == sorted(LEGS)
-    default = re.search(r"LEGS=\$\{CI_LEGS:-([^}]*)\}", (ROOT / ".ci" / "run").read_text())
+    default = re.search(r"LEGS=\$\{CI_LEGS:-([^}]*)\}", (ROOT / ".ci" / "run").read_text(encoding="utf-8"))
     assert default and sorted(default.group(1).split()) == sorted(LEGS)
 
 
@@ -204,7 +204,7 @@ def test_the_install_fallback_is_a_legs_torch(matrix):
 
 
 def _changed(path: str, old: str, new: str) -> str:
-    text = (ROOT / path).read_text()
+    text = (ROOT / path).read_text(encoding="utf-8")
     assert text.count(old) == 1, f"{path} no longer has {old!r}: update this test"
     return text.replace(old, new)
 
@@ -236,7 +236,7 @@ def test_an_untested_floor_is_caught(matrix):
 def test_a_bump_of_the_fallback_legs_torch_alone_is_caught(matrix):
     leg, torch = matrix["fallback"]
     arm = re.search(rf"^\s*{re.escape(leg)}\)\s+leg {re.escape(leg)} \S+ {re.escape(torch)} ",
-                    (ROOT / ".ci" / "run").read_text(), re.M)
+                    (ROOT / ".ci" / "run").read_text(encoding="utf-8"), re.M)
     assert arm, f"no leg line for {leg} with torch {torch}: update this test"
     bumped = ci_legs(_changed(".ci/run", arm.group(0), arm.group(0).replace(f" {torch} ", " 9.9.9 ")))
     with pytest.raises(AssertionError, match="falls back to torch"):

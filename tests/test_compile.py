@@ -28,7 +28,7 @@ def trained(tmp_path_factory):
         outs.append(out)
         jobs.append(start_ranks("compile_worker.py", 2, args=[backend, str(out)], timeout=240))
     wait_all(jobs)
-    return {backend: {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)}
+    return {backend: {rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in range(2)}
             for backend, out in zip(BACKENDS, outs)}
 
 

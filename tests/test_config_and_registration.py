@@ -553,7 +553,7 @@ def test_the_package_index_page_has_license_classifiers_keywords_authors_and_url
 
 def test_readme_links_are_absolute_and_name_files_of_the_checkout():
     # The README is the package index's page, where a link relative to the checkout breaks.
-    text = (CHECKOUT / "README.md").read_text()
+    text = (CHECKOUT / "README.md").read_text(encoding="utf-8")
     links = re.findall(r"\]\(([^)\s]+)\)", text)
     assert links
     for link in links:

@@ -374,7 +374,7 @@ def test_compare_names_rank_and_field():
 
 def test_mismatch_check_across_processes(tmp_path):
     run_ranks("trace_worker.py", 3, ["mismatch", str(tmp_path)], timeout=120)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(3)]
     expected = {
         "shape": "all_reduce #4: rank 1 passed shape (4, 3), ranks 0,2 passed (4, 4)",
         "dtype": "all_reduce #5: rank 1 passed dtype float16, ranks 0,2 passed float32",
@@ -396,7 +396,7 @@ def test_mismatch_check_across_processes(tmp_path):
 def test_diagnosis_across_processes(tmp_path):
     run_ranks("trace_worker.py", 4, ["diagnose", str(tmp_path)], timeout=120)
     for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text(encoding="utf-8"))
         assert result["message"] == (
             "process group '0': all_reduce #42 (float32[1048576]) timed out after 30 s on ranks 0,1; rank 2 is "
             "behind: its last collective was #41 (broadcast) — it never reached #42; rank 3 "

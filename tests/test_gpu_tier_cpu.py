@@ -671,7 +671,7 @@ def test_the_environment_stage_reports_an_exclusive_gpu_as_a_problem(monkeypatch
     assert "smi_memory: 81559 MiB" in printed
     assert "compute_mode: Exclusive_Process" in printed and "mig_mode: Disabled" in printed
     assert "problem: GPU 0 is in compute mode Exclusive_Process, not Default" in printed
-    recorded = json.loads(out_json.read_text())
+    recorded = json.loads(out_json.read_text(encoding="utf-8"))
     assert recorded["compute_mode"] == "Exclusive_Process" and recorded["mig_mode"] == "Disabled"
     assert "compute_modes" not in recorded
     assert any("compute mode Exclusive_Process" in p for p in recorded["problems"])

@@ -28,7 +28,7 @@ def _run(tmp_path, scenario, env=None):
     for rank in range(3):
         path = out / f"rank{rank}.json"
         if path.exists():
-            reports[rank] = json.loads(path.read_text())
+            reports[rank] = json.loads(path.read_text(encoding="utf-8"))
     return reports, out, results
 
 

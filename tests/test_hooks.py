@@ -23,7 +23,7 @@ def test_no_module_registers_an_exit_or_fork_hook_of_its_own():
     for path in PACKAGE.rglob("*.py"):
         if path.name == "hooks.py":
             continue
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         assert "atexit.register" not in text and "register_at_fork" not in text, path
 
 

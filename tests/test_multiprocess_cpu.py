@@ -21,7 +21,7 @@ def _run(tmp_path, backend, world, *extra, expect_success=True):
     out = tmp_path / backend.replace(":", "_").replace(",", "+")
     run_ranks("api_worker.py", world, ["--backend", backend, "--out", str(out), *extra], timeout=180,
               expect_success=expect_success)
-    summaries = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    summaries = [json.loads((out / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world)]
     outputs = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
     return summaries, outputs
 

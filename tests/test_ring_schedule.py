@@ -129,7 +129,7 @@ def test_the_schedule_is_plain_data():
     import ast
     import pathlib
 
-    tree = ast.parse(pathlib.Path(rs.__file__).read_text())
+    tree = ast.parse(pathlib.Path(rs.__file__).read_text(encoding="utf-8"))
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)

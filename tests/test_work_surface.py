@@ -26,14 +26,14 @@ def surfaces(tmp_path_factory):
         outs[backend] = out
         jobs.append(start_ranks("work_surface_worker.py", 2, args=[backend, str(out)], timeout=120))
     results = dict(zip(outs, wait_all(jobs)))
-    return {backend: ({rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)},
+    return {backend: ({rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in range(2)},
                       {r.rank: r.stderr for r in results[backend]})
             for backend, out in outs.items()} | {"closed": _closed(outs["cupycoll"])}
 
 
 def _closed(out):
     path = out / "rank0.closed.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
 # CPU send and recv return gloo's own Work unchanged: the same object, so the same answers.
