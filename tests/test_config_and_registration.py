@@ -203,7 +203,7 @@ def test_bad_environment(env, match):
 
 def _readme_variables():
     readme = os.path.join(os.path.dirname(config.__file__), "..", "README.md")
-    section = open(readme).read().split("### Configuration", 1)[1].split("\n### ", 1)[0]
+    section = open(readme, encoding="utf-8").read().split("### Configuration", 1)[1].split("\n### ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     names = set()
     for row in rows:
@@ -214,7 +214,7 @@ def _readme_variables():
 
 
 def test_every_variable_is_documented_and_read():
-    source = open(config.__file__).read()
+    source = open(config.__file__, encoding="utf-8").read()
     docstring = config.__doc__
     read = {f.env for f in config._FIELDS.values()} | {f.torch_env for f in config._FIELDS.values() if f.torch_env}
     read |= {config._TIMEOUT_ENV, config._LIBRARY_ENV, config._TRACE_DIR_ENV, config._TORCH_DUMP_ENV,
@@ -230,7 +230,7 @@ def test_no_other_module_reads_the_environment_for_settings():
     package = os.path.dirname(config.__file__)
     for name in os.listdir(package):
         if name.endswith(".py") and name != "config.py":
-            text = open(os.path.join(package, name)).read()
+            text = open(os.path.join(package, name), encoding="utf-8").read()
             for variable in config.ENVIRONMENT:
                 assert f'"{variable}"' not in text, (name, variable)
 
@@ -249,7 +249,7 @@ def test_backend_errors_are_torch_dist_backend_errors():
 def _readme_error_table():
     """The README's errors table as {class name: the names in "also an instance of"}."""
     readme = os.path.join(os.path.dirname(config.__file__), "..", "README.md")
-    section = open(readme).read().split("\n### Errors\n", 1)[1].split("\n### ", 1)[0]
+    section = open(readme, encoding="utf-8").read().split("\n### Errors\n", 1)[1].split("\n### ", 1)[0]
     table = {}
     for row in section.splitlines():
         if not row.startswith("| `"):
@@ -498,7 +498,7 @@ def test_version_and_license_are_declared_once():
     assert project["project"]["license"] == "MIT" and project["project"]["license-files"] == ["LICENSE"]
     with open(os.path.join(root, "LICENSE")) as f:
         assert f.readline().strip() == "MIT License"
-    source = open(cupycoll.__file__).read()
+    source = open(cupycoll.__file__, encoding="utf-8").read()
     assert '__version__ = "' not in source  # re-exported, not written again
 
 

@@ -320,7 +320,7 @@ def test_end_to_end_with_stand_in_stages(tmp_path, capsys):
 
     def steps(work, out_dir):
         env = json.dumps(ENV)
-        check = (f"import gzip, sys; s = open({str(out / 'summary.md')!r}).read(); "
+        check = (f"import gzip, sys; s = open({str(out / 'summary.md')!r}, encoding='utf-8').read(); "
                  f"g = gzip.open({str(out / 'verify.log.gz')!r}).read().decode(); "
                  "sys.exit(0 if '| env | env | passed' in s and 'ENV-OUTPUT' in g else 'no snapshot')")
         return [
