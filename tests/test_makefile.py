@@ -16,7 +16,11 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 
 def _dry_run(*args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("RUN_PY", "CUDA_EXTRA", "TORCH_INDEX")}
+    # Not the calling make's variables either: `make test` run with TORCH_SPEC=... (as CI
+    # does) hands them to every make below it through MAKEFLAGS, as command-line values.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RUN_PY", "CUDA_EXTRA", "TORCH_INDEX", "TORCH_SPEC", "MAKEFLAGS", "MFLAGS",
+                        "MAKELEVEL", "MAKEOVERRIDES")}
     out = subprocess.run(["make", "-n", "-C", ROOT, *args], capture_output=True, text=True,
                          timeout=60, env=env)
     assert out.returncode == 0, out.stderr
