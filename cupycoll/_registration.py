@@ -15,7 +15,24 @@ import logging
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 
-def _create_process_group(dist_backend_opts, pg_options):
+def _create(dist_backend_opts, pg_options):
+    """torch's creator call. The group's shape (``CUPYCOLL_SHAPE``, :func:`cupycoll.config.shape`):
+    the whole ProcessGroup (:mod:`cupycoll.process_group`), or from torch 2.14 a c10d Backend
+    in the ProcessGroup torch builds (:mod:`cupycoll.py_backend`). Decided here, not at
+    registration, which runs inside ``import torch`` and must not import cupycoll.compat."""
+    import torch
+
+    from . import compat, config
+    from .errors import CupycollValueError
+
+    if config.shape() == "backend":
+        if not compat.PY_BACKEND:
+            raise CupycollValueError(
+                f"CUPYCOLL_SHAPE=backend needs torch 2.14 or later (its PyBackend trampoline); "
+                f"this is torch {torch.__version__}")
+        from .py_backend import create
+
+        return create(dist_backend_opts, pg_options)
     from .process_group import ProcessGroupCupycoll
 
     return ProcessGroupCupycoll(
@@ -39,7 +56,7 @@ def register() -> None:
 
     if BACKEND_NAME.upper() in Backend._plugins:
         return
-    Backend.register_backend(BACKEND_NAME, _create_process_group, extended_api=True, devices=["cuda"])
+    Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cuda"])
 
 
 def autoload() -> None:

@@ -47,8 +47,7 @@ import torch
 from . import compat, config, lifecycle
 from .bootstrap import StoreBootstrap
 from .communicator import Communicator
-from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError,
-                     NcclError)
+from .errors import CollectiveTimeoutError, CupycollValueError, NcclError
 from .call_queue import CallQueue, Issue, KeptWorks
 from .watchdog import Watch
 from .recorder import E_ROUTE

@@ -110,6 +110,19 @@ def async_requested(opts) -> bool:
 PYTHON_WORK_SURVIVES_CPP = TORCH >= (2, 7)
 
 
+# torch 2.14 dispatches to a Python subclass of c10d's Backend: its PyBackend trampoline
+# (torch/csrc/distributed/c10d/py/PyBackend.hpp, present in 2.14.1's and 2.15.0's wheels)
+# forwards every collective, coalescing, split, abort and shutdown to the Python override.
+# Before it, a Python Backend's methods are never called from C++, so a Python group must be
+# a whole ProcessGroup (cupycoll.process_group). 2.14.0 is not run; 2.14.1 and 2.15 are.
+PY_BACKEND = TORCH >= (2, 14)
+
+
+def has_backend(group: ProcessGroup, device: torch.device) -> bool:
+    """Has ``group`` a backend registered for ``device``'s type?"""
+    return device in group._device_types
+
+
 # torch 2.12 gave ProcessGroupGloo the list form of alltoall: pytorch#165435 (for
 # pytorch#88245) landed in April 2026, between 2.11 and 2.12's release in May. Run here: 2.11
 # raises "Backend gloo does not support alltoall", 2.13 and 2.15 do not; 2.12 itself is not.
@@ -208,9 +221,9 @@ def set_default_backend(group: ProcessGroup, backend_type) -> None:
 PROCESS_GROUP_HAS_SHUTDOWN = hasattr(ProcessGroup, "shutdown")
 
 
-def run_eagerly_under_compile(cls: type) -> type:
-    """Wrap each method of ``cls`` that overrides one of torch's ProcessGroup in
-    ``torch.compiler.disable``, so that it always runs eagerly.
+def run_eagerly_under_compile(cls: type, base: type = ProcessGroup) -> type:
+    """Wrap each method of ``cls`` that overrides one of ``base``'s (torch's ProcessGroup or
+    c10d Backend) in ``torch.compiler.disable``, so that it always runs eagerly.
 
     Inside a ``torch.compile``d region Dynamo compiles every Python frame entered, one that
     torch's C++ enters too (DDP's reducer calling the group's ``broadcast`` to rebuild its
@@ -218,8 +231,11 @@ def run_eagerly_under_compile(cls: type) -> type:
     unregistered members it refuses to read, so compiling the adapter's methods fails; on
     earlier releases it only wasted compile time. Applied on every release: a group's methods
     launch communication and are never worth compiling. Costs about 1 µs a call."""
-    for name, value in list(vars(cls).items()):
-        if callable(value) and not name.startswith("__") and hasattr(ProcessGroup, name):
+    for name in dir(cls):  # the class's own methods and those it mixes in
+        if name.startswith("__") or not hasattr(base, name):
+            continue
+        value = inspect.getattr_static(cls, name)
+        if callable(value) and value is not inspect.getattr_static(base, name):
             setattr(cls, name, torch.compiler.disable(value))
     return cls
 
@@ -418,10 +434,7 @@ def load_pip_nvrtc(cupy) -> Optional[str]:
     # is matched by its soname when CuPy asks.
     if cupy_major(cupy) >= 14:
         return None
-    import ctypes
     import glob
-    import os
-    import sys
 
     for entry in sys.path:
         found = sorted(glob.glob(os.path.join(entry, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.*")))

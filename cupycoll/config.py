@@ -30,6 +30,11 @@ Every variable that configures cupycoll is read here, only here, and listed in
 ``CUPYCOLL_NCCL_LIBRARY``
     Path of the ``libnccl.so.2`` to bind with ctypes. By default cupycoll binds the library
     CuPy already loaded, so that CuPy, torch and cupycoll share one NCCL.
+``CUPYCOLL_SHAPE``
+    How torch holds a new group: ``process_group`` (default), a cupycoll ProcessGroup that
+    is the whole group and routes CPU tensors to its own gloo; ``backend`` (torch 2.14+),
+    cupycoll's c10d Backend inside the ProcessGroup torch builds. Read at each group's
+    creation.
 ``CUPYCOLL_NONBLOCKING`` (``TORCH_NCCL_USE_COMM_NONBLOCKING``)
     ``1`` creates communicators nonblocking (``ncclCommInitRankConfig`` with
     ``blocking = 0``): cupycoll polls ``ncclInProgress``, bounded by the timeout, so even
@@ -97,6 +102,8 @@ ENVIRONMENT = {
     "CUPYCOLL_TIMEOUT": "seconds; used when neither Options nor init_process_group gives a timeout",
     "CUPYCOLL_COMM_SPLIT": "1 (default): subgroups split the parent's communicator; 0: never",
     "CUPYCOLL_NCCL_LIBRARY": "path of libnccl.so.2 for the ctypes bindings (default: CuPy's)",
+    "CUPYCOLL_SHAPE": "process_group (default): each group is a cupycoll ProcessGroup; backend "
+                      "(torch 2.14+): cupycoll's c10d Backend in the ProcessGroup torch builds",
     "CUPYCOLL_NONBLOCKING": "1: nonblocking communicators (abortable even in init); 0 (default)",
     "CUPYCOLL_BLOCKING_WAIT": "1: Work.wait() blocks the CPU until done; 0 (default): stream wait",
     "CUPYCOLL_ON_TIMEOUT": "raise (default): abort and fail the Works; terminate: also exit",
@@ -155,6 +162,8 @@ _FIELDS = {
 }
 _TIMEOUT_ENV = "CUPYCOLL_TIMEOUT"
 _LIBRARY_ENV = "CUPYCOLL_NCCL_LIBRARY"
+_SHAPE_ENV = "CUPYCOLL_SHAPE"
+SHAPES = ("process_group", "backend")
 _TRACE_DIR_ENV, _TORCH_DUMP_ENV, _TORCH_DUMP_FILE_ENV = (
     "CUPYCOLL_TRACE_DIR", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
@@ -344,3 +353,12 @@ def algorithm(name: str):
 def algorithm_override() -> Optional[str]:
     """The innermost :func:`algorithm` in force, or None."""
     return _algorithm_override[-1] if _algorithm_override else None
+
+
+def shape(env: Mapping[str, str] = os.environ) -> str:
+    """The shape new groups take (``CUPYCOLL_SHAPE``; process-wide, read at each group's
+    creation): ``"process_group"``, a cupycoll ProcessGroup that is the whole group, or
+    ``"backend"``, cupycoll's c10d Backend inside the ProcessGroup torch builds (torch 2.14+).
+    The ProcessGroup stays the default until the Backend shape passes the whole CPU and GPU
+    tiers (README, "Two shapes")."""
+    return parse_choice(SHAPES)(_SHAPE_ENV, env.get(_SHAPE_ENV) or "process_group")

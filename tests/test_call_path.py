@@ -33,7 +33,7 @@ def test_the_traced_all_reduce_goes_from_the_group_through_the_backend_to_the_co
     names = [line.strip() for line in tree]
     path = [(c["module"], c["function"].split(".")[-1]) for c in figures["trace"]]
     # in this order, not necessarily adjacent
-    expected = iter([("process_group", "allreduce"), ("collectives", "all_reduce"), ("backend", "submit"),
+    expected = iter([("shell", "allreduce"), ("collectives", "all_reduce"), ("backend", "submit"),
                      ("call_queue", "submit"), ("backend", "_enqueue"), ("communicator", "all_reduce"),
                      ("lifecycle", "track"), ("work", "wait")])
     step = next(expected)
@@ -41,7 +41,7 @@ def test_the_traced_all_reduce_goes_from_the_group_through_the_backend_to_the_co
         if entry == step:
             step = next(expected, None)
     assert step is None, f"{step} missing from {path}"
-    assert path[0] == ("process_group", "allreduce") and tree[0].startswith("  process_group.")
+    assert path[0] == ("shell", "allreduce") and tree[0].startswith("  shell.")
     # the counts printed are those of the list printed
     assert f"calls: {len(tree)}" in lines and figures["calls"] == len(tree) == len(figures["trace"])
     assert names == [f"{c['module']}.{c['function']}" for c in figures["trace"]]

@@ -217,8 +217,8 @@ def test_every_variable_is_documented_and_read():
     source = open(config.__file__, encoding="utf-8").read()
     docstring = config.__doc__
     read = {f.env for f in config._FIELDS.values()} | {f.torch_env for f in config._FIELDS.values() if f.torch_env}
-    read |= {config._TIMEOUT_ENV, config._LIBRARY_ENV, config._TRACE_DIR_ENV, config._TORCH_DUMP_ENV,
-             config._TORCH_DUMP_FILE_ENV}
+    read |= {config._TIMEOUT_ENV, config._LIBRARY_ENV, config._SHAPE_ENV, config._TRACE_DIR_ENV,
+             config._TORCH_DUMP_ENV, config._TORCH_DUMP_FILE_ENV}
     assert read == set(config.ENVIRONMENT)  # what is read is listed, and nothing else
     for name in config.ENVIRONMENT:
         assert name in docstring, name
@@ -561,3 +561,17 @@ def test_readme_links_are_absolute_and_name_files_of_the_checkout():
         if link.startswith(f"{REPOSITORY}/blob/main/"):
             path = link[len(f"{REPOSITORY}/blob/main/"):].split("#")[0]
             assert (CHECKOUT / path).is_file(), f"README links to {link}, which this checkout lacks"
+
+
+def test_the_shape_defaults_to_the_process_group_and_names_a_bad_value():
+    assert config.shape({}) == "process_group"
+    assert config.shape({"CUPYCOLL_SHAPE": " Backend "}) == "backend"
+    with pytest.raises(CupycollValueError, match="CUPYCOLL_SHAPE='c10d': expected one of process_group, backend"):
+        config.shape({"CUPYCOLL_SHAPE": "c10d"})
+
+
+def test_the_backend_shape_on_a_torch_without_the_trampoline_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("CUPYCOLL_SHAPE", "backend")
+    monkeypatch.setattr(compat, "PY_BACKEND", False)
+    with pytest.raises(CupycollValueError, match=rf"needs torch 2.14 or later .*this is torch {re.escape(torch.__version__)}"):
+        _registration._create(None, None)  # refused before the options are read

@@ -14,13 +14,13 @@ import torch
 
 from cupycoll import compat
 from installed import cupycoll_entry_points
-from mp import run_ranks
+from mp import cupycoll_group_type, run_ranks
 
 
-def _run(tmp_path, backend, world, *extra, expect_success=True):
+def _run(tmp_path, backend, world, *extra, expect_success=True, env=None):
     out = tmp_path / backend.replace(":", "_").replace(",", "+")
     run_ranks("api_worker.py", world, ["--backend", backend, "--out", str(out), *extra], timeout=180,
-              expect_success=expect_success)
+              expect_success=expect_success, env=env)
     summaries = [json.loads((out / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world)]
     outputs = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
     return summaries, outputs
@@ -51,12 +51,22 @@ def _gloo_gap(failure: str) -> bool:
 # name (the third form has test_registration_forms; one run each keeps the tier's CPU down).
 @pytest.mark.parametrize("world, backend", [(2, "cuda:cupycoll"), (3, "cupycoll")])
 def test_all_apis_match_gloo(tmp_path, world, backend):
-    ours, our_out = _run(tmp_path, backend, world)
+    _assert_every_api_matches_gloo(tmp_path, world, backend)
+
+
+@pytest.mark.skipif(not compat.PY_BACKEND, reason=f"torch {torch.__version__} has no PyBackend trampoline (2.14 added it)")
+def test_the_backend_shape_runs_every_api_as_gloo_does(tmp_path):
+    """torch's own ProcessGroup dispatching CPU calls to cupycoll's CpuView, then its shell."""
+    _assert_every_api_matches_gloo(tmp_path, 2, "cupycoll", env={"CUPYCOLL_SHAPE": "backend"})
+
+
+def _assert_every_api_matches_gloo(tmp_path, world, backend, env=None):
+    ours, our_out = _run(tmp_path, backend, world, env=env)
     gaps_expected = not (compat.GLOO_HAS_ALLTOALL and compat.GLOO_REDUCE_SCATTER_HONOURS_OP)
     theirs, their_out = _run(tmp_path, "gloo", world, expect_success=not gaps_expected)
     for rank in range(world):
         assert ours[rank]["failures"] == []
-        assert ours[rank]["group_type"] == "ProcessGroupCupycoll"
+        assert ours[rank]["group_type"] == cupycoll_group_type(env)
         assert all(_gloo_gap(f) for f in theirs[rank]["failures"]), theirs[rank]["failures"]
         if not compat.GLOO_HAS_ALLTOALL:
             assert any(f.startswith("all_to_all/") for f in theirs[rank]["failures"])
@@ -78,7 +88,7 @@ def test_registration_forms(tmp_path, backend):
     summaries, _ = _run(tmp_path, backend, 2)
     for summary in summaries:
         assert summary["failures"] == []
-        assert summary["group_type"] == "ProcessGroupCupycoll"
+        assert summary["group_type"] == cupycoll_group_type()
 
 
 def test_entry_point_registers_without_import(tmp_path):
@@ -88,4 +98,4 @@ def test_entry_point_registers_without_import(tmp_path):
         pytest.skip(f"torch {torch.__version__} does not autoload entry points (2.5 added it): "
                     "there `import cupycoll` registers the backend (test_config_and_registration)")
     summaries, _ = _run(tmp_path, "cupycoll", 2, "--no-import")
-    assert all(s["failures"] == [] and s["group_type"] == "ProcessGroupCupycoll" for s in summaries)
+    assert all(s["failures"] == [] and s["group_type"] == cupycoll_group_type() for s in summaries)

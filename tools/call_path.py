@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # one holds the services every layer above calls (Works, the watchdog, the flight recorder,
 # settings): a call from them into a layer above (a callback) is an upward call too.
 LAYERS: Tuple[Tuple[str, ...], ...] = (
-    ("process_group",),
+    ("process_group", "py_backend"),
+    ("shell",),
     ("collectives",),
     ("_args",),
     ("backend",),

@@ -1,0 +1,227 @@
+"""cupycoll as a c10d Backend: the shape of a cupycoll group on torch 2.14 and later.
+
+From torch 2.14 a Python subclass of ``torch._C._distributed_c10d.Backend`` is dispatched to
+through torch's PyBackend trampoline, so torch builds the group's ProcessGroup itself and
+registers cupycoll's backend in it, as it does its own:
+
+* :class:`CupycollBackend` is the CUDA backend (``pg._get_backend(torch.device("cuda"))``):
+  the same routing shell as the adapter (:class:`~cupycoll.shell.GroupShell`), the same
+  :class:`~cupycoll.backend.CudaBackend` core, flight recorder and diagnosis;
+* when the backend string names no CPU backend (``"cupycoll"``, ``"cuda:cupycoll"``), the
+  group's CPU backend is a :class:`CpuView` of it: CPU calls then reach the shell too and
+  go to its gloo half, recorded and diagnosed like CUDA calls. With ``"cpu:gloo,cuda:cupycoll"``
+  torch's own gloo serves CPU tensors.
+
+What differs from the adapter, because torch's ProcessGroup stands in front: a Work reaches
+the caller wrapped in torch's holder, which forwards ``wait`` and ``get_future`` only (its
+``is_completed`` stays False; wait or use the future); ``type(group)`` is torch's
+``ProcessGroup``. The README's compatibility notes list both.
+
+Deliberately left out: everything the shell does and below; reconfigure, merge, windows
+and tensor allocation, which torch's trampoline offers and cupycoll does not implement
+(torch's base Backend answers them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import weakref
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+from torch.distributed import PrefixStore, ProcessGroup
+
+from . import _args, compat, config
+from .config import BACKEND_NAME
+from .errors import CollectiveTimeoutError, PeerFailedError
+from .lifecycle import GroupState
+from .shell import GroupShell
+
+_CPU = torch.device("cpu")
+_GLOO = ProcessGroup.BackendType.GLOO
+_ErrorType = c10d.ErrorType
+
+# The calls torch's trampoline dispatches by the names the shell already answers to.
+CALLS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+         "allgather_coalesced", "all_gather_single", "all_gather_single_coalesced", "gather",
+         "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+         "alltoall", "all_to_all_single", "send", "recv", "recv_anysource", "barrier")
+
+
+class _Capabilities:
+    """What torch asks a backend it may split, coalesce, shrink...: answered in Python. The
+    trampoline reads each of these by attribute, and a subclass that leaves one to the C++
+    base property sends torch back into the trampoline (endless recursion), so all are here."""
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_shrinking = False
+    supports_reconfigure = False
+    supports_window = False
+    _supports_time_estimate = False
+
+
+class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
+    """A cupycoll group as the CUDA backend of a ProcessGroup torch built."""
+
+    def __init__(self, store, rank: int, size: int, timeout: Optional[datetime.timedelta] = None,
+                 options: Optional[config.Options] = None, global_ranks: Optional[Sequence[int]] = None,
+                 group_id: str = "", process_group: Optional[ProcessGroup] = None,
+                 split_from: Optional["CupycollBackend"] = None):
+        c10d.Backend.__init__(self, rank, size)
+        # Weak: torch's ProcessGroup owns this backend, never the other way round.
+        self._group = weakref.ref(process_group) if process_group is not None else None
+        self._split_source = split_from
+        try:
+            self._build(store, rank, size, timeout, options, global_ranks, group_id)
+        finally:
+            self._split_source = None  # the parent's; not kept
+
+    # -- what the shell asks of its shape ---------------------------------------------
+    def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
+        # The shell's gloo half, as the adapter's: CPU calls routed here, and the group's
+        # argument cross-checks, run on it whether or not torch has a gloo of its own.
+        cpu_store = PrefixStore("cupycoll-cpu/", store)
+        gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
+        inner = compat.plain_process_group(cpu_store, rank, size)
+        compat.set_default_backend(inner, _GLOO)
+        inner._register_backend(_CPU, _GLOO, gloo)
+        return inner
+
+    def _bind(self, device: torch.device) -> None:
+        pass  # torch bound its own ProcessGroup before the eager connect
+
+    def _split_parent(self) -> Optional["CupycollBackend"]:
+        """The backend torch splits this group from (``split_from``, which torch offers only
+        when the default group is bound), if its communicator can be split."""
+        parent = self._split_source
+        if not isinstance(parent, CupycollBackend) or not dist.is_initialized():
+            return None
+        bound = getattr(dist.group.WORLD, "bound_device_id", None)
+        return parent if parent._cuda.splits_children(bound) else None
+
+    def _torch_group(self) -> Optional[ProcessGroup]:
+        return self._group() if self._group is not None else None
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    # -- torch's Backend face ----------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def _set_group_uid(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def supports_splitting(self) -> bool:
+        return self._cuda.supports_splitting
+
+    supports_coalescing = True
+
+    def eager_connect_single_device(self, device) -> None:
+        self._cuda.eager_connect_single_device(device)
+
+    def perform_nocolor_split(self, device) -> None:
+        self._cuda.perform_nocolor_split(device)
+
+    def start_coalescing(self) -> None:
+        self._open_block()
+
+    def end_coalescing(self):
+        return self._cuda.calls.close_block()
+
+    def barrier(self, opts=None):
+        # torch sends a barrier here only when it chose CUDA for it, and the options it
+        # dispatches may name no device: then the group's (or the current) one.
+        device = _args.barrier_device(opts) if opts is not None else None
+        if device is None:
+            device = self._cuda.device or torch.device("cuda", torch.cuda.current_device())
+        return self._cuda_barrier(device)
+
+    def get_error(self):
+        """torch's ErrorType of the group's fault: TIMEOUT, REMOTE_ERROR (a peer failed),
+        COMM_ERROR (anything else, an abort included), SUCCESS while healthy or shut down."""
+        fault = self._cuda.fault
+        if fault is None:
+            aborted = self._cuda.state in (GroupState.ABORTING, GroupState.ABORTED)
+            return _ErrorType.COMM_ERROR if aborted else _ErrorType.SUCCESS
+        if isinstance(fault, CollectiveTimeoutError):
+            return _ErrorType.TIMEOUT
+        if isinstance(fault, PeerFailedError):
+            return _ErrorType.REMOTE_ERROR
+        return _ErrorType.COMM_ERROR
+
+    def __repr__(self) -> str:
+        return (f"CupycollBackend(rank={self._rank}, size={self._size}, "
+                f"device={self._cuda.device}, name={self._group_name!r})")
+
+
+class CpuView(_Capabilities, c10d.Backend):
+    """The CPU backend of a group whose backend string names none: each call goes to the
+    shell of the group's :class:`CupycollBackend`, which routes CPU tensors to its gloo
+    half. Shutdown and abort are the owner's (torch calls them on the CUDA backend too)."""
+
+    def __init__(self, owner: CupycollBackend):
+        c10d.Backend.__init__(self, owner._rank, owner._size)
+        self._owner = owner
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def start_coalescing(self) -> None:
+        self._owner._start_coalescing(_CPU)
+
+    def end_coalescing(self):
+        return self._owner._end_coalescing(_CPU)
+
+    def shutdown(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def get_error(self):
+        return self._owner.get_error()
+
+
+def _forward(name: str):
+    shell_call = getattr(GroupShell, name)  # the shell's, not the CUDA backend's overrides
+
+    def call(self, *args):
+        return shell_call(self._owner, *args)
+    call.__name__ = name
+    call.__doc__ = f"The group's shell's ``{name}``."
+    return call
+
+
+for _name in CALLS:
+    setattr(CpuView, _name, _forward(_name))
+
+compat.run_eagerly_under_compile(CupycollBackend, c10d.Backend)
+compat.run_eagerly_under_compile(CpuView, c10d.Backend)
+
+
+def create(dist_backend_opts, pg_options, cls: type = None) -> CupycollBackend:
+    """torch's creator call (extended API): the group's CUDA backend (``cls``, tests pass a
+    stand-in), split from the parent torch names when it can be, and its :class:`CpuView`
+    as the group's CPU backend when torch has none for it yet."""
+    group = dist_backend_opts.process_group
+    backend = (cls or CupycollBackend)(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        dist_backend_opts.timeout,
+        pg_options,
+        global_ranks=list(dist_backend_opts.global_ranks_in_group),
+        group_id=str(dist_backend_opts.group_id),
+        process_group=group,
+        split_from=dist_backend_opts.split_from,
+    )
+    if group is not None and not compat.has_backend(group, _CPU):
+        # As the gloo type: torch keys a group's backends by type, and the CUDA backend,
+        # registered after this, takes the custom one.
+        group._register_backend(_CPU, _GLOO, CpuView(backend))
+    return backend

@@ -1,0 +1,331 @@
+"""The routing shell of a cupycoll group, shared by both shapes torch may hold it in.
+
+:class:`GroupShell` is what a cupycoll group does with each call torch hands it:
+
+* CPU tensors, CPU barriers and (through them) the object collectives go to the group's
+  gloo half (a gloo group built on the same store): they behave exactly as ``"cpu:gloo"``;
+* CUDA tensors go to the group's :class:`~cupycoll.backend.CudaBackend`, through the
+  collective's body in :mod:`cupycoll.collectives`;
+* every call is recorded first in the group's flight recorder (:mod:`cupycoll.group_trace`),
+  so a timeout on either route is explained by which rank is behind.
+
+It also speaks torch's coalescing protocol (``_start_coalescing`` / ``_end_coalescing``, and
+the ``_coalescing_manager`` that skips the end when its body raises) and shuts down or aborts
+both halves.
+
+Two classes mix it in, one per shape (:mod:`cupycoll._registration` picks one):
+:class:`~cupycoll.process_group.ProcessGroupCupycoll`, a torch ``ProcessGroup`` that is the
+whole group, and :class:`~cupycoll.py_backend.CupycollBackend`, a c10d ``Backend`` that
+torch's own ProcessGroup dispatches to (torch 2.14+). They differ only in how torch finds
+them; each supplies ``_build_cpu_group``, ``_split_parent``, ``_bind``, ``getGroupName``
+and ``_torch_group``.
+
+Deliberately left out: anything below routing (argument checks live in
+:mod:`cupycoll._args` and :mod:`cupycoll.collectives`; streams, queueing, faults and
+communicators in :mod:`cupycoll.backend`), and recovery (a faulted group stays dead; build
+a new one, see docs/design.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Callable, Optional, Sequence
+
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+from torch.distributed import ProcessGroup
+
+from . import _args, collectives, compat, config
+from .backend import CudaBackend
+from .errors import CupycollValueError
+from .group_trace import GroupTrace
+from .lifecycle import GroupState
+from .work import CudaWork
+
+# Ops whose tensors differ by rank outside one argument: [outputs, inputs] -> the alike one.
+_ROOT_ONLY = {"gather": 1, "scatter": 0}
+_ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+
+
+class GroupShell:
+    """Routing, coalescing and lifetime of one cupycoll group (a mixin: see the module)."""
+
+    # The CUDA half; tests replace it (tests/standins.py), nothing else does.
+    backend_class = CudaBackend
+
+    def _build(self, store, rank: int, size: int, timeout: Optional[datetime.timedelta],
+               options: Optional[config.Options], global_ranks: Optional[Sequence[int]],
+               group_id: str) -> None:
+        self.settings = config.resolve(options, timeout)
+        # Not ``self.options``: torch 2.4 has a read-only ProcessGroup.options (2.11 none).
+        self.pg_options = options if options is not None else config.Options()
+        self._rank = rank
+        self._size = size
+        self._global_ranks = list(global_ranks or range(size))
+        self._group_id = group_id
+        self._group_name = group_id
+        self._group_desc = ""
+        self._cpu = self._build_cpu_group(store, rank, size, self.settings.timeout)
+        # The backend holds these callbacks weakly: torch may keep it, never the group through it.
+        self._cuda = self.backend_class(store, rank, size, self.settings, self._global_ranks, group_id,
+                                        name=self.getGroupName, on_abort=self._cpu_shutdown,
+                                        on_bind=self._bind)
+        self._trace = GroupTrace(store, group_id, self._global_ranks, rank, self.settings)
+        self._cuda.use_trace(self._trace)
+
+        try:
+            parent = self._split_parent()
+            if parent is not None:
+                self._cuda.split_from(parent._cuda)
+        except BaseException:
+            self._trace.close("failed")  # no half-built group left answering its peers
+            raise
+
+    def _torch_group(self) -> Optional[ProcessGroup]:
+        """The ProcessGroup torch holds for this group (its coalescing state is keyed by it)."""
+        raise NotImplementedError
+
+    # -- routing ----------------------------------------------------------------------
+    def _is_cuda(self, tensors, op_name: str, opts=None, peer=None) -> bool:
+        """True when the call goes to NCCL, False for gloo. Records the call (see
+        :mod:`cupycoll.group_trace`): a CUDA call's entry goes to the backend, a CPU call's
+        to :meth:`_gloo`."""
+        if self._classify(tensors, op_name):
+            if not op_name.endswith("_coalesced"):  # its parts are recorded one by one
+                self._record(tensors, op_name, opts, peer, "nccl")
+            return True
+        calls = self._cuda.calls
+        if calls.block is not None and not calls.drop_stale_block():
+            raise CupycollValueError(
+                f"{op_name} on CPU tensors inside a coalescing block of CUDA calls on group "
+                f"{self._group_name!r}: a block coalesces one device's calls; use a separate "
+                "_coalescing_manager(device=torch.device('cpu')) for CPU tensors")
+        calls.flush()  # a queued CUDA send/recv must not wait behind unrelated CPU work
+        self._record(tensors, op_name, opts, peer, "gloo")
+        return False
+
+    def _record(self, tensors, op_name, opts, peer, route) -> None:
+        root = peer
+        if op_name in _ROOTED:
+            root = opts.rootRank
+            # gather's outputs and scatter's inputs exist on the root only: record what all pass
+            tensors = tensors[_ROOT_ONLY[op_name]] if op_name in _ROOT_ONLY else tensors
+        self._trace.call(op_name, _args.flat(tensors), root, opts, route, self._cpu)
+
+    def _gloo(self, call, *args) -> dist.Work:
+        """``call(*args)`` on the gloo half (the tensors as compat.gloo_call hands them)."""
+        return self._trace.gloo(compat.gloo_call(call, *args))
+
+    def _classify(self, tensors, op_name: str) -> bool:
+        """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""
+        if not self._cuda.life.usable:
+            self._cuda.check_usable()
+        flat = _args.flat(tensors)
+        # Fast path (the hot one): all tensors, all on CUDA, one device; or all on CPU.
+        try:
+            cuda = sum(t.is_cuda for t in flat)
+        except AttributeError:
+            cuda = -1  # not all tensors: the checks below name the culprit
+        if cuda == len(flat) and cuda:
+            if cuda == 1:
+                return True
+            first = flat[0].device
+            if all(t.device == first for t in flat):
+                return True
+        elif cuda == 0 and all(t.is_cpu for t in flat):
+            return False
+        return _args.classify_slowly(flat, op_name)
+
+    # -- collectives: CPU to gloo, CUDA to cupycoll.collectives ----------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else c10d.AllreduceOptions()
+        if not self._is_cuda(tensors, "all_reduce", opts):
+            return self._gloo(self._cpu.allreduce, tensors, opts)
+        return collectives.all_reduce(self._cuda, tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
+        if not self._is_cuda(tensors, "all_reduce_coalesced", opts):
+            return self._gloo(self._cpu.allreduce_coalesced, tensors, opts)
+        return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts if opts is not None else c10d.BroadcastOptions()
+        if not self._is_cuda(tensors, "broadcast", opts):
+            return self._gloo(self._cpu.broadcast, tensors, opts)
+        return collectives.broadcast(self._cuda, tensors, opts)
+
+    def reduce(self, tensors, opts=None):
+        opts = opts if opts is not None else c10d.ReduceOptions()
+        if not self._is_cuda(tensors, "reduce", opts):
+            return self._gloo(self._cpu.reduce, tensors, opts)
+        return collectives.reduce(self._cuda, tensors, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "all_gather", opts):
+            return self._gloo(self._cpu.allgather, output_tensors, input_tensors, opts)
+        return collectives.all_gather(self._cuda, output_tensors, input_tensors, opts)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        if not self._is_cuda([output_lists, input_tensors], "all_gather_coalesced", opts):
+            return self._gloo(self._cpu.allgather_coalesced, output_lists, input_tensors, opts)
+        if len(output_lists) != len(input_tensors):
+            raise CupycollValueError(
+                f"all_gather_coalesced: {len(output_lists)} output lists for {len(input_tensors)} inputs")
+        return self._coalesced(
+            lambda: [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_tensors)])
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        if not self._is_cuda([output, input], "all_gather_into_tensor", opts):
+            return self._gloo(self._cpu._allgather_base, output, input, opts)
+        return collectives.all_gather_into_tensor(self._cuda, output, input, opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        if not self._is_cuda([outputs, inputs], "all_gather_into_tensor_coalesced", opts):
+            return self._gloo(self._cpu.allgather_into_tensor_coalesced, outputs, inputs, opts)
+        return self._coalesced(lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "reduce_scatter", opts):
+            return self._gloo(self._cpu.reduce_scatter, output_tensors, input_tensors, opts)
+        return collectives.reduce_scatter(self._cuda, output_tensors, input_tensors, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        if not self._is_cuda([output, input], "reduce_scatter_tensor", opts):
+            return self._gloo(compat.gloo_reduce_scatter_tensor, self._cpu, output, input, opts)
+        return collectives.reduce_scatter_tensor(self._cuda, output, input, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        if not self._is_cuda([outputs, inputs], "reduce_scatter_tensor_coalesced", opts):
+            return self._gloo(self._cpu.reduce_scatter_tensor_coalesced, outputs, inputs, opts)
+        return self._coalesced(lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else c10d.AllToAllOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "all_to_all", opts):
+            return self._gloo(compat.gloo_alltoall, self._cpu, output_tensors, input_tensors, opts)
+        return collectives.all_to_all(self._cuda, output_tensors, input_tensors, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        opts = opts if opts is not None else c10d.AllToAllOptions()
+        if not self._is_cuda([output, input], "all_to_all_single", opts):
+            return self._gloo(self._cpu.alltoall_base, output, input, output_split_sizes,
+                              input_split_sizes, opts)
+        return collectives.all_to_all_single(self._cuda, output, input, output_split_sizes,
+                                             input_split_sizes, opts)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else c10d.GatherOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "gather", opts):
+            return self._gloo(self._cpu.gather, output_tensors, input_tensors, opts)
+        return collectives.gather(self._cuda, output_tensors, input_tensors, opts)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else c10d.ScatterOptions()
+        if not self._is_cuda([output_tensors, input_tensors], "scatter", opts):
+            return self._gloo(self._cpu.scatter, output_tensors, input_tensors, opts)
+        return collectives.scatter(self._cuda, output_tensors, input_tensors, opts)
+
+    def send(self, tensors, dst_rank, tag=0):
+        if not self._is_cuda(tensors, "send", peer=dst_rank):
+            return self._cpu.send(tensors, dst_rank, tag)
+        return collectives.point_to_point(self._cuda, "send", tensors, dst_rank)
+
+    def recv(self, tensors, src_rank, tag=0):
+        if not self._is_cuda(tensors, "recv", peer=src_rank):
+            return self._cpu.recv(tensors, src_rank, tag)
+        return collectives.point_to_point(self._cuda, "recv", tensors, src_rank)
+
+    def recv_anysource(self, tensors, tag=0):
+        if not self._is_cuda(tensors, "recv_anysource"):
+            return self._cpu.recv_anysource(tensors, tag)
+        raise CupycollValueError("recv from any source is not supported by NCCL; name the source rank")
+
+    def barrier(self, opts=None):
+        opts = opts if opts is not None else c10d.BarrierOptions()
+        device = _args.barrier_device(opts)
+        if device is None:
+            self._cuda.check_usable()
+            self._trace.call("barrier", (), route="gloo", cpu_group=self._cpu)
+            return self._gloo(self._cpu.barrier, opts)
+        return self._cuda_barrier(device)
+
+    def _cuda_barrier(self, device) -> CudaWork:
+        self._trace.call("barrier", (), cpu_group=self._cpu)
+        return collectives.barrier(self._cuda, device)
+
+    # -- torch's coalescing protocol ----------------------------------------------------
+    def _coalesced(self, body: Callable[[], list]) -> Optional[CudaWork]:
+        """Run ``body`` (which submits CUDA calls) as one NCCL group; one Work for all.
+        Inside an open coalescing block the calls join it and the block's Work covers them."""
+        calls = self._cuda.calls
+        if calls.block is not None:
+            body()
+            return None
+        self._open_block()
+        try:
+            body()
+        except BaseException:
+            calls.abandon_block()
+            raise
+        return calls.close_block()
+
+    def _start_coalescing(self, device=None):
+        if _args.is_cpu(device):
+            return self._cpu._start_coalescing(device)
+        self._open_block()
+
+    def _end_coalescing(self, device=None):
+        if _args.is_cpu(device):
+            return self._cpu._end_coalescing(device)
+        return self._cuda.calls.close_block()
+
+    def _open_block(self) -> None:
+        self._cuda.calls.open_block(compat.calling_coalescing_manager(self._manager_gone))
+
+    def _manager_gone(self, manager_ref) -> None:
+        """The generator of a ``_coalescing_manager`` that opened a block was freed (the
+        ``with`` statement is over). If our block is still open, its body raised: drop the
+        block, and also torch's own record of the manager, which torch leaves behind (so the
+        group's next all_reduce would otherwise be captured into a dead manager forever)."""
+        calls = self._cuda.calls
+        if calls.block_manager is not manager_ref or calls.block is None:
+            return
+        calls.discard_raised_block(stacklevel=3)
+        compat.forget_coalescing_manager(self._torch_group())
+
+    # -- lifetime ---------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finalize and destroy the NCCL communicators once their work is done (healthy),
+        or abort them when the group has faulted or its work does not finish within the
+        timeout; then shut the gloo half down. The group is unusable afterwards."""
+        if self._cuda.state not in (GroupState.OK, GroupState.ABORTING):  # aborting: the shutdown aborts now
+            return
+        self._cuda.shutdown()  # an abort instead shuts gloo down through on_abort
+        if self._cuda.state is GroupState.SHUT_DOWN:
+            self._cpu_shutdown()
+
+    def abort(self) -> None:
+        """Abort the NCCL communicators at once, without waiting for peers or the GPU: a
+        collective stuck on the GPU is ended, and so is a communicator still connecting.
+        Callable from any thread; never waits on peers."""
+        self._cuda.abort()
+
+    def _cpu_shutdown(self) -> None:
+        # Both ends of the group come here: shutdown, and abort through the backend's on_abort.
+        self._trace.close(self._cuda.state)
+        compat.shutdown(self._cpu)
+
+    # -- torch method names that changed between versions ------------------------------
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+    alltoall_base = all_to_all_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
