@@ -114,6 +114,9 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
 
     def _set_group_uid(self, name: str) -> None:
         self._group_name = name
+        # torch's ProcessGroup answers group_name from its backends' own record, which
+        # functional collectives resolve the group by.
+        c10d.Backend._set_group_uid(self, name)
 
     @property
     def supports_splitting(self) -> bool:

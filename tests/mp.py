@@ -39,14 +39,6 @@ from bench.launch import free_port  # noqa: E402  (standard library only)
 FAIL_GRACE_S = 15.0
 
 
-def cupycoll_group_type(env: Optional[Dict[str, str]] = None) -> str:
-    """The type torch's handle of a cupycoll group has in a process started with this
-    environment plus ``env``: cupycoll's ProcessGroup, or in the Backend shape
-    (``CUPYCOLL_SHAPE=backend``) torch's own ProcessGroup."""
-    shape = {**os.environ, **(env or {})}.get("CUPYCOLL_SHAPE", "")
-    return "ProcessGroup" if shape.strip().lower() == "backend" else "ProcessGroupCupycoll"
-
-
 def gpu_count() -> int:
     try:
         import torch

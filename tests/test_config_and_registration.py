@@ -19,6 +19,7 @@ import cupycoll
 from cupycoll import _registration, compat, config
 from cupycoll.errors import CupycollTypeError, CupycollValueError, NcclError
 from installed import cupycoll_entry_points
+from shapes import backend_shape, cupycoll_group_type, shell_of
 
 
 SECONDS = datetime.timedelta(seconds=1)
@@ -60,9 +61,9 @@ def test_an_explicit_init_timeout_reaches_a_real_group(monkeypatch):
     dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=77))
     try:
-        assert dist.group.WORLD.settings.timeout == 77 * SECONDS
+        assert shell_of(dist.group.WORLD).settings.timeout == 77 * SECONDS
         sub = dist.new_group([0], backend="cupycoll")
-        assert sub.settings.timeout == 12 * SECONDS  # no timeout given to new_group
+        assert shell_of(sub).settings.timeout == 12 * SECONDS  # no timeout given to new_group
     finally:
         dist.destroy_process_group()
 
@@ -95,7 +96,7 @@ def test_torch_error_handling_modes_that_keep_the_process():
 def test_blocking_wait_setting_reaches_the_works(monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
     dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
-    group = dist.group.WORLD
+    group = shell_of(dist.group.WORLD)
     try:
         assert group.settings.blocking_wait is True
         # A send to a peer is queued, not issued: the Work exists without a GPU.
@@ -413,8 +414,12 @@ def test_the_cuda_backend_is_what_torch_expects():
     try:
         group = dist.group.WORLD
         backend = group._get_backend(torch.device("cuda"))
-        assert backend is group._cuda and backend.name() == cupycoll.BACKEND_NAME
-        assert backend.supports_coalescing is False and backend.supports_time_estimate is False
+        if backend_shape():  # a c10d Backend in torch's ProcessGroup: torch's coalescing calls reach it
+            assert backend is shell_of(group) and backend.getBackendName() == cupycoll.BACKEND_NAME
+            assert backend.supports_coalescing is True and backend._supports_time_estimate is False
+        else:  # the adapter routes coalescing itself; torch only reads its CUDA backend
+            assert backend is group._cuda and backend.name() == cupycoll.BACKEND_NAME
+            assert backend.supports_coalescing is False and backend.supports_time_estimate is False
         assert callable(backend.eager_connect_single_device) and callable(backend.perform_nocolor_split)
         assert cupycoll.BACKEND_NAME is config.BACKEND_NAME is cupycoll.process_group.BACKEND_NAME
     finally:
@@ -459,8 +464,8 @@ def test_destroyed_group_is_freed_without_the_cycle_collector():
     gc.disable()
     try:
         dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
-        group = weakref.ref(dist.group.WORLD)
-        assert type(group()).__name__ == "ProcessGroupCupycoll"
+        assert type(dist.group.WORLD).__name__ == cupycoll_group_type()
+        group = weakref.ref(shell_of(dist.group.WORLD))
         dist.destroy_process_group()
         assert group() is None
     finally:

@@ -1,6 +1,6 @@
-"""Which rank hangs, end to end on the CPU route: three real ranks on
-``"cpu:gloo,cuda:cupycoll"`` (tests/workers/hang_worker.py) where one rank does not make a
-collective the others make, or makes it with another shape."""
+"""Which rank hangs, end to end on the CPU route: three real ranks on ``"cuda:cupycoll"``
+(tests/workers/hang_worker.py; its CPU calls take cupycoll's route in both shapes) where one
+rank does not make a collective the others make, or makes it with another shape."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from cupycoll import compat, config
 from cupycoll.errors import CupycollTypeError, CupycollValueError
-from mp import ROOT, cupycoll_group_type, run_ranks
+from mp import ROOT, run_ranks
+from shapes import cupycoll_group_type, shell_of
 
 def _run(tmp_path, scenario, env=None):
     out = tmp_path / scenario
@@ -52,11 +53,17 @@ def _gloo_own_error(report):
     assert report["log"] == [], report
 
 
-def test_a_skipped_collective_names_the_rank_behind(tmp_path):
-    reports, out, _ = _run(tmp_path, "skip")
+# The Backend shape too where torch has it: the timeout then travels through torch's own
+# ProcessGroup and the group's CpuView before the diagnosis names the rank behind.
+SHAPES = ["process_group"] + (["backend"] if compat.PY_BACKEND else [])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_skipped_collective_names_the_rank_behind(tmp_path, shape):
+    reports, out, _ = _run(tmp_path, "skip", env={"CUPYCOLL_SHAPE": shape})
     for rank in (0, 1):
         report = reports[rank]
-        assert report["group"] == cupycoll_group_type()
+        assert report["group"] == cupycoll_group_type({"CUPYCOLL_SHAPE": shape})
         # gloo's timeout (5 s), then at most the diagnosis' 5 s (with margin for a busy box)
         assert report["elapsed_s"] < 5 + 10, report
         if not compat.PYTHON_WORK_SURVIVES_CPP:
@@ -168,10 +175,10 @@ def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
         dist.all_reduce(t)
         dist.broadcast(t, 0)
         dist.barrier()
-        rec = group._trace.recorder
+        rec = shell_of(group)._trace.recorder
         deadline = time.monotonic() + 5  # before torch 2.7 gloo's future marks them, a bit later
         while any(e["state"] != "completed" for e in rec.snapshot()) and time.monotonic() < deadline:
-            group._trace.sweep()  # before torch 2.7 a later call settles them; here, the test
+            shell_of(group)._trace.sweep()  # before torch 2.7 a later call settles them; here, the test
             time.sleep(0.01)
         entries = rec.snapshot()
         assert [(e["seq"], e["op"], e["state"], e["route"]) for e in entries] == [
@@ -234,12 +241,12 @@ def test_a_call_that_raises_before_reaching_gloo_is_not_left_issued():
 
     dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        rec = dist.group.WORLD._trace.recorder
+        rec = shell_of(dist.group.WORLD)._trace.recorder
         with pytest.raises(RuntimeError):  # gloo's "invalid root rank"
             dist.group.WORLD.broadcast([torch.ones(2)], _broadcast_options(root=3))
         t = torch.ones(1)
         dist.all_reduce(t)
-        dist.group.WORLD._trace.sweep()  # before torch 2.7 the next call would settle it
+        shell_of(dist.group.WORLD)._trace.sweep()  # before torch 2.7 the next call would settle it
         states = [(e["seq"], e["op"], e["state"]) for e in rec.snapshot()]
         assert states == [(1, "broadcast", "failed"), (2, "all_reduce", "completed")], states
         assert rec.stuck() is None

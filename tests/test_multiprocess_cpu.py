@@ -14,7 +14,8 @@ import torch
 
 from cupycoll import compat
 from installed import cupycoll_entry_points
-from mp import cupycoll_group_type, run_ranks
+from mp import run_ranks
+from shapes import cupycoll_group_type
 
 
 def _run(tmp_path, backend, world, *extra, expect_success=True, env=None):

@@ -43,7 +43,7 @@ def main() -> int:
     # how far apart the ranks' imports may finish, which a loaded 2-core box can exceed.
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           rank == 0, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("cpu:gloo,cuda:cupycoll", store=store, rank=rank, world_size=world,
+    dist.init_process_group("cuda:cupycoll", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=5))
     store.set_timeout(datetime.timedelta(seconds=5))  # as env:// leaves it
     report = {"rank": rank, "group": type(dist.group.WORLD).__name__}
