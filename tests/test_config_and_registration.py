@@ -421,7 +421,8 @@ def test_the_cuda_backend_is_what_torch_expects():
             assert backend is group._cuda and backend.name() == cupycoll.BACKEND_NAME
             assert backend.supports_coalescing is False and backend.supports_time_estimate is False
         assert callable(backend.eager_connect_single_device) and callable(backend.perform_nocolor_split)
-        assert cupycoll.BACKEND_NAME is config.BACKEND_NAME is cupycoll.process_group.BACKEND_NAME
+        from cupycoll import process_group
+        assert cupycoll.BACKEND_NAME is config.BACKEND_NAME is process_group.BACKEND_NAME
     finally:
         dist.destroy_process_group()
 
