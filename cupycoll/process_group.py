@@ -62,7 +62,8 @@ class ProcessGroupCupycoll(ProcessGroup):
     ):
         super().__init__(rank, size)
         self.settings = config.resolve(options, timeout)
-        # Not ``self.options``: torch 2.4 has a read-only ProcessGroup.options (2.11 none).
+        # ``pg_options``, as init_process_group names it: apart from torch's own ``options``
+        # (its backends' options objects, which torch reads).
         self.pg_options = options if options is not None else config.Options()
         self._rank = rank
         self._size = size
@@ -90,8 +91,7 @@ class ProcessGroupCupycoll(ProcessGroup):
     def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
         cpu_store = PrefixStore("cupycoll-cpu/", store)
         gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
-        compat.keep_gloo_until_exit(gloo)
-        inner = compat.plain_process_group(cpu_store, rank, size)
+        inner = ProcessGroup(cpu_store, rank, size)
         compat.set_default_backend(inner, _GLOO)
         inner._register_backend(_CPU, _GLOO, gloo)
         # C++ callers asking this group for its CPU backend get the same gloo, also as its
@@ -183,8 +183,8 @@ class ProcessGroupCupycoll(ProcessGroup):
         self._trace.call(op_name, _args.flat(tensors), root, opts, route, self._cpu)
 
     def _gloo(self, call, *args) -> dist.Work:
-        """``call(*args)`` on the gloo half (the tensors as compat.gloo_call hands them)."""
-        return self._trace.gloo(compat.gloo_call(call, *args))
+        """``call(*args)`` on the gloo half, its Work traced."""
+        return self._trace.gloo(call(*args))
 
     def _classify(self, tensors, op_name: str) -> bool:
         """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""
