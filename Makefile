@@ -10,14 +10,14 @@ PY          := $(VENV)/bin/python
 # The python of the targets that install nothing (demo, test-gpu*, verify-gpu): the venv
 # `make test` built when it exists, else the machine's (the GPU machine has no venv).
 RUN_PY      ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
-# The torch installed when the venv sees none (an installed torch >= 2.4.1 is kept). On a
+# The torch installed when the venv sees none (an installed torch >= 2.7.1 is kept). On a
 # machine without an NVIDIA driver, TORCH_INDEX adds torch's CPU wheel index, so pip takes
 # the CPU build (about 200 MB) over PyPI's CUDA build (about 5 GB); TORCH_INDEX= turns it off.
 # tools/install_torch.py says in one line which torch it installs; it probes the default
 # index first and, where it does not answer, leaves it out and installs the torch of a CI
 # leg instead of the default TORCH_SPEC. Values the caller sets (command line, environment)
 # are used as given.
-TORCH_SPEC  ?= torch>=2.4.1
+TORCH_SPEC  ?= torch>=2.7.1
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 # cuda12 or cuda13. Empty: the CUDA major of the venv's torch build (cuda12 for a CPU
 # build), so that torch, CuPy and NCCL agree.

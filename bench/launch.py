@@ -246,7 +246,7 @@ def _wait(context, deadline: float) -> int:
     """Wait for the ranks; the elastic context stops the others when one fails."""
     until = time.monotonic() + deadline if deadline > 0 else None
     # The one semi-private use of the context (SubprocessContext.subprocess_handlers[r].proc,
-    # the same on torch 2.4 - 2.15): the grace period below needs a rank's exit status while
+    # the same on torch 2.7.1 - 2.15): the grace period below needs a rank's exit status while
     # others still run, and the public API cannot give it. wait() answers only when every
     # rank ended or one failed; pids() gives pids, but the context's own poll (inside every
     # wait()) reaps a finished rank, after which its status lives only in that Popen, so

@@ -8,7 +8,7 @@ A :class:`CudaBackend` owns everything a group needs to run NCCL:
   (:mod:`cupycoll.bootstrap`) or split from a bound parent's; two-rank pair communicators
   for point-to-point calls, unless the group's own was made at init (see :meth:`~CudaBackend.p2p_comm`);
 * **the queue**: point-to-point calls wait in it and are issued together, as one NCCL
-  group, when one of their Works is touched or any other CUDA call is made. torch (2.7+)
+  group, when one of their Works is touched or any other CUDA call is made. torch
   hands a Python group the ops of ``batch_isend_irecv`` one by one, and issued one by one
   NCCL send/recv deadlock in patterns like a ring exchange. An open coalescing block queues
   every CUDA call until it closes, the same way;
@@ -48,7 +48,7 @@ from . import compat, config, lifecycle
 from .bootstrap import StoreBootstrap
 from .communicator import Communicator
 from .errors import CollectiveTimeoutError, CupycollValueError, NcclError
-from .call_queue import CallQueue, Issue, KeptWorks
+from .call_queue import CallQueue, Issue
 from .watchdog import Watch
 from .recorder import E_ROUTE
 from .work import CudaWork
@@ -113,12 +113,9 @@ class CudaBackend:
                       lambda fault: this() is not None and this().life.on_fault(fault),
                       settings.on_timeout)
         self.life = lifecycle.GroupLifetime(self, watch)
-        # Before torch 2.7 a Work returned to a C++ caller (DDP) must be kept alive on the
-        # Python side or C++'s wait() hangs (compat.PYTHON_WORK_SURVIVES_CPP): see call_queue.
-        kept = None if compat.PYTHON_WORK_SURVIVES_CPP else KeptWorks(lifecycle.capturing)
         self.calls = CallQueue(lambda issues: this()._enqueue(issues), _weak(self.check_usable),
                                self.life.track_work, self._name, self.global_ranks,
-                               settings.blocking_wait, kept)
+                               settings.blocking_wait)
 
     def use_trace(self, trace) -> None:
         """Keep ``trace`` (the group's :class:`~cupycoll.group_trace.GroupTrace`): calls are

@@ -20,15 +20,6 @@ Calls are queued and issued under :attr:`CallQueue.lock`, one thread at a time; 
 with nothing to issue returns without it (see :meth:`CallQueue.flush`), so a CPU call never
 waits behind another thread's CUDA setup or blocking NCCL call.
 
-Before torch 2.7 a Python Work handed to a C++ caller dies with its last Python reference
-and C++'s ``wait()`` then hangs (``compat.PYTHON_WORK_SURVIVES_CPP``). There the queue keeps
-its Works (:class:`KeptWorks`) until the C++ callers that exist are done with them: DDP's
-reducer takes ``get_future()`` at once, ``_verify_params_across_processes`` and
-``_broadcast_coalesced`` call ``wait()`` at once, functional collectives ``wait()`` later.
-A kept Work is dropped once it is done *and* was waited on or had its future taken; one
-never touched stays until :data:`KEPT_WORKS` newer ones push it out. Calls inside a
-coalescing block are not kept (their Python caller gets the block's covering Work, which is).
-
 Deliberately left out: communicators, streams and events (the backend's), detecting
 torch's manager on the stack (the group's hooks hand in ``manager_ref``, from
 :func:`cupycoll.compat.calling_coalescing_manager`), and making the
@@ -37,8 +28,6 @@ coalescing block thread-safe: a block is one thread's, opened and closed by it.
 
 from __future__ import annotations
 
-import collections
-import datetime
 import inspect
 import threading
 import warnings
@@ -51,10 +40,6 @@ from .work import CudaWork, empty_work
 
 # The queue whose block is open in this thread (at most one: a manager coalesces one group).
 _open_block_owner = threading.local()
-
-# Works kept for C++ callers before torch 2.7 (see the module docstring), at most: more than
-# DDP has buckets in flight. Untouched ones beyond it are let go.
-KEPT_WORKS = 1024
 
 
 def _block_owner() -> Optional["CallQueue"]:
@@ -83,60 +68,12 @@ class Issue:
         self.tracked = False
 
 
-class _KeptWork(CudaWork):
-    """A Work a C++ caller may hold (torch < 2.7): it remembers being waited on or asked for
-    its future, after which that caller needs the Python object no more."""
-
-    _claimed = False
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        try:
-            return super().wait(timeout)
-        finally:
-            self._claimed = True
-
-    def get_future(self):
-        future = super().get_future()
-        self._claimed = True
-        return future
-
-
-class KeptWorks:
-    """The Works kept alive for C++ callers (see the module docstring). Pruned every so
-    often, never while the thread captures a CUDA graph (``capturing()``: a capture forbids
-    the event queries that tell a Work is done)."""
-
-    def __init__(self, capturing: Callable[[], bool], limit: int = KEPT_WORKS):
-        self.works: collections.deque = collections.deque(maxlen=limit)
-        self._capturing = capturing
-        self._added = 0  # since the last prune
-        # Adds come from the issuing thread and from close_block; a prune replaces the deque
-        # (its event queries release the GIL), so an add in between must not be lost.
-        self._lock = threading.Lock()
-
-    def add(self, work: CudaWork) -> None:
-        with self._lock:
-            works = self.works
-            works.append(work)
-            self._added += 1
-            # A prune is one pass, after at least half as many additions: O(1) per Work.
-            if self._added < max(64, len(works) // 2) or self._capturing():
-                return
-            self._added = 0
-            try:
-                left = [w for w in works if not w._claimed or not w._query_done()]
-            except Exception:  # noqa: BLE001 - a sticky CUDA error: the watchdog reports it
-                return
-            self.works = collections.deque(left, maxlen=works.maxlen)
-
-
 class CallQueue:
     """Queued calls and the open coalescing block of one group."""
 
     def __init__(self, enqueue: Callable[[List[Issue]], None], check_usable: Callable[[], None],
                  track: Callable[[CudaWork], None], name: Callable[[], str],
-                 global_ranks: Sequence[int], blocking_wait: bool = False,
-                 kept: Optional[KeptWorks] = None):
+                 global_ranks: Sequence[int], blocking_wait: bool = False):
         self._enqueue = enqueue  # issue a batch as one NCCL group
         self._check_usable = check_usable
         self._track = track  # hand a Work to the watchdog
@@ -152,8 +89,6 @@ class CallQueue:
         self.block_manager = None  # weakref to the manager generator of the open block
         self._seq = 0
         self._issuing = 0  # batches taken out of ``pending`` and not yet issued or failed
-        self.kept = kept  # Works kept for C++ callers (torch < 2.7), or None
-        self._work_class = CudaWork if kept is None else _KeptWork
 
     # -- calls -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish, keepalive, async_op, peer,
@@ -163,12 +98,10 @@ class CallQueue:
             self.check_block_scope(op_name)
         self._seq += 1
         queued = self.block is not None or peer is not None
-        work = self._work_class(op_name, device, outputs, flush=self.flush if queued else None,
-                                seq=self._seq, blocking_wait=blocking_wait,
-                                peers=None if peer is None else [self._global_ranks[peer]])
+        work = CudaWork(op_name, device, outputs, flush=self.flush if queued else None,
+                        seq=self._seq, blocking_wait=blocking_wait,
+                        peers=None if peer is None else [self._global_ranks[peer]])
         issue = Issue(work, launch, finish, keepalive, async_op, peer, own_group, prepare)
-        if self.kept is not None and self.block is None:
-            self.kept.add(work)
         if queued:
             self.pending.append(issue)
             if self.block is not None:
@@ -262,10 +195,8 @@ class CallQueue:
         if not works:
             return empty_work()
         self.flush()
-        work = self._work_class.covering(works, blocking_wait=self._blocking_wait)
+        work = CudaWork.covering(works, blocking_wait=self._blocking_wait)
         self._track(work)
-        if self.kept is not None:
-            self.kept.add(work)  # returned to the caller of a *_coalesced op: maybe C++
         return work
 
     def _release_block(self) -> None:

@@ -1,7 +1,7 @@
 """Every torch and CuPy version difference cupycoll copes with, and every read of torch's
 private state, in one place.
 
-cupycoll supports torch 2.4.1 to 2.15, CuPy 13 (from 13.0) and 14 (from 14.2), NCCL 2.20.5
+cupycoll supports torch 2.7.1 to 2.15, CuPy 13 (from 13.0) and 14 (from 14.2), NCCL 2.26.2
 onwards (the versions CI runs: see the README's compatibility table). Where those versions
 differ in something cupycoll uses, the difference is handled here, once, with a comment
 naming the version that changed it; the rest of the package calls these functions and never
@@ -31,12 +31,10 @@ cheap by not importing this module; and ``_create_work_from_future`` in
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import os
 import re
 import sys
-import threading
 import weakref
 from typing import Callable, List, Optional, Sequence
 
@@ -44,7 +42,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from . import hooks
 from .work import FutureWork
 
 
@@ -58,14 +55,12 @@ TORCH = _release(torch.__version__)
 
 # ------------------------------------------------------------------------------ torch
 
-# How "cupycoll" becomes known to init_process_group without ``import cupycoll``: torch 2.5
-# added the import-time autoload of "torch.backends" entry points (2.4 has none: there the
-# import is required); torch 2.14 also loads a "torch.distributed.backends" entry point
-# named like the backend when init_process_group meets an unknown name (2.13 has no
-# Backend._ensure_backend_registered, 2.15 has; 2.14 is not run, but 2.14.1's
-# distributed_c10d.py has it). pyproject.toml declares both; cupycoll's code does not
-# branch on these.
-TORCH_AUTOLOADS_BACKENDS = TORCH >= (2, 5)
+# How "cupycoll" becomes known to init_process_group without ``import cupycoll``: every
+# supported release autoloads "torch.backends" entry points at ``import torch``; torch 2.14
+# also loads a "torch.distributed.backends" entry point named like the backend when
+# init_process_group meets an unknown name (2.13 has no Backend._ensure_backend_registered,
+# 2.15 has; 2.14 is not run, but 2.14.1's distributed_c10d.py has it). pyproject.toml
+# declares both; cupycoll's code does not branch on these.
 TORCH_LAZY_BACKEND_ENTRY_POINTS = TORCH >= (2, 14)
 
 
@@ -86,7 +81,7 @@ else:
 def premul_factor(reduce_op) -> Optional[object]:
     """The factor of a ``ReduceOp`` made by ``dist._make_nccl_premul_sum`` (a number or a
     one-element tensor); None when ``reduce_op`` carries none."""
-    # torch 2.13 binds ReduceOp.factor; 2.4-2.12 do not, and reading it there made a valid
+    # torch 2.13 binds ReduceOp.factor; 2.7-2.12 do not, and reading it there made a valid
     # PREMUL_SUM op look like one without a factor. The pickling state is the same on all
     # of them: __getstate__() returns (op, factor), factor None unless PREMUL_SUM.
     if type(reduce_op) is not ReduceOp:  # a bare RedOpType carries no factor
@@ -97,17 +92,11 @@ def premul_factor(reduce_op) -> Optional[object]:
 
 def async_requested(opts) -> bool:
     """Did the caller pass ``async_op=True``?"""
-    # torch 2.7 added asyncOp to the options objects. Before, torch waits on every Work
-    # itself, so treating each call as asynchronous is what those versions expect.
+    # torch 2.7 has asyncOp on the options of broadcast, all-gather, scatter and
+    # reduce-scatter only; 2.11 has it on every options object (2.8 - 2.10 are not run).
+    # Where an options object has none, torch waits on the Work itself, so treating the
+    # call as asynchronous is what that version expects.
     return bool(getattr(opts, "asyncOp", True))
-
-
-# A Work written in Python and returned to C++ (DDP's reducer, _verify_params_across_processes
-# and _broadcast_coalesced call a Python group's methods from C++): before torch 2.7 C++ kept
-# only the pybind trampoline, the Python object died on return, and C++'s wait() then fell
-# back to the base Work's and waited forever (pytorch#146376 added PyWorkHolder). There, a
-# call C++ may make must return a C++ Work.
-PYTHON_WORK_SURVIVES_CPP = TORCH >= (2, 7)
 
 
 # torch 2.14 dispatches to a Python subclass of c10d's Backend: its PyBackend trampoline
@@ -154,11 +143,11 @@ def gloo_alltoall(gloo: ProcessGroup, outputs: Sequence[torch.Tensor],
     return FutureWork(work.get_future().then(unpack))
 
 
-# torch 2.4's gloo _reduce_scatter_base (reduce_scatter_tensor) sums whatever the op:
-# MAX, MIN, PRODUCT and AVG all come back as SUM. 2.11's honours the op. Which release in
-# between fixed it is unknown: 2.5 - 2.10 are not run, and no fix was found in torch's
-# issues. So the gate is conservative: those releases take the fallback, which is correct on
-# every version (the tests run it on each CI leg) and costs only twice the traffic.
+# torch 2.7's gloo _reduce_scatter_base (reduce_scatter_tensor) sums whatever the op:
+# MAX, MIN, PRODUCT and AVG all come back as SUM (run here: 2.7.1). 2.11's honours the op.
+# Which release in between fixed it is unknown: 2.8 - 2.10 are not run, and no fix was found
+# in torch's issues. So the gate is conservative: those releases take the fallback, which is
+# correct on every version (the tests run it on each CI leg) and costs only twice the traffic.
 GLOO_REDUCE_SCATTER_HONOURS_OP = TORCH >= (2, 11)
 
 
@@ -192,33 +181,14 @@ def gloo_reduce_scatter_tensor(gloo: ProcessGroup, output: torch.Tensor, input: 
     return FutureWork(work.get_future().then(keep_chunk))
 
 
-def plain_process_group(store, rank: int, size: int) -> ProcessGroup:
-    """A bare ``ProcessGroup`` to register backends on."""
-    # torch 2.6 dropped ProcessGroup.Options from the constructor; 2.4-2.5 require it.
-    if TORCH >= (2, 6):
-        return ProcessGroup(store, rank, size)
-    return ProcessGroup(store, rank, size, ProcessGroup.Options(backend="gloo"))
-
-
 def set_default_backend(group: ProcessGroup, backend_type) -> None:
     """Make ``backend_type`` (one registered on ``group``) its default backend.
 
     A Python group that torch adopts whole has none otherwise, and torch 2.15's
     init_process_group attaches a flight-recorder hook that looks the default up ("Could not
     find the default backend type 0 ..."): every init failed without this."""
-    # torch 2.4 has no _set_default_backend: it derives the default from the Options given to
-    # the constructor (plain_process_group), and has no such hook. 2.11 has it. It came with
-    # or after 2.6's constructor change (pytorch#132931, relanded as #135653); 2.5 - 2.10 are
-    # not run, so the method's presence decides (without it, nothing is missing: the hook
-    # arrived in 2.15, and 2.14.1's distributed_c10d.py has none).
-    if hasattr(group, "_set_default_backend"):
-        group._set_default_backend(backend_type)
-
-
-# ProcessGroup.shutdown (and abort) arrived with pytorch#148798 (March 2025), in torch 2.7
-# (its author's note in torchft#132). Run here: 2.4 has none, 2.11 - 2.15 have it; 2.5 - 2.10
-# are not run, so presence decides, not the version.
-PROCESS_GROUP_HAS_SHUTDOWN = hasattr(ProcessGroup, "shutdown")
+    # A private method, which every supported release has (2.7.1 - 2.15).
+    group._set_default_backend(backend_type)
 
 
 def run_eagerly_under_compile(cls: type, base: type = ProcessGroup) -> type:
@@ -240,85 +210,12 @@ def run_eagerly_under_compile(cls: type, base: type = ProcessGroup) -> type:
     return cls
 
 
-_KEPT_UNTIL_EXIT: List[ProcessGroup] = []
-
-
-def keep_gloo_until_exit(gloo: ProcessGroup) -> None:
-    """Where torch cannot shut a gloo group down (see shutdown), hold it until the
-    interpreter exits instead of letting it be freed with its process group."""
-    # torch 2.4: freeing a gloo group joins its worker threads while holding the GIL. If a
-    # worker is at that moment freeing a tensor whose Python object it owns, it needs the
-    # GIL, and the process hangs (pytorch#56297; seen at the end of DDP runs and of the GPU
-    # probe's CPU mode on 2.4). Held here, a group is freed only at exit, with idle workers;
-    # the cost is its threads and sockets for the life of the process. Whether a later
-    # torch's destructor is safe by itself is not known (not tested); the gate is whether
-    # shutdown exists (2.7, PROCESS_GROUP_HAS_SHUTDOWN), because with it cupycoll ends the
-    # workers before the group is freed, and without it keeping the group is the safe side.
-    if not PROCESS_GROUP_HAS_SHUTDOWN:
-        _KEPT_UNTIL_EXIT.append(gloo)
-
-
-# Aliases of the tensors handed to gloo (torch < 2.7, see gloo_call), each held until the
-# gloo Work that uses it has let go of it. The lock: a call issued from another thread must
-# not drop an alias between its creation and gloo taking it.
-_GLOO_ALIASES: List[torch.Tensor] = []
-_GLOO_ALIASES_LOCK = threading.Lock()
-
-
-def gloo_call(call, *args) -> dist.Work:
-    """``call(*args)``, a call on a gloo group; before torch 2.7 (no shutdown) it gets aliases
-    of the tensors in ``args`` (in lists too), which cupycoll holds while gloo holds them."""
-    # torch < 2.7: a gloo worker drops a call's tensors after wait() has returned. A tensor
-    # whose Python object the caller dropped first is then freed on that worker, which takes
-    # the GIL to free the Python object; if the interpreter is finalizing by then, Python
-    # 3.9-3.13 ends the thread inside a C++ destructor and the process aborts ("terminate
-    # called without an active exception", exit -6: the GPU probe's CPU mode on 2.4.1, 3 of
-    # 110 runs). gloo is handed aliases (detach(): same storage and version counter), held
-    # here until only this list refers to them (_use_count() counts C++ references: gloo's,
-    # not the Python ones a Work's result() may hand out). At exit the ones gloo still holds
-    # are leaked, so no worker ever frees a Python object. From 2.7 cupycoll shuts gloo down
-    # before the group goes (shutdown), with no worker left.
-    if PROCESS_GROUP_HAS_SHUTDOWN:
-        return call(*args)
-    with _GLOO_ALIASES_LOCK:  # gloo's calls only enqueue: held for microseconds
-        _GLOO_ALIASES[:] = [alias for alias in _GLOO_ALIASES if alias._use_count() > 1]
-        return call(*[_alias(arg) for arg in args])
-
-
-def _alias(arg):
-    if isinstance(arg, torch.Tensor):
-        alias = arg.detach()
-        _GLOO_ALIASES.append(alias)
-        return alias
-    if isinstance(arg, (list, tuple)) and any(isinstance(a, (torch.Tensor, list, tuple)) for a in arg):
-        return [_alias(a) for a in arg]
-    return arg
-
-
-def _reset_aliases_in_child() -> None:
-    # A parent's thread may have held the lock as it forked; its gloo threads are not here.
-    global _GLOO_ALIASES_LOCK
-    _GLOO_ALIASES_LOCK = threading.Lock()
-
-
-def _leak_aliases_gloo_holds() -> None:
-    # Runs before the interpreter finalizes; the extra reference is never dropped, so the
-    # list (and every alias in it) outlives the process's last gloo worker.
-    if _GLOO_ALIASES:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GLOO_ALIASES))
-
-
-hooks.in_forked_child("compat", _reset_aliases_in_child)
-hooks.at_exit("compat", _leak_aliases_gloo_holds)
-
-
 def shutdown(group: Optional[ProcessGroup]) -> None:
-    """Shut a gloo-backed group down where torch can (its threads end now, not at exit);
-    None (a group without a CPU half, as the tests' CUDA stand-ins) has nothing to shut."""
-    # Before torch 2.7 there is no ProcessGroup.shutdown (PROCESS_GROUP_HAS_SHUTDOWN): the
-    # group is torn down when it is freed. Where it exists but a backend does not implement
-    # it, torch raises RuntimeError; that too leaves the teardown to the destructor.
-    if group is None or not PROCESS_GROUP_HAS_SHUTDOWN:
+    """Shut a gloo-backed group down (its threads end now, not when it is freed); None (a
+    group without a CPU half, as the tests' CUDA stand-ins) has nothing to shut."""
+    # A backend that does not implement shutdown makes torch raise RuntimeError; that leaves
+    # the teardown to the destructor.
+    if group is None:
         return
     try:
         group.shutdown()
@@ -330,14 +227,14 @@ def shutdown(group: Optional[ProcessGroup]) -> None:
 #
 # What torch keeps only in its own Python (a caller's frame, a module global) and hands no
 # backend. Read here by the names torch's distributed_c10d.py gives them, which are the same
-# on every supported release (2.4.1 - 2.15; each CI leg's tests/test_compat.py checks them).
+# on every supported release (2.7.1 - 2.15; each CI leg's tests/test_compat.py checks them).
 
 
 def cuda_backend_being_created() -> Optional[str]:
     """The CUDA backend (lower case, as torch's backend string names it) of the group that
     torch's ``_new_process_group_helper``, up the caller's stack, is creating: ``""`` when
     that string does not parse, None when the caller is not inside the helper."""
-    # torch 2.4.1 - 2.14 ask the default group's CUDA backend ``supports_splitting`` while
+    # torch 2.7.1 - 2.14 ask the default group's CUDA backend ``supports_splitting`` while
     # creating any subgroup of a bound default group (_get_split_source), whatever the new
     # group's backend, and tell it nothing of that backend; 2.15 passes the requested backend
     # to _get_split_source and compares the names itself, but still asks. The helper's
@@ -365,7 +262,7 @@ def calling_coalescing_manager(on_freed: Optional[Callable] = None):
     """A weak reference to the ``torch.distributed._coalescing_manager`` generator whose
     ``with`` statement is calling ``_start_coalescing`` up the caller's stack (None when it
     is called some other way); ``on_freed(ref)`` runs when that generator is freed."""
-    # torch 2.4.1 - 2.15: _coalescing_manager is a contextlib generator that calls
+    # torch 2.7.1 - 2.15: _coalescing_manager is a contextlib generator that calls
     # _start_coalescing from its body and, when the ``with`` body raises, never calls
     # _end_coalescing (nothing runs in a finally). Only the generator (contextlib's
     # __enter__ frame holds it as ``self.gen``) tells when that ``with`` statement is over:
@@ -387,7 +284,7 @@ def calling_coalescing_manager(on_freed: Optional[Callable] = None):
 
 def forget_coalescing_manager(group: ProcessGroup) -> None:
     """Drop torch's record of a ``_coalescing_manager`` on ``group`` whose body raised."""
-    # torch 2.4.1 - 2.15 pop the group from _world.pg_coalesce_state only after the manager's
+    # torch 2.7.1 - 2.15 pop the group from _world.pg_coalesce_state only after the manager's
     # body returned; a raising body leaves it there, and every later dist.all_reduce (and the
     # other fast-path collectives) on the group is captured into that dead manager's list
     # instead of reaching the group.
@@ -434,6 +331,7 @@ def load_pip_nvrtc(cupy) -> Optional[str]:
     # is matched by its soname when CuPy asks.
     if cupy_major(cupy) >= 14:
         return None
+    import ctypes
     import glob
 
     for entry in sys.path:

@@ -235,7 +235,7 @@ class Settings:
 
 def torch_default_timeouts() -> tuple:
     """The timeouts torch passes a backend when the caller gave none: default_pg_timeout
-    (30 min) for every backend but torch's own nccl (torch 2.4 to 2.15). Not
+    (30 min) for every backend but torch's own nccl (torch 2.7.1 to 2.15). Not
     default_pg_nccl_timeout (10 min on CUDA builds): cupycoll never receives it, so an
     explicit 10 minutes must count as given."""
     try:

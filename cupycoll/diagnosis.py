@@ -445,7 +445,7 @@ class Responder:
 
     def stop(self, wait_s: float = 2.0) -> None:
         """Stop serving every group and let the thread leave (at exit: a daemon thread still
-        inside a store call when the interpreter finalizes aborts the process on Python 3.9,
+        inside a store call when the interpreter finalizes can abort the process,
         "terminate called without an active exception")."""
         with self._lock:
             self._served.clear()

@@ -8,10 +8,9 @@ that returned it and NCCL's own last-error text.
 Failures of the backend itself (NCCL errors, timeouts, an aborted communicator) also derive
 from ``torch.distributed.DistBackendError``, which is what torch's own nccl backend raises,
 so ``except dist.DistBackendError`` catches both backends' failures alike; timeouts keep the
-builtin ``TimeoutError`` as well. On torch >= 2.7 a CPU (gloo) collective's ``wait()``
-raises :class:`CollectiveTimeoutError` or :class:`PeerFailedError` too (see
-``group_trace.TracedWork``); below 2.7 the CPU route hands back gloo's own Work, so its
-errors are torch's (``DistBackendError``/``RuntimeError`` from C++).
+builtin ``TimeoutError`` as well. A CPU (gloo) collective's ``wait()`` raises
+:class:`CollectiveTimeoutError` or :class:`PeerFailedError` too (see
+``group_trace.TracedWork``).
 
 Deliberately left out: any retry or recovery policy. Errors describe; callers decide.
 """

@@ -18,11 +18,6 @@ with ``check_collectives``, compares it across ranks first (:mod:`cupycoll.misma
 Every group also registers with the process's responder (:mod:`cupycoll.diagnosis`), which
 answers the other ranks' diagnosis requests while this rank is busy elsewhere.
 
-Before torch 2.7 a Python Work cannot be handed to C++ (see ``compat.PYTHON_WORK_SURVIVES_CPP``):
-there gloo's own Work is returned: its entry is settled when a later call finds it finished,
-and a gloo timeout raises gloo's own error, without the diagnosis (the responder still
-answers the other ranks' diagnoses, and the CUDA route's watchdog diagnoses as everywhere).
-
 Deliberately left out: gloo point-to-point calls are recorded but their Works are not
 wrapped (``recv_anysource``'s ``source_rank()`` must stay gloo's), and a gloo Work's
 ``get_future()`` is gloo's own, so a timeout seen only through the future carries gloo's
@@ -31,7 +26,6 @@ text.
 
 from __future__ import annotations
 
-import collections
 import datetime
 import threading
 import weakref
@@ -39,26 +33,13 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from . import compat, diagnosis, hooks, mismatch, recorder
+from . import diagnosis, mismatch, recorder
 from .config import Settings
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, PeerFailedError
 from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
 
 # Calls that every rank makes alike and that the mismatch check compares.
 _P2P = frozenset({"send", "recv", "recv_anysource"})
-
-
-# Every GroupTrace, so that exit can drop the gloo Works they hold (torch < 2.7): freed at
-# interpreter teardown instead, a gloo Work aborted the process on torch 2.4.
-_TRACES: "weakref.WeakSet[GroupTrace]" = weakref.WeakSet()
-
-
-def _forget_gloo_works() -> None:
-    for trace in list(_TRACES):
-        trace._gloo_open.clear()
-
-
-hooks.at_exit("group_trace", _forget_gloo_works)
 
 
 class _Pending(threading.local):
@@ -75,9 +56,7 @@ class GroupTrace:
         self.check = settings.check_collectives
         # Per thread: DDP issues from autograd threads; each routes one call at a time.
         self._local = _Pending()
-        self._gloo_open: collections.deque = collections.deque(maxlen=4096)  # torch < 2.7
         self._open_works: "weakref.WeakSet[TracedWork]" = weakref.WeakSet()  # not waited yet
-        _TRACES.add(self)
         self._closed = False
         # A group of one has nobody to ask; the stand-ins of the tests have no store.
         if store is not None and len(global_ranks) > 1:
@@ -92,8 +71,6 @@ class GroupTrace:
         else:
             shapes, dtypes = tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
         rec, local = self.recorder, self._local
-        if self._gloo_open:
-            self.sweep()
         if local.entry is not None:  # recorded, never taken: its call raised before NCCL/gloo
             rec.mark(local.entry, "failed")
             local.entry = None
@@ -120,22 +97,7 @@ class GroupTrace:
         return entry
 
     def gloo(self, work: dist.Work) -> dist.Work:
-        entry = self.take()
-        if compat.PYTHON_WORK_SURVIVES_CPP:
-            return TracedWork(work, entry, self)
-        # gloo's own Work (see compat), no Python callback on its future either (a gloo
-        # thread entering Python while the interpreter exits aborts the process on 3.9):
-        # the entry is settled by a later call's sweep; the raised error is gloo's.
-        if entry is not None:
-            self._gloo_open.append((entry, work))
-        return work
-
-    def sweep(self) -> None:
-        """Settle the entries of finished gloo Works (torch < 2.7 only), oldest first."""
-        open_works, mark = self._gloo_open, self.recorder.mark
-        while open_works and open_works[0][1].is_completed():
-            entry, work = open_works.popleft()
-            mark(entry, "completed" if _gloo_work_error(work) is None else "failed")
+        return TracedWork(work, self.take(), self)
 
     def failure(self, entry: Optional[list], error: BaseException):
         """What gloo raised from a wait, as cupycoll's error naming the rank behind when it
@@ -305,16 +267,6 @@ def _first_sentence(exc: BaseException) -> str:
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
     return text.split(". ", 1)[0].rstrip(".") or type(exc).__name__
-
-
-def _gloo_work_error(work: dist.Work) -> Optional[BaseException]:
-    """A finished gloo Work's error, read from its future: ``is_success()`` prints torch's
-    deprecation warning, which plain gloo never prints for a call the user made."""
-    try:
-        future = work.get_future()
-    except RuntimeError:  # a Work gloo gives no future
-        return None if work.is_success() else CupycollError(f"{work!r} failed")
-    return _future_error(future)
 
 
 def _future_error(future) -> Optional[BaseException]:

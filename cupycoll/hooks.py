@@ -8,18 +8,14 @@ in. A hook that raises is logged and the next one runs, as ``atexit`` itself doe
 
 Exit, in order:
 
-1. ``group_trace``: drop the gloo Works the CPU route holds before torch 2.7; one freed
-   at interpreter teardown instead aborted the process.
-2. ``diagnosis``: stop the responder thread, so that no daemon thread is inside a store call
+1. ``diagnosis``: stop the responder thread, so that no daemon thread is inside a store call
    while the interpreter finalizes.
-3. ``lifecycle``: stop the watchdog and abort every group not destroyed, or whose fault's
+2. ``lifecycle``: stop the watchdog and abort every group not destroyed, or whose fault's
    abort has not run yet, bounded in all.
-4. ``compat``: leak the tensor aliases gloo may still hold, after the groups' aborts shut
-   their gloo halves down, so no gloo worker frees one during finalization.
 
 In a forked child (whose parent's threads are gone, and whose copies of locks a parent's
-thread may have held): the tensor aliases' lock, the watchdog, the parent's groups and the
-diagnosis responder start afresh, each by its own module's hook.
+thread may have held): the watchdog, the parent's groups and the diagnosis responder start
+afresh, each by its own module's hook.
 
 Deliberately left out: torch's and NCCL's own hooks.
 """
@@ -33,8 +29,8 @@ from typing import Callable, Dict
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
-EXIT_ORDER = ("group_trace", "diagnosis", "lifecycle", "compat")
-FORK_ORDER = ("compat", "watchdog", "lifecycle", "diagnosis")
+EXIT_ORDER = ("diagnosis", "lifecycle")
+FORK_ORDER = ("watchdog", "lifecycle", "diagnosis")
 
 _exit: Dict[str, Callable[[], None]] = {}
 _fork: Dict[str, Callable[[], None]] = {}

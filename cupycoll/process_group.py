@@ -21,11 +21,11 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, ProcessGroup
+from torch.distributed import ProcessGroup
 
 from . import compat, config, lifecycle
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
-from .shell import GroupShell
+from .shell import GroupShell, build_gloo_half
 
 _GLOO = ProcessGroup.BackendType.GLOO
 _CPU = torch.device("cpu")
@@ -49,12 +49,7 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
 
     # -- construction helpers ---------------------------------------------------------
     def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
-        cpu_store = PrefixStore("cupycoll-cpu/", store)
-        gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
-        compat.keep_gloo_until_exit(gloo)
-        inner = compat.plain_process_group(cpu_store, rank, size)
-        compat.set_default_backend(inner, _GLOO)
-        inner._register_backend(_CPU, _GLOO, gloo)
+        inner, gloo = build_gloo_half(store, rank, size, timeout)
         # C++ callers asking this group for its CPU backend get the same gloo, also as its
         # default backend (which torch 2.15's flight-recorder hook looks up at init).
         self._register_backend(_CPU, _GLOO, gloo)

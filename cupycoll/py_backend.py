@@ -31,13 +31,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
-from torch.distributed import PrefixStore, ProcessGroup
+from torch.distributed import ProcessGroup
 
 from . import _args, compat, config
 from .config import BACKEND_NAME
 from .errors import CollectiveTimeoutError, PeerFailedError
 from .lifecycle import GroupState
-from .shell import GroupShell
+from .shell import GroupShell, build_gloo_half
 
 _CPU = torch.device("cpu")
 _GLOO = ProcessGroup.BackendType.GLOO
@@ -83,12 +83,7 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
     def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
         # The shell's gloo half, as the adapter's: CPU calls routed here, and the group's
         # argument cross-checks, run on it whether or not torch has a gloo of its own.
-        cpu_store = PrefixStore("cupycoll-cpu/", store)
-        gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
-        inner = compat.plain_process_group(cpu_store, rank, size)
-        compat.set_default_backend(inner, _GLOO)
-        inner._register_backend(_CPU, _GLOO, gloo)
-        return inner
+        return build_gloo_half(store, rank, size, timeout)[0]
 
     def _bind(self, device: torch.device) -> None:
         pass  # torch bound its own ProcessGroup before the eager connect

@@ -29,11 +29,12 @@ a new one, see docs/design.md).
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
-from torch.distributed import ProcessGroup
+from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _args, collectives, compat, config
 from .backend import CudaBackend
@@ -42,9 +43,22 @@ from .group_trace import GroupTrace
 from .lifecycle import GroupState
 from .work import CudaWork
 
+_GLOO = ProcessGroup.BackendType.GLOO
+_CPU = torch.device("cpu")
 # Ops whose tensors differ by rank outside one argument: [outputs, inputs] -> the alike one.
 _ROOT_ONLY = {"gather": 1, "scatter": 0}
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+
+
+def build_gloo_half(store, rank: int, size: int, timeout) -> Tuple[ProcessGroup, ProcessGroup]:
+    """A group's gloo half on ``store`` (its own prefix): the plain ProcessGroup the shell
+    routes CPU calls to, and the gloo backend registered in it."""
+    cpu_store = PrefixStore("cupycoll-cpu/", store)
+    gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
+    inner = ProcessGroup(cpu_store, rank, size)
+    compat.set_default_backend(inner, _GLOO)
+    inner._register_backend(_CPU, _GLOO, gloo)
+    return inner, gloo
 
 
 class GroupShell:
@@ -57,7 +71,8 @@ class GroupShell:
                options: Optional[config.Options], global_ranks: Optional[Sequence[int]],
                group_id: str) -> None:
         self.settings = config.resolve(options, timeout)
-        # Not ``self.options``: torch 2.4 has a read-only ProcessGroup.options (2.11 none).
+        # ``pg_options``, as init_process_group names it: apart from torch's own ``options``
+        # (its backends' options objects, which torch reads).
         self.pg_options = options if options is not None else config.Options()
         self._rank = rank
         self._size = size
@@ -113,8 +128,8 @@ class GroupShell:
         self._trace.call(op_name, _args.flat(tensors), root, opts, route, self._cpu)
 
     def _gloo(self, call, *args) -> dist.Work:
-        """``call(*args)`` on the gloo half (the tensors as compat.gloo_call hands them)."""
-        return self._trace.gloo(compat.gloo_call(call, *args))
+        """``call(*args)`` on the gloo half, its Work traced."""
+        return self._trace.gloo(call(*args))
 
     def _classify(self, tensors, op_name: str) -> bool:
         """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""

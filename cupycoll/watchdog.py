@@ -7,7 +7,7 @@ thread per process (:class:`Watchdog`, started on demand, gone when nothing is w
 polls every watch each interval:
 
 * Works whose completion event has fired are dropped, releasing their tensors (the caller's
-  Work may live on: in torch < 2.7's list of kept Works, say);
+  Work may live on);
 * a Work not done ``timeout`` after it was issued is a timeout fault;
 * ``ncclCommGetAsyncError`` reporting an error on any communicator is an async fault;
 * any exception from querying an event or the async error (a sticky CUDA error) is a

@@ -9,7 +9,7 @@ how the querying thread interacts with a CUDA graph capture on another thread.
 * :func:`use_thread_local_capture_mode`: in the default (global) capture mode a thread may
   not query events while *any* thread captures a CUDA graph in global mode; the query fails
   and invalidates that capture. The watchdog thread switches itself to thread-local mode
-  once, at its start. Neither CuPy (13, 14: only the mode constants) nor torch (2.4 to
+  once, at its start. Neither CuPy (13, 14: only the mode constants) nor torch (2.7.1 to
   2.15) exposes ``cudaThreadExchangeStreamCaptureMode``, so this calls the driver's
   ``cuThreadExchangeStreamCaptureMode`` (what the runtime function forwards to: the mode is
   per thread in the driver, whichever runtime torch or CuPy linked, and a driver call never

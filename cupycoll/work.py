@@ -224,7 +224,7 @@ def empty_work() -> dist.Work:
 class FutureWork(dist.Work):
     """A CPU Work over a ``torch.futures.Future``, for results cupycoll computes from a gloo
     call (see :mod:`cupycoll.compat`). Unlike ``_create_work_from_future``, whose ``wait()``
-    returns True even when the future failed (torch 2.4 to 2.15), ``wait()`` raises the
+    returns True even when the future failed (torch 2.7.1 to 2.15), ``wait()`` raises the
     future's error, so a gloo timeout or a dead peer is not reported as success."""
 
     def __init__(self, future: torch.futures.Future) -> None:

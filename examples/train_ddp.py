@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cupycoll  # registers the "cupycoll" backend with torch.distributed
-from cupycoll import compat
 
 FEATURES, HIDDEN, SAMPLES_PER_RANK = 16, 64, 512
 
@@ -136,20 +135,13 @@ def train(args, backend: str, store, device, initial_state, data):
         print(f"[{backend}] {args.steps} steps on {world} ranks ({device.type}) "
               f"in {time.perf_counter() - start:.2f} s, final loss {mean_loss:.6f}", flush=True)
     params = [p.detach().cpu().clone() for p in model.parameters()]
-    # Free DDP before its group. If DDP's reducer drops the last reference to a gloo group,
-    # torch joins gloo's threads holding the GIL, which can deadlock (pytorch#56297; seen on
-    # torch 2.4, which has no ProcessGroup.shutdown to stop them first); DDP sits in a
-    # reference cycle, so only the garbage collector frees it. The loss's autograd graph
-    # refers to DDP too.
+    # Free DDP before its group: DDP's reducer holds the group, and DDP sits in a reference
+    # cycle, so only the garbage collector frees it. The loss's autograd graph refers to DDP
+    # too.
     del ddp, forward, optimizer, loss
     if args.compile:
         torch._dynamo.reset()  # the compiled code refers to this run's DDP and group
     gc.collect()
-    if backend == "gloo":
-        # A gloo group torch built is freed with its group; on torch without
-        # ProcessGroup.shutdown (before 2.7) that can hang (pytorch#56297). cupycoll holds
-        # its own gloo until exit there; this holds torch's the same way.
-        compat.keep_gloo_until_exit(dist.group.WORLD)
     dist.destroy_process_group()
     return params, mean_loss
 

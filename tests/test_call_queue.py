@@ -1,31 +1,26 @@
 """The CUDA call queue (cupycoll.call_queue) as pure logic: when point-to-point and
-coalesced calls are issued, and as which NCCL groups; how a Work leaves the queue when
-another thread issues its batch or an abort drops it; and the Works kept alive for C++
-callers before torch 2.7. A stand-in backend records each batch ``_enqueue`` would issue as
-one NCCL group (the GPU tier issues the same batches for real)."""
+coalesced calls are issued, and as which NCCL groups; and how a Work leaves the queue when
+another thread issues its batch or an abort drops it. A stand-in backend records each batch
+``_enqueue`` would issue as one NCCL group (the GPU tier issues the same batches for real)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import datetime
-import gc
 import threading
 import warnings
-import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from cupycoll import compat
 from cupycoll.bootstrap import StoreBootstrap
 from cupycoll.call_queue import Issue
 from cupycoll.errors import CommunicatorAbortedError, CupycollError, CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
-from cupycoll.work import CudaWork
-from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup, FakeEvent, FakeStream, capture
+from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup
 from test_faults import make_group
 
 
@@ -403,94 +398,3 @@ def test_a_work_dropped_by_an_abort_is_failed_before_it_leaves_the_queue():
     calls.drop(CommunicatorAbortedError("aborted"))
     assert seen and seen[0] and calls.pending == [] and recv.exception() is not None
 
-
-# -- the Works kept for C++ callers (torch < 2.7) -----------------------------------------
-
-
-class FiringBackend(CpuAsCudaBackend):
-    """Issues each batch on a stand-in event the test fires (the GPU is done)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.events = []
-
-    def _enqueue(self, issues):
-        event = FakeEvent()
-        self.events.append(event)
-        for issue in issues:
-            issue.work._issued(None, event, issue.keepalive)
-
-
-class FiringGroup(CpuAsCudaGroup):
-    backend_class = FiringBackend
-
-
-@pytest.fixture
-def kept_group(monkeypatch):
-    """A group as on torch < 2.7, whatever torch runs here."""
-    monkeypatch.setattr(compat, "PYTHON_WORK_SURVIVES_CPP", False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
-    return FiringGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=5))
-
-
-def test_a_kept_work_is_let_go_once_done_and_waited_on(kept_group):
-    cuda = kept_group._cuda
-    outputs, works = [], []
-    for _ in range(40):
-        tensor = torch.ones(4)
-        works.append(kept_group.allreduce([tensor], c10d.AllreduceOptions()))
-        outputs.append(weakref.ref(tensor))
-        del tensor
-    for event in cuda.events:
-        event.fired.set()  # the GPU finished all of them
-    for work in works[:20]:
-        work.wait()  # what _verify_params_across_processes does from C++
-    del works, work
-    for _ in range(100):  # later calls (their outputs stay referenced here)
-        kept_group.allreduce([torch.ones(1)], c10d.AllreduceOptions())
-    gc.collect()
-    assert all(ref() is None for ref in outputs[:20])  # done and waited: let go
-    # done but never touched: a C++ caller may still wait on them (DDP does, later)
-    assert all(ref() is not None for ref in outputs[20:])
-
-
-def test_a_work_still_running_is_kept_even_once_waited_on(kept_group):
-    tensor = torch.ones(4)
-    work = kept_group.allreduce([tensor], c10d.AllreduceOptions())
-    work.wait()  # a stream wait: the GPU is not done
-    ref = weakref.ref(work)
-    del work
-    for _ in range(100):
-        kept_group.allreduce([torch.ones(1)], c10d.AllreduceOptions())
-    assert ref() is not None
-
-
-def test_get_future_claims_a_kept_work(kept_group, monkeypatch):
-    monkeypatch.setattr(CudaWork, "get_future", lambda self: "the future")  # no CUDA future on CPU
-    work = kept_group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
-    assert not work._claimed
-    assert work.get_future() == "the future" and work._claimed  # DDP's reducer: getFuture()
-
-
-def test_calls_inside_a_coalescing_block_are_not_kept_its_covering_work_is(kept_group):
-    calls = kept_group._cuda.calls
-    kept_group._start_coalescing(CUDA)
-    inner = kept_group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
-    covering = kept_group._end_coalescing(CUDA)
-    kept = list(calls.kept.works)
-    assert covering in kept and all(w is not inner for w in kept)
-
-
-def test_kept_works_are_not_queried_while_a_cuda_graph_is_captured(kept_group, monkeypatch):
-    class Unqueryable:
-        def query(self):
-            raise AssertionError("cudaEventQuery during a capture invalidates it")
-
-    calls = kept_group._cuda.calls
-    for _ in range(100):
-        kept_group.allreduce([torch.ones(1)], c10d.AllreduceOptions())
-    for work in calls.kept.works:
-        work._event, work._claimed = Unqueryable(), True
-    capture(monkeypatch, True)
-    for _ in range(200):
-        kept_group.allreduce([torch.ones(1)], c10d.AllreduceOptions())  # no prune, no query

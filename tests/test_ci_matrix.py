@@ -1,7 +1,7 @@
 """The CI version matrix is written in four places that must agree: the legs of ``.ci/run``
 (each leg's ``leg`` line, and the table in its header comment), the README's
-compatibility table, the floors in ``pyproject.toml``, and the torch that
-``tools/install_torch.py`` falls back to (a CI leg's). Read from the files (nothing is
+compatibility table, the floors and Python classifiers in ``pyproject.toml``, and the torch
+that ``tools/install_torch.py`` falls back to (a CI leg's). Read from the files (nothing is
 installed or run), so a version changed in one place and not the others fails here, on every
 CI leg.
 
@@ -89,7 +89,8 @@ def readme_rows(text: str) -> Dict[str, dict]:
 
 
 def pyproject_floors(text: str) -> Dict[str, object]:
-    """requires-python, torch's floor, and each CUDA extra's package floors."""
+    """requires-python, torch's floor, each CUDA extra's package floors, and the Python
+    versions the classifiers name."""
 
     def array(key: str) -> List[str]:
         match = re.search(rf"^{re.escape(key)} = \[(.*?)\]", text, re.M | re.S)
@@ -103,7 +104,9 @@ def pyproject_floors(text: str) -> Dict[str, object]:
     python = re.search(r'^requires-python = ">=([\d.]+)"', text, re.M)
     assert python, "pyproject.toml has no requires-python floor"
     return {"python": python.group(1), "torch": floors(array("dependencies"))["torch"],
-            "cuda12": floors(array("cuda12")), "cuda13": floors(array("cuda13"))}
+            "cuda12": floors(array("cuda12")), "cuda13": floors(array("cuda13")),
+            "classifiers": re.findall(r"^Programming Language :: Python :: (\d+\.\d+)$",
+                                      "\n".join(array("classifiers")), re.M)}
 
 
 def install_fallback(text: str) -> Tuple[str, str]:
@@ -162,6 +165,15 @@ def check_floors(floors: Dict[str, object], legs: Dict[str, dict]) -> None:
                 f"{extra}: {package}>={floor}, but the lowest a leg runs is {lowest}")
 
 
+def check_classifiers(floors: Dict[str, object], legs: Dict[str, dict]) -> None:
+    """One classifier per Python minor from requires-python's floor to the newest a leg runs."""
+    newest = max((leg["python"] for leg in legs.values()), key=_version)
+    major, low = _version(floors["python"])[:2]
+    high = _version(newest)[1]
+    expected = [f"{major}.{minor}" for minor in range(low, high + 1)]
+    assert floors["classifiers"] == expected, (floors["classifiers"], expected)
+
+
 def check_fallback(fallback: Tuple[str, str], legs: Dict[str, dict]) -> None:
     leg, torch = fallback
     assert leg in legs, f"tools/install_torch.py falls back to leg {leg!r}, which .ci/run does not run"
@@ -196,6 +208,10 @@ def test_floors_are_the_lowest_versions_a_leg_runs(matrix):
     check_floors(matrix["floors"], matrix["legs"])
 
 
+def test_python_classifiers_span_the_python_legs(matrix):
+    check_classifiers(matrix["floors"], matrix["legs"])
+
+
 def test_the_install_fallback_is_a_legs_torch(matrix):
     check_fallback(matrix["fallback"], matrix["legs"])
 
@@ -217,8 +233,8 @@ def test_a_readme_bump_alone_is_caught(matrix):
 
 
 def test_a_ci_bump_alone_is_caught(matrix):
-    run = _changed(".ci/run", "cupy-cuda12x==13.0.0 nvidia-nccl-cu12==2.20.5 ;;",
-                   "cupy-cuda12x==13.6.0 nvidia-nccl-cu12==2.20.5 ;;")
+    run = _changed(".ci/run", "cupy-cuda12x==13.0.0 nvidia-nccl-cu12==2.26.2 ;;",
+                   "cupy-cuda12x==13.6.0 nvidia-nccl-cu12==2.26.2 ;;")
     legs = ci_legs(run)
     assert legs["oldest"]["cupy"] == ("cupy-cuda12x", "13.6.0")
     for check, data in ((check_readme, matrix["readme"]), (check_header, ci_header_rows(run)),
@@ -231,6 +247,15 @@ def test_an_untested_floor_is_caught(matrix):
     lowered = _changed("pyproject.toml", '"cupy-cuda13x>=14.2"', '"cupy-cuda13x>=14"')
     with pytest.raises(AssertionError, match="cupy-cuda13x>=14, but the lowest a leg runs is 14.2"):
         check_floors(pyproject_floors(lowered), matrix["legs"])
+
+
+def test_a_python_floor_bump_without_its_classifiers_is_caught(matrix):
+    floors = pyproject_floors(_changed("pyproject.toml", 'requires-python = ">=3.10"',
+                                       'requires-python = ">=3.11"'))
+    with pytest.raises(AssertionError):
+        check_floors(floors, matrix["legs"])
+    with pytest.raises(AssertionError):
+        check_classifiers(floors, matrix["legs"])
 
 
 def test_a_bump_of_the_fallback_legs_torch_alone_is_caught(matrix):

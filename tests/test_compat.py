@@ -1,5 +1,5 @@
 """cupycoll.compat against the installed torch and CuPy: each version difference it handles
-is asserted as this version behaves, so every CI leg (torch 2.4 to 2.15, CuPy 13 and 14)
+is asserted as this version behaves, so every CI leg (torch 2.7 to 2.15, CuPy 13 and 14)
 checks its own side of each difference."""
 
 from __future__ import annotations
@@ -13,44 +13,26 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d
 
 import cupycoll
 from cupycoll import _args, compat, config
 from cupycoll.errors import CupycollValueError
 from installed import cupycoll_entry_points
 from mp import run_ranks
-from test_faults import eventually
 from workers import gloo_compat_worker
 from workers.gloo_compat_worker import rank_input
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def destroy_default_group():
-    """``dist.destroy_process_group()`` for a default group whose gloo torch built: on a
-    torch without ProcessGroup.shutdown (2.4) the group is held until exit instead of freed,
-    as cupycoll holds its own gloo (compat.keep_gloo_until_exit). Freeing it joins gloo's
-    workers holding the GIL, and one still dropping a tensor it used needs the GIL: this
-    test process hung there once, at a test's end, under two pytest-xdist workers."""
-    compat.keep_gloo_until_exit(dist.group.WORLD)
-    dist.destroy_process_group()
-
-
 def test_torch_release_parsing():
     assert compat._release("2.15.0+cu132") == (2, 15)
-    assert compat._release("2.4.1") == (2, 4)
+    assert compat._release("2.7.1") == (2, 7)
     assert compat._release("2.16.0a0+git1234") == (2, 16)
-    assert compat.TORCH == compat._release(torch.__version__) >= (2, 4)
+    assert compat.TORCH == compat._release(torch.__version__) >= (2, 7)
 
 
 # ------------------------------------------------------------------ PREMUL_SUM factor
-
-
-def test_entry_point_autoload_is_version_dependent():
-    import torch as t
-
-    assert hasattr(t, "_import_device_backends") == compat.TORCH_AUTOLOADS_BACKENDS
 
 
 def test_premul_factor_number_and_tensor():
@@ -88,15 +70,18 @@ def test_reduce_op_factor_attribute_is_version_dependent():
 
 
 def test_async_requested():
-    opts = dist.AllreduceOptions()
-    if compat.TORCH >= (2, 7):
-        opts.asyncOp = False
-        assert compat.async_requested(opts) is False
-        opts.asyncOp = True
-        assert compat.async_requested(opts) is True
-    else:
-        assert not hasattr(opts, "asyncOp")
-        assert compat.async_requested(opts) is True
+    opts = dist.BroadcastOptions()  # one of the four with asyncOp on every supported torch
+    opts.asyncOp = False
+    assert compat.async_requested(opts) is False
+    opts.asyncOp = True
+    assert compat.async_requested(opts) is True
+    plain = dist.AllreduceOptions()
+    if compat.TORCH >= (2, 11):
+        assert hasattr(plain, "asyncOp")
+    elif compat.TORCH < (2, 8):  # 2.7: broadcast, all-gather, scatter, reduce-scatter only
+        assert not hasattr(plain, "asyncOp")
+    if not hasattr(plain, "asyncOp"):
+        assert compat.async_requested(plain) is True  # torch waits on the Work itself
 
 
 # ------------------------------------------------------------------- gloo alltoall
@@ -211,27 +196,21 @@ def test_gloo_reduce_scatter_base_by_version(gloo_cases):
     got = _values(gloo_cases, "reduce_scatter_base_MAX")
     if compat.GLOO_REDUCE_SCATTER_HONOURS_OP:
         assert all(torch.equal(got[r], _expected("MAX", r)) for r in range(2))
-    elif compat.TORCH < (2, 5):  # seen on 2.4: a sum, whatever the op
+    elif compat.TORCH < (2, 8):  # seen on 2.7.1: a sum, whatever the op
         assert all(torch.equal(got[r], _expected("SUM", r)) for r in range(2))
 
 
 # ------------------------------------------------------- group construction and init
 
 
-def test_process_group_shutdown_by_version():
-    # pytorch#148798 added it for torch 2.7; run here: absent on 2.4, present on 2.11 - 2.15
-    assert compat.PROCESS_GROUP_HAS_SHUTDOWN == hasattr(dist.ProcessGroup, "shutdown")
-    assert compat.PROCESS_GROUP_HAS_SHUTDOWN == (compat.TORCH >= (2, 7))
-
-
-def test_set_default_backend_by_version():
-    group = compat.plain_process_group(dist.HashStore(), 0, 1)
-    has = hasattr(group, "_set_default_backend")
-    if compat.TORCH >= (2, 11):
-        assert has
-    elif compat.TORCH < (2, 5):  # 2.4: the default comes from the constructor's Options
-        assert not has
-    compat.set_default_backend(group, dist.ProcessGroup.BackendType.GLOO)  # no error either way
+def test_set_default_backend():
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    gloo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    assert group._get_backend_name() == "undefined"
+    compat.set_default_backend(group, dist.ProcessGroup.BackendType.GLOO)
+    assert group._get_backend_name() == "gloo"
+    compat.shutdown(gloo)
 
 
 def test_tensor_collective_names_by_version(recwarn):
@@ -248,83 +227,14 @@ def test_tensor_collective_names_by_version(recwarn):
         compat.reduce_scatter_single(out, torch.full((2,), 3.0))
         assert torch.equal(out, torch.full((2,), 3.0))
     finally:
-        destroy_default_group()
+        dist.destroy_process_group()
     assert not [w for w in recwarn if "deprecated" in str(w.message)]  # what the rename is for
-
-
-def test_plain_process_group():
-    group = compat.plain_process_group(dist.HashStore(), 1, 3)
-    assert isinstance(group, dist.ProcessGroup)
-    assert (group.rank(), group.size()) == (1, 3)
-
-
-def test_gloo_kept_until_exit_only_without_shutdown():
-    before = len(compat._KEPT_UNTIL_EXIT)
-    group = cupycoll.ProcessGroupCupycoll(dist.HashStore(), 0, 1)
-    kept = compat._KEPT_UNTIL_EXIT[before:]
-    if compat.PROCESS_GROUP_HAS_SHUTDOWN:
-        assert kept == []
-    else:  # torch 2.4: freeing it could hang (pytorch#56297)
-        assert len(kept) == 1 and isinstance(kept[0], dist.ProcessGroupGloo)
-    group.shutdown()
 
 
 def test_shutdown_is_safe_on_every_version():
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
     compat.shutdown(group)
     compat.shutdown(group)  # twice: still no error
-
-
-def _gloo_of_one():
-    gloo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
-    compat.keep_gloo_until_exit(gloo)  # torch 2.4: freeing a used one can hang (pytorch#56297)
-    return gloo
-
-
-def test_gloo_call_writes_through_to_the_callers_tensors():
-    gloo = _gloo_of_one()
-    source, gathered = torch.arange(4.0), [torch.zeros(4)]
-    compat.gloo_call(gloo.allgather, [gathered], [source], c10d.AllgatherOptions()).wait()
-    assert torch.equal(gathered[0], source)
-    compat.shutdown(gloo)
-
-
-def test_gloo_call_hands_gloo_aliases_only_without_shutdown():
-    gloo = _gloo_of_one()
-    tensor = torch.arange(4.0)
-    work = compat.gloo_call(gloo.allreduce, [tensor], c10d.AllreduceOptions())
-    work.wait()
-    handed = work.result()[0]
-    if compat.PROCESS_GROUP_HAS_SHUTDOWN:
-        assert handed is tensor
-    else:
-        # torch 2.4: gloo holds an alias of the caller's tensor, and cupycoll holds it in Python
-        assert handed is not tensor and handed.data_ptr() == tensor.data_ptr()
-        assert any(alias is handed for alias in compat._GLOO_ALIASES)
-        del handed, work  # gloo lets go once its Work is gone: a later call drops the alias
-
-        def dropped():
-            compat.gloo_call(gloo.barrier, c10d.BarrierOptions()).wait()
-            return all(alias.data_ptr() != tensor.data_ptr() for alias in compat._GLOO_ALIASES)
-        assert eventually(dropped)
-    compat.shutdown(gloo)
-
-
-def test_gloo_call_leaves_other_arguments_alone():
-    handed = []
-    compat.gloo_call(lambda *args: handed.extend(args), [3, 1], [], "x", None)
-    assert handed == [[3, 1], [], "x", None]
-
-
-@pytest.mark.skipif(compat.PROCESS_GROUP_HAS_SHUTDOWN, reason="torch >= 2.7 hands gloo no aliases")
-def test_aliases_gloo_may_hold_outlive_the_interpreter():
-    gloo = _gloo_of_one()
-    work = compat.gloo_call(gloo.allreduce, [torch.ones(2)], c10d.AllreduceOptions())
-    work.wait()
-    references = sys.getrefcount(compat._GLOO_ALIASES)
-    compat._leak_aliases_gloo_holds()  # the atexit hook: never freed, so no worker frees one
-    after = sys.getrefcount(compat._GLOO_ALIASES)  # (outside the assert: pytest's rewrite holds it)
-    assert after == references + 1
 
 
 @pytest.fixture
@@ -432,7 +342,7 @@ def test_torch_keeps_its_record_of_a_raising_coalescing_manager_until_it_is_forg
         with dist._coalescing_manager(group=group, device=torch.device("cpu")):
             raise KeyError("the body raised")
     try:
-        assert group in state  # torch 2.4.1 - 2.15 pop it only after a body that returned
+        assert group in state  # torch 2.7.1 - 2.15 pop it only after a body that returned
     finally:
         compat.forget_coalescing_manager(group)
     assert group not in state
@@ -464,7 +374,7 @@ def test_pg_options_reach_the_group_settings():
         dist.all_reduce(t, group=sub)
         assert torch.equal(t, torch.ones(2))
     finally:
-        destroy_default_group()
+        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(compat.TORCH < (2, 15),
@@ -497,20 +407,19 @@ def test_torch_flight_recorder_hook_on_a_cupycoll_group(monkeypatch):
         # the hook would file its own entries under the backend serving the call: none
         assert json.loads(c10d._dump_fr_trace_json(backend="cupycoll")).get("entries", []) == []
     finally:
-        destroy_default_group()
+        dist.destroy_process_group()
 
 
-def test_the_cpu_route_goes_through_gloo_call(world_of_one):
+def test_the_cpu_route_hands_gloo_the_callers_tensors(world_of_one):
     tensor = torch.arange(3.0)
     work = dist.all_reduce(tensor, async_op=True)
     work.wait()
     handed = work.result()[0]
-    assert torch.equal(handed, torch.arange(3.0)) and handed.data_ptr() == tensor.data_ptr()
-    assert (handed is tensor) == compat.PROCESS_GROUP_HAS_SHUTDOWN  # an alias before 2.7
+    assert handed is tensor and torch.equal(handed, torch.arange(3.0))
 
 
 def test_pg_options_do_not_shadow_torch(world_of_one):
-    # torch 2.4 has a read-only ProcessGroup.options; setting it failed every init there.
+    # cupycoll's options take a name of their own, never one of torch's ProcessGroup.
     pg = world_of_one
     assert isinstance(pg.pg_options, cupycoll.Options)
     if "options" in dir(dist.ProcessGroup):

@@ -290,8 +290,7 @@ def test_fp8_avg_on_one_rank_is_issued_as_sum(dtype, monkeypatch):
     assert _args.for_group_size(other, torch.float16, 1) is other
     monkeypatch.setattr(_cuda, "fp8_supported", lambda: True)
     for size, op in ((1, nb.ncclSum), (3, nb.ncclAvg)):
-        # torch.ones(dtype=fp8) has no CPU fill kernel on torch 2.4; a conversion has
-        assert _args.reduction_plan(torch.ones(2).to(dtype), R.AVG, "auto", size).op == op
+        assert _args.reduction_plan(torch.ones(2, dtype=dtype), R.AVG, "auto", size).op == op
 
 
 def test_a_communicator_creation_that_times_out_faults_the_group(monkeypatch):

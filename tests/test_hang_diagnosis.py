@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from cupycoll import compat, config
 from cupycoll.errors import CupycollTypeError, CupycollValueError
 from mp import ROOT, run_ranks
 from shapes import cupycoll_group_type, shell_of
+
 
 def _run(tmp_path, scenario, env=None):
     out = tmp_path / scenario
@@ -42,17 +42,6 @@ def _diagnosis(report):
     return report["error"]
 
 
-def _gloo_own_error(report):
-    """Before torch 2.7 the CPU route returns gloo's own Work (compat.PYTHON_WORK_SURVIVES_CPP),
-    whose wait() raises gloo's error: neither cupycoll's error class nor its diagnosis, and
-    nothing logged (README, "When a job hangs")."""
-    error = _diagnosis(report)
-    assert report["type"] == "RuntimeError", report  # gloo's, from torch's C++
-    assert not report["timeout"] and not report["peer_failed"], report
-    assert "gloo" in error and "#5" not in error and "rank 2" not in error, error
-    assert report["log"] == [], report
-
-
 # The Backend shape too where torch has it: the timeout then travels through torch's own
 # ProcessGroup and the group's CpuView before the diagnosis names the rank behind.
 SHAPES = ["process_group"] + (["backend"] if compat.PY_BACKEND else [])
@@ -66,10 +55,6 @@ def test_a_skipped_collective_names_the_rank_behind(tmp_path, shape):
         assert report["group"] == cupycoll_group_type({"CUPYCOLL_SHAPE": shape})
         # gloo's timeout (5 s), then at most the diagnosis' 5 s (with margin for a busy box)
         assert report["elapsed_s"] < 5 + 10, report
-        if not compat.PYTHON_WORK_SURVIVES_CPP:
-            _gloo_own_error(report)
-            assert "Timed out" in _diagnosis(report), report
-            continue
         assert report["timeout"], report
         error = _diagnosis(report)
         assert "all_reduce #5 (float32[1024]) timed out after 5 s on ranks 0,1" in error, error
@@ -77,9 +62,6 @@ def test_a_skipped_collective_names_the_rank_behind(tmp_path, shape):
         assert "never reached #5" in error, error
         # what torch's own DistributedTest matches a timeout's message with
         assert re.search(r"(Timed out|closed|timeout) ", error), error
-    if not compat.PYTHON_WORK_SURVIVES_CPP:
-        assert not (out / "trace").exists()  # no timeout of cupycoll's: nothing dumped
-        return
     dumps = sorted(os.listdir(out / "trace"))
     assert dumps == [f"cupycoll_trace_rank{r}.json" for r in range(3)], dumps
     analysis = _analyze(out / "trace")
@@ -93,9 +75,6 @@ def test_a_killed_rank_is_named_as_not_answering(tmp_path):
     for rank in (0, 1):
         report = reports[rank]
         assert report["elapsed_s"] < 5 + 10, report
-        if not compat.PYTHON_WORK_SURVIVES_CPP:
-            _gloo_own_error(report)
-            continue
         assert report["timeout"] or report["peer_failed"], report
         assert "all_reduce #5 (float32[1024])" in _diagnosis(report), report
         assert "rank 2 did not answer within 4 s" in _diagnosis(report), report
@@ -176,10 +155,6 @@ def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
         dist.broadcast(t, 0)
         dist.barrier()
         rec = shell_of(group)._trace.recorder
-        deadline = time.monotonic() + 5  # before torch 2.7 gloo's future marks them, a bit later
-        while any(e["state"] != "completed" for e in rec.snapshot()) and time.monotonic() < deadline:
-            shell_of(group)._trace.sweep()  # before torch 2.7 a later call settles them; here, the test
-            time.sleep(0.01)
         entries = rec.snapshot()
         assert [(e["seq"], e["op"], e["state"], e["route"]) for e in entries] == [
             (1, "all_reduce", "completed", "gloo"), (2, "broadcast", "completed", "gloo"),
@@ -188,8 +163,7 @@ def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
         assert recorder.get_recorder(rec.group) is rec
     finally:
         dist.destroy_process_group()
-    if compat.PROCESS_GROUP_HAS_SHUTDOWN:  # before torch 2.7 destroy never shuts a group down
-        assert recorder.get_recorder(rec.group) is None  # retired, still in dumps
+    assert recorder.get_recorder(rec.group) is None  # retired, still in dumps
     assert rec in recorder.recorders()
 
 
@@ -246,7 +220,6 @@ def test_a_call_that_raises_before_reaching_gloo_is_not_left_issued():
             dist.group.WORLD.broadcast([torch.ones(2)], _broadcast_options(root=3))
         t = torch.ones(1)
         dist.all_reduce(t)
-        shell_of(dist.group.WORLD)._trace.sweep()  # before torch 2.7 the next call would settle it
         states = [(e["seq"], e["op"], e["state"]) for e in rec.snapshot()]
         assert states == [(1, "broadcast", "failed"), (2, "all_reduce", "completed")], states
         assert rec.stuck() is None

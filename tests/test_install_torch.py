@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from tools import install_torch  # noqa: E402
 from tools.install_torch import FALLBACK_TORCH, plan  # noqa: E402
 
-DEFAULT_SPEC = "torch>=2.4.1"
+DEFAULT_SPEC = "torch>=2.7.1"
 
 
 @pytest.fixture(autouse=True)
@@ -112,16 +112,16 @@ def test_a_torch_spec_that_was_set_is_kept_when_the_index_is_left_out(closed_url
 
 
 def test_an_index_that_was_set_is_used_unprobed(closed_url):
-    args, line = plan("torch==2.4.1", closed_url, spec_is_default=False, index_is_default=False)
-    assert args == ["--extra-index-url", closed_url, "torch==2.4.1"]
+    args, line = plan("torch==2.7.1", closed_url, spec_is_default=False, index_is_default=False)
+    assert args == ["--extra-index-url", closed_url, "torch==2.7.1"]
     assert "did not answer" not in line
 
 
 def test_an_empty_index_that_was_set_installs_the_spec_as_given():
     # CI's legs: TORCH_INDEX= TORCH_SPEC=torch==X
-    args, line = plan("torch==2.4.1", "", spec_is_default=False, index_is_default=False)
-    assert args == ["torch==2.4.1"]
-    assert line == "installing torch==2.4.1 from pip's own indexes (TORCH_INDEX is empty)"
+    args, line = plan("torch==2.7.1", "", spec_is_default=False, index_is_default=False)
+    assert args == ["torch==2.7.1"]
+    assert line == "installing torch==2.7.1 from pip's own indexes (TORCH_INDEX is empty)"
     # the default on a machine with nvidia-smi is empty too, for another reason
     assert plan(DEFAULT_SPEC, "", True, True)[1].endswith("(nvidia-smi found: PyPI's CUDA build)")
 

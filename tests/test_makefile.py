@@ -65,7 +65,7 @@ def _torch_install(out: str) -> str:
 def test_torch_is_installed_by_the_script_only_where_the_venv_has_none(tmp_path):
     line = _torch_install(_dry_run("install", f"VENV={tmp_path / 'v'}"))
     assert line.startswith(f'{tmp_path / "v"}/bin/python -c "import torch" 2>/dev/null || '
-                           f'{tmp_path / "v"}/bin/python tools/install_torch.py --spec "torch>=2.4.1"')
+                           f'{tmp_path / "v"}/bin/python tools/install_torch.py --spec "torch>=2.7.1"')
     # the defaults are marked as such: the script may probe the index and replace the spec
     assert "--spec-is-default" in line and "--index-is-default" in line
     index = "" if shutil.which("nvidia-smi") else "https://download.pytorch.org/whl/cpu"
@@ -74,8 +74,8 @@ def test_torch_is_installed_by_the_script_only_where_the_venv_has_none(tmp_path)
 
 def test_torch_spec_and_index_set_on_the_command_line_are_passed_as_set(tmp_path):
     # CI's legs: TORCH_INDEX= TORCH_SPEC=torch==X
-    line = _torch_install(_dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_INDEX=", "TORCH_SPEC=torch==2.4.1"))
-    assert '--spec "torch==2.4.1" --index ""' in line
+    line = _torch_install(_dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_INDEX=", "TORCH_SPEC=torch==2.7.1"))
+    assert '--spec "torch==2.7.1" --index ""' in line
     assert "-is-default" not in line
     line = _torch_install(_dry_run("install", f"VENV={tmp_path / 'v'}", "TORCH_SPEC=torch==2.11.0"))
     assert "--spec-is-default" not in line and "--index-is-default" in line

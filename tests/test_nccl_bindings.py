@@ -97,6 +97,8 @@ def header(tmp_path_factory):
         "typedef struct CUstream_st* cudaStream_t;\ntypedef struct CUevent_st* cudaEvent_t;\n"
     )
     (stubs / "cuda_fp16.h").write_text("")
+    # NCCL 2.26's nccl.h includes it in C too (later ones in C++ only), and uses no type of it
+    (stubs / "cuda_fp8.h").write_text("")
     # as the real cuda_bf16.h does: NCCL before 2.24 declares ncclBfloat16 only then
     (stubs / "cuda_bf16.h").write_text("#define __CUDA_BF16_TYPES_EXIST__\n")
     compiled = subprocess.run([gcc, "-I", nccl_inc, "-I", str(stubs), str(source), "-o", str(exe)],

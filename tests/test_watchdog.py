@@ -453,8 +453,8 @@ def _released_when_done(how):
 
 @pytest.mark.parametrize("how", ["watchdog", "drain"])
 def test_a_completed_work_still_held_releases_its_tensors(how):
-    # torch < 2.7 keeps the last 1,024 Works alive (call_queue.KeptWorks): a completed one must not
-    # pin its inputs and staging buffers until the caller happens to ask is_completed().
+    # A caller may hold a completed Work for long: it must not pin its inputs and staging
+    # buffers until the caller happens to ask is_completed().
     watch, work, gone = _released_when_done(how)
     assert not watch.inflight and work._keepalive is None and gone() is None
     assert work.is_success() and work.result()  # the outputs are the caller's, kept

@@ -13,7 +13,6 @@ import re
 
 import pytest
 
-from cupycoll import compat
 from mp import start_ranks, wait_all
 from workers.work_surface_worker import QUIET_DONE
 
@@ -37,12 +36,11 @@ def _closed(out):
 
 
 # CPU send and recv return gloo's own Work unchanged: the same object, so the same answers.
-# Before torch 2.7 every CPU Work is gloo's own (compat.PYTHON_WORK_SURVIVES_CPP).
 GLOOS_OWN = {"send", "recv", "recv any source", "unfinished recv"}
 
 
 def _gloos_own(case: str) -> bool:
-    return case in GLOOS_OWN or not compat.PYTHON_WORK_SURVIVES_CPP
+    return case in GLOOS_OWN
 
 
 def _unusable(outcome) -> bool:
@@ -97,7 +95,6 @@ def test_no_deprecation_warning_that_gloo_itself_would_not_print(surfaces):
             assert not deprecated(stderr.split(QUIET_DONE)[0]), (rank, stderr)
 
 
-@pytest.mark.skipif(not compat.PYTHON_WORK_SURVIVES_CPP, reason="before torch 2.7 a CPU Work is gloo's own")
 def test_a_collective_unfinished_when_its_group_closes_fails_at_once(surfaces):
     closed = surfaces["closed"]
     for how in ("aborted", "shut down"):

@@ -196,7 +196,7 @@ def _sync_options():
     from torch._C import _distributed_c10d as c10d
 
     opts = c10d.AllreduceOptions()
-    if hasattr(opts, "asyncOp"):  # torch < 2.7 has none: every call is asynchronous there
+    if hasattr(opts, "asyncOp"):  # none on torch 2.7's: every call is asynchronous there
         opts.asyncOp = False
     return opts
 

@@ -47,10 +47,7 @@ def ddp(rank):
 
 
 def fsdp2(rank):
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # before torch 2.6
-        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

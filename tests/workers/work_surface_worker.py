@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 import cupycoll  # noqa: F401 - registers the backend
-from cupycoll import compat
 try:  # run as a script (tests/workers on sys.path), or imported by the CPU tier
     from epilogue import write_json
 except ImportError:
@@ -97,7 +96,7 @@ def main() -> None:
         dist.send(torch.ones(1), 0)
     dist.barrier()
     write_json(out_dir, f"rank{rank}.json", cases)
-    if backend == "cupycoll" and compat.PYTHON_WORK_SURVIVES_CPP:
+    if backend == "cupycoll":
         write_json(out_dir, f"rank{rank}.closed.json", closed_with_work_in_flight(rank))
     dist.destroy_process_group()
 
