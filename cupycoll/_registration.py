@@ -34,16 +34,10 @@ def _create(dist_backend_opts, pg_options):
 
         return create(dist_backend_opts, pg_options)
     from .process_group import ProcessGroupCupycoll
+    from .shell import group_arguments
 
-    return ProcessGroupCupycoll(
-        dist_backend_opts.store,
-        dist_backend_opts.group_rank,
-        dist_backend_opts.group_size,
-        dist_backend_opts.timeout,
-        pg_options,
-        global_ranks=list(dist_backend_opts.global_ranks_in_group),
-        group_id=str(dist_backend_opts.group_id),
-    )
+    args, kwargs = group_arguments(dist_backend_opts, pg_options)
+    return ProcessGroupCupycoll(*args, **kwargs)
 
 
 def register() -> None:

@@ -37,7 +37,7 @@ from . import _args, compat, config
 from .config import BACKEND_NAME
 from .errors import CollectiveTimeoutError, PeerFailedError
 from .lifecycle import GroupState
-from .shell import GroupShell, build_gloo_half
+from .shell import GroupShell, build_gloo_half, group_arguments
 
 _CPU = torch.device("cpu")
 _GLOO = ProcessGroup.BackendType.GLOO
@@ -207,17 +207,9 @@ def create(dist_backend_opts, pg_options, cls: type = None) -> CupycollBackend:
     stand-in), split from the parent torch names when it can be, and its :class:`CpuView`
     as the group's CPU backend when torch has none for it yet."""
     group = dist_backend_opts.process_group
-    backend = (cls or CupycollBackend)(
-        dist_backend_opts.store,
-        dist_backend_opts.group_rank,
-        dist_backend_opts.group_size,
-        dist_backend_opts.timeout,
-        pg_options,
-        global_ranks=list(dist_backend_opts.global_ranks_in_group),
-        group_id=str(dist_backend_opts.group_id),
-        process_group=group,
-        split_from=dist_backend_opts.split_from,
-    )
+    args, kwargs = group_arguments(dist_backend_opts, pg_options)
+    backend = (cls or CupycollBackend)(*args, **kwargs, process_group=group,
+                                       split_from=dist_backend_opts.split_from)
     if group is not None and not compat.has_backend(group, _CPU):
         # As the gloo type: torch keys a group's backends by type, and the CUDA backend,
         # registered after this, takes the custom one.

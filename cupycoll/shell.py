@@ -61,6 +61,13 @@ def build_gloo_half(store, rank: int, size: int, timeout) -> Tuple[ProcessGroup,
     return inner, gloo
 
 
+def group_arguments(dist_backend_opts, pg_options) -> Tuple[tuple, dict]:
+    """A shape's constructor arguments from torch's creator call (extended API)."""
+    opts = dist_backend_opts
+    return ((opts.store, opts.group_rank, opts.group_size, opts.timeout, pg_options),
+            {"global_ranks": list(opts.global_ranks_in_group), "group_id": str(opts.group_id)})
+
+
 class GroupShell:
     """Routing, coalescing and lifetime of one cupycoll group (a mixin: see the module)."""
 
