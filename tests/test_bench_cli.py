@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT))  # the checkout's bench/ package, also under a bar
 
 from bench import catalog, cli, launch, sizes  # noqa: E402
 
+pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
+
 
 def run_bench(*args: str, env=None, timeout: float = 60.0) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, **(env or {}))

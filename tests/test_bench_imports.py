@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from import_graph import circles, imports
+
+pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 

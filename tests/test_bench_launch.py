@@ -29,6 +29,8 @@ RANK_MAIN = '''
 import json, os, sys, time
 from datetime import timedelta
 from bench import launch
+
+pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
 launch.bind_to_launcher()  # what bench/cli.py does in every rank it was started for
 rank = int(os.environ["RANK"])
 mode = os.environ["FAKE_MODE"]

@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import metrics  # noqa: E402
 
+pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
+
 
 @pytest.mark.parametrize("collective,n,factor", [
     ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75), ("all_reduce", 1, 0.0),

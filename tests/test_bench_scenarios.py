@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import output, scenarios  # noqa: E402
 
+pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
+
 
 def _row(case, candidate, gpu, cpu):
     return {"kind": "scenario", "scenario": "coalescing", "case": case, "candidate": candidate,

@@ -35,6 +35,8 @@ from gpu.tier import (COMMAND_LIMIT_S, GPU_TIER, GPU_TIER_BUDGETS_S, GPU_TIER_ES
 from standins import CUDA, CpuAsCudaGroup
 from workers import api_plan, api_worker
 
+pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
+
 R = dist.ReduceOp
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,6 +21,8 @@ sys.path.insert(0, str(ROOT))
 from tools import install_torch  # noqa: E402
 from tools.install_torch import FALLBACK_TORCH, plan  # noqa: E402
 
+pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
+
 DEFAULT_SPEC = "torch>=2.7.1"
 
 

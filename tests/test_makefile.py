@@ -12,7 +12,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+pytestmark = [pytest.mark.any_stack,
+              pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")]
 
 
 def _dry_run(*args: str) -> str:

@@ -27,6 +27,8 @@ from tools import bench_merge, verify_figures, verify_gpu, verify_runner, verify
 from tools.verify_runner import Step, StepResult, run_plan, run_step  # noqa: E402
 from mp import process_alive  # noqa: E402
 
+pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
+
 PY = sys.executable
 MIB = 1 << 20
 
