@@ -52,14 +52,14 @@ def cupy_without_device():
 
 
 def _communicator(nccl_library: Optional[str]):
-    """A blocking-mode Communicator with no NCCL communicator and no device: enough for
-    group(), which only needs the library the communicator holds."""
+    """A blocking-mode Communicator with no NCCL communicator (a NULL handle) and no device:
+    enough for group(), which only needs the library the communicator holds."""
     from cupycoll import _cuda, communicator
 
     real = _cuda.cupy_module
     _cuda.cupy_module = cupy_without_device
     try:
-        return communicator.Communicator(0, 0, 1, nccl_library, cupy_comm=object())
+        return communicator.Communicator(0, 0, 1, nccl_library, handle=0)
     finally:
         _cuda.cupy_module = real
 

@@ -4,7 +4,7 @@
 ``torch.distributed.init_process_group("cuda:cupycoll")`` (or ``"cupycoll"``, or
 ``"cpu:gloo,cuda:cupycoll"``) builds a :class:`ProcessGroupCupycoll`. Importing the package
 does not import CuPy (that happens at the first CUDA collective), nor the process-group
-module: ``ProcessGroupCupycoll`` and ``abort_all`` load it on first access (PEP 562), so the
+module: ``ProcessGroupCupycoll``, ``abort_all`` and ``shrink_group`` load it on first access (PEP 562), so the
 ``torch.backends`` entry point, which runs during ``import torch``, stays cheap.
 """
 
@@ -29,7 +29,8 @@ from .errors import (
 from .recorder import dump_trace
 from .work import CudaWork
 
-_LAZY = {"ProcessGroupCupycoll": "process_group", "abort_all": "process_group"}
+_LAZY = {"ProcessGroupCupycoll": "process_group", "abort_all": "process_group",
+         "shrink_group": "shrink", "SHRINK_DEFAULT": "shrink", "SHRINK_ABORT": "shrink"}
 
 
 def __getattr__(name: str):
@@ -59,10 +60,13 @@ __all__ = [
     "Options",
     "PeerFailedError",
     "ProcessGroupCupycoll",
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "abort_all",
     "algorithm",
     "dump_trace",
     "register",
+    "shrink_group",
 ]
 
 register()

@@ -47,7 +47,7 @@ import torch
 from . import compat, config, lifecycle
 from .bootstrap import StoreBootstrap
 from .communicator import Communicator
-from .errors import CollectiveTimeoutError, CupycollValueError, NcclError
+from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 from .call_queue import CallQueue, Issue
 from .watchdog import Watch
 from .recorder import E_ROUTE
@@ -193,13 +193,41 @@ class CudaBackend:
         """Do subgroups get their communicators by splitting this one? Only when the group
         is bound to a device (``bound_device``: torch's ``pg.bound_device_id``)."""
         return (self.settings.comm_split and self.comm is not None and bound_device is not None
-                and Communicator.can_split())
+                and self.comm.can_split())
 
     def split_from(self, parent: "CudaBackend") -> None:
         """This group's communicator, split from ``parent``'s (collective over the parent)."""
         self.comm = parent.comm.split(split_color(self.global_ranks), self.rank, self.life.fault_once)
         self._adopt_device(parent.device)
         self._p2p_on_group = self.comm is not None  # made at construction on every member
+
+    def shrink_from(self, parent: "CudaBackend", exclude: Sequence[int], abort_first: bool) -> str:
+        """This group's communicator from ``parent``'s without the parent's ranks ``exclude``
+        (collective over the survivors, who all call it), and the parent's end: its Works in
+        flight fail first, then its communicators are aborted. Returns how the communicator
+        was made: ``"ncclCommShrink"`` when every survivor's parent communicator is healthy
+        and its NCCL has it (``NCCL_SHRINK_ABORT`` when ``abort_first`` or work is in
+        flight), else ``"new"``: made anew on this group's store, at once when the parent
+        had a device, on first use when it had none."""
+        comm = parent.comm
+        live = (comm is not None and parent.life.usable and comm.state == "ok" and comm.can_shrink())
+        reason = CommunicatorAbortedError(
+            f"process group {parent._name()!r} was shrunk (ranks {sorted(exclude)} left out); "
+            "use the group shrink_group returned")
+        if not self._bootstrap.all_agree("shrink", live, self.size):
+            parent.life.replace(reason)
+            if parent.device is not None:
+                self.comm_for(parent.device)
+                self._p2p_on_group = True  # made now, on every member
+            return "new"
+        abort_first = abort_first or parent.life.work_in_flight()
+        made: List[Communicator] = []
+        parent.life.replace(reason, before_kernels_end=lambda: made.append(
+            comm.shrink(exclude, abort_first, self.life.fault_once)))
+        self.comm = made[0]
+        self._adopt_device(parent.device)
+        self._p2p_on_group = True
+        return "ncclCommShrink"
 
     def comm_for(self, device: torch.device) -> Communicator:
         """The group's communicator, created on ``device`` on first use.

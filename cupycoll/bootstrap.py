@@ -112,6 +112,18 @@ class StoreBootstrap:
             self._forget(base, generation - 1)
         return decided
 
+    def all_agree(self, key: str, mine: bool, members: int) -> bool:
+        """Whether ``mine`` holds on every one of ``members`` ranks, once all have told
+        (``key`` names one question on this store, asked once). Raises
+        CollectiveTimeoutError when they do not all tell in time."""
+        store = self._store
+        base = f"cupycoll/{key}"
+        store.add(f"{base}/yes", int(bool(mine)))
+        store.add(f"{base}/told", 1)
+        self._wait(lambda: store.add(f"{base}/told", 0) >= members, time.monotonic() + self._timeout_s,
+                   f"all {members} ranks to answer {key!r}", lambda: f"{store.add(f'{base}/told', 0)} answered")
+        return store.add(f"{base}/yes", 0) >= members
+
     def _publish(self, uid_key: str) -> bytes:
         """The creator decides: PENDING first, so that the id (and NCCL's bootstrap-root
         thread) is made only when no rank gave up, then the id in its place."""

@@ -7,7 +7,7 @@ that used the communicator is noted until its ``ncclGroupEnd`` (where its calls 
 launch, and connect), and ``abort``/``shutdown`` first wait, at most :data:`ENTER_WAIT_S`,
 for the calls of other threads to return.
 
-What the class needs of its host: ``state``, ``nonblocking``, ``_handle`` and ``device``.
+What the class needs of its host: ``state``, ``_handle`` and ``device``.
 
 Deliberately left out: ending a call that does not return (only ncclCommAbort can, so the
 wait is bounded and the abort goes ahead), and waiting for a call on the aborting thread
@@ -40,13 +40,13 @@ class GuardedCalls:
 
     def _guarded(self, function: str, call: Callable[[Optional[int]], object]):
         """``call(handle)``, one NCCL call on this communicator, refused once it is aborted or
-        shut down (CuPy's handle is NULL then, and NCCL would say ncclInvalidArgument) and
+        shut down (the handle is gone then, and NCCL would say ncclInvalidArgument) and
         counted while it runs, so that :meth:`abort` waits for it before freeing the
         communicator under it (an abort that waited past ``ENTER_WAIT_S`` makes the call's
-        error a CommunicatorAbortedError). ``handle``: the nonblocking one, read under the lock."""
+        error a CommunicatorAbortedError). ``handle``: the communicator's, read under the lock."""
         me = threading.get_ident()
         with self._lock:
-            if self.state not in _USABLE or (self.nonblocking and not self._handle):
+            if self.state not in _USABLE or not self._handle:
                 raise CommunicatorAbortedError(
                     f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
             self._callers.append(me)

@@ -5,26 +5,23 @@ stream for asynchronous work. Its verbs take raw device pointers, element counts
 datatype/op codes and a stream handle (plain ints), so this layer knows nothing of torch;
 the process-group adapter translates tensors into those.
 
-Two modes, invisible to the caller:
+Every communicator is made the same way, through the ctypes bindings
+(:mod:`cupycoll.nccl_bindings`) with ``ncclCommInitRankConfig``, and so is every child of one
+(``ncclCommSplit``, ``ncclCommShrink``): one kind of object, whose every NCCL status is read,
+``ncclCommAbort``'s and ``ncclCommDestroy``'s included. Two modes, the config's ``blocking``
+field, invisible to the caller:
 
-* **blocking** (default): the communicator is CuPy's ``NcclCommunicator`` and the verbs
-  call its methods;
-* **nonblocking**: the communicator is created through the ctypes bindings with
-  ``ncclCommInitRankConfig`` and ``blocking = 0``; every call may return ``ncclInProgress``
-  and is then polled with ``ncclCommGetAsyncError`` until it settles, bounded by the
-  communicator's timeout and ended at once by :meth:`Communicator.abort` from any thread.
-  That includes creation itself: :meth:`Communicator.begin` returns before the peers have
-  connected and :meth:`Communicator.wait_ready` polls.
+* **blocking** (default): each call returns when NCCL has enqueued it (creation: when every
+  peer has joined);
+* **nonblocking**: every call may return ``ncclInProgress`` and is then polled with
+  ``ncclCommGetAsyncError`` until it settles, bounded by the communicator's timeout and
+  ended at once by :meth:`Communicator.abort` from any thread. That includes creation
+  itself: :meth:`Communicator.begin` returns before the peers have connected and
+  :meth:`Communicator.wait_ready` polls.
 
 NCCL groups: :meth:`Communicator.group` is ncclGroupStart/End of the library the
 communicator already holds; the per-thread bookkeeping (which communicators a group used,
 polled or aborted at its end) is :mod:`cupycoll.nccl_group`.
-
-Left as it is: the status of ncclCommAbort/ncclCommDestroy on a blocking communicator.
-CuPy declares both ``void`` (``NcclCommunicator.abort``/``destroy``), so a failure there is
-invisible. Calling them through the ctypes bindings on ``comm_ptr`` would see it, but CuPy's
-handle (``cdef ncclComm_t _comm``, not writable from Python) would stay set, and its
-``__dealloc__`` would destroy the freed communicator again; only CuPy's own methods clear it.
 
 Deliberately left out: validation of user input (done once, above, with names the user
 knows), scheduling policy (which stream, when to group), the watchdog (it lives above and
@@ -37,19 +34,14 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-from . import _cuda, compat, nccl_bindings, nccl_group
+from . import _cuda, nccl_bindings, nccl_group
 from .call_guard import GuardedCalls
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 
 DEFAULT_TIMEOUT_S = 600.0
 
-
-
-def _translate(exc: Exception, function: str) -> NcclError:
-    status = getattr(exc, "status", 3)
-    return NcclError(status, function, str(exc))
 
 
 def _library(path: Optional[str] = None) -> nccl_bindings.NcclLibrary:
@@ -60,11 +52,7 @@ def _library(path: Optional[str] = None) -> nccl_bindings.NcclLibrary:
 
 def new_unique_id() -> bytes:
     """A fresh ncclUniqueId as 128 bytes."""
-    return compat.unique_id_to_bytes(_cuda.nccl_module().get_unique_id())
-
-
-def _unique_id_for_cupy(unique_id: bytes):
-    return compat.unique_id_for_cupy(_cuda.cupy_module(), unique_id)
+    return _library().unique_id()
 
 
 # -- the communicator ----------------------------------------------------------------------
@@ -76,12 +64,11 @@ class Communicator(GuardedCalls):
     on_abort: Optional[Callable[[BaseException], None]] = None
 
     def __init__(self, device: int, rank: int, size: int, nccl_library: Optional[str] = None, *,
-                 cupy_comm=None, handle: Optional[int] = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 handle: int, nonblocking: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
                  on_abort: Optional[Callable[[BaseException], None]] = None):
         cupy = _cuda.cupy_module()
-        self._cupy_comm = cupy_comm  # blocking mode
-        self._handle = handle  # nonblocking mode: the raw ncclComm_t
-        self.nonblocking = cupy_comm is None
+        self._handle = handle  # the raw ncclComm_t; None once destroyed or aborted
+        self.nonblocking = nonblocking
         self._nccl_library = nccl_library
         self._lib = _library(nccl_library)
         self.device = device
@@ -101,13 +88,10 @@ class Communicator(GuardedCalls):
             # Non-blocking w.r.t. the legacy default stream, like ProcessGroupNCCL's.
             self._stream = cupy.cuda.Stream(non_blocking=True)
         self.stream = self._stream.ptr
-        self._nccl_error = _cuda.nccl_module().NcclError
 
     @property
     def comm_ptr(self) -> int:
         """The raw ``ncclComm_t`` (0 once destroyed or aborted)."""
-        if self._cupy_comm is not None:
-            return self._cupy_comm.comm
         return self._handle or 0
 
     def __repr__(self) -> str:
@@ -120,15 +104,11 @@ class Communicator(GuardedCalls):
         """The checks of :meth:`begin` that depend on this process alone, for before the store
         gate: a rank failing after it leaves its peers in blocking ncclCommInitRank for good."""
         _cuda.require_device(device)
-        library = _library(nccl_library)  # a library that cannot load fails here, in both modes
-        if not nonblocking:
-            if os.environ.get("NCCL_COMM_BLOCKING", "") == "0":
-                raise CupycollValueError(
-                    "NCCL_COMM_BLOCKING=0 makes NCCL calls return ncclInProgress, which CuPy's "
-                    "blocking communicator cannot handle; unset it or use nonblocking=True"
-                )
-        elif not library.has("ncclCommInitRankConfig"):
-            raise CupycollValueError("nonblocking communicators need NCCL >= 2.14 (ncclCommInitRankConfig)")
+        _library(nccl_library)  # a library that cannot load fails here, in both modes
+        if not nonblocking and os.environ.get("NCCL_COMM_BLOCKING", "") == "0":
+            raise CupycollValueError(
+                "NCCL_COMM_BLOCKING=0 makes every NCCL call return ncclInProgress, which a "
+                "blocking communicator does not poll; unset it or use nonblocking=True")
 
     @classmethod
     def begin(cls, unique_id: bytes, rank: int, size: int, device: int, nccl_library=None,
@@ -139,23 +119,14 @@ class Communicator(GuardedCalls):
         Blocking mode returns when every peer has joined. Nonblocking mode returns at once,
         in state ``"initializing"``: call :meth:`wait_ready` (which :meth:`abort` can end)."""
         cls.preflight(device, nccl_library, nonblocking)  # cheap; callers ran it before the gate
-        cupy = _cuda.cupy_module()
-        if not nonblocking:
-            nccl = _cuda.nccl_module()
-            with cupy.cuda.Device(device):
-                try:
-                    comm = nccl.NcclCommunicator(size, _unique_id_for_cupy(unique_id), rank)
-                except nccl.NcclError as exc:
-                    raise _translate(exc, "ncclCommInitRank") from exc
-            return cls(device, rank, size, nccl_library, cupy_comm=comm, timeout=timeout, on_abort=on_abort)
-
         lib = _library(nccl_library)
         handle = nccl_bindings.ncclComm_t()
-        config = nccl_bindings.make_config(blocking=False)
-        with cupy.cuda.Device(device):
+        config = nccl_bindings.make_config(blocking=not nonblocking)
+        with _cuda.cupy_module().cuda.Device(device):
             lib.ncclCommInitRankConfig(ctypes.byref(handle), size, lib.unique_id_from_bytes(unique_id),
                                        rank, ctypes.byref(config))
-        return cls(device, rank, size, nccl_library, handle=handle.value, timeout=timeout, on_abort=on_abort)
+        return cls(device, rank, size, nccl_library, handle=handle.value, nonblocking=nonblocking,
+                   timeout=timeout, on_abort=on_abort)
 
     def wait_ready(self, timeout: Optional[float] = None) -> None:
         """Poll a nonblocking communicator until its creation settles (no-op when blocking).
@@ -169,35 +140,47 @@ class Communicator(GuardedCalls):
         the body, on this or any other communicator, are launched together at the end."""
         return nccl_group.nccl_group(self._lib)
 
-    @staticmethod
-    def can_split() -> bool:
-        return compat.cupy_has_comm_split(_cuda.nccl_module())
+    def can_split(self) -> bool:
+        return self._lib.has("ncclCommSplit")
+
+    def can_shrink(self) -> bool:
+        return self._lib.has("ncclCommShrink")
 
     def split(self, color: int, key: int,
               on_abort: Optional[Callable[[BaseException], None]] = None) -> Optional["Communicator"]:
         """ncclCommSplit: collective over this communicator. ``color < 0`` takes no part.
         ``on_abort``: the child's (a timed-out split aborts, and tells, this parent)."""
-        cupy = _cuda.cupy_module()
         color = color if color >= 0 else nccl_bindings.NCCL_SPLIT_NOCOLOR
-        with cupy.cuda.Device(self.device):
-            if not self.nonblocking:
-                try:
-                    child = self._guarded("ncclCommSplit", lambda _: self._cupy_comm.commSplit(color, key))
-                except self._nccl_error as exc:
-                    raise _translate(exc, "ncclCommSplit") from exc
-                if child is None:
-                    return None
-                return Communicator(self.device, child.rank_id(), child.size(), self._nccl_library,
-                                    cupy_comm=child, timeout=self.timeout, on_abort=on_abort)
-            handle = nccl_bindings.ncclComm_t()
-            config = nccl_bindings.make_config(blocking=False)
-            self._guarded("ncclCommSplit", lambda parent: self._lib.ncclCommSplit(
-                parent, color, key, ctypes.byref(handle), ctypes.byref(config)))
-            self._poll("ncclCommSplit")
+        return self._child("ncclCommSplit", lambda parent, handle, config: self._lib.ncclCommSplit(
+            parent, color, key, handle, config), on_abort)
+
+    def shrink(self, exclude: Sequence[int], abort_first: bool,
+               on_abort: Optional[Callable[[BaseException], None]] = None) -> "Communicator":
+        """ncclCommShrink: a communicator of this one's ranks but ``exclude``, collective over
+        those. ``abort_first`` (NCCL_SHRINK_ABORT): what is in flight on this communicator
+        is aborted before NCCL shrinks it. This communicator stays, to be destroyed or
+        aborted by its owner."""
+        if not self.can_shrink():
+            raise CupycollValueError(
+                f"shrinking a communicator needs NCCL >= 2.27 (ncclCommShrink); this process "
+                f"loaded NCCL {nccl_bindings.version_text(self._lib.version())}")
+        excluded = (ctypes.c_int * len(exclude))(*exclude)
+        flags = nccl_bindings.NCCL_SHRINK_ABORT if abort_first else nccl_bindings.NCCL_SHRINK_DEFAULT
+        return self._child("ncclCommShrink", lambda parent, handle, config: self._lib.ncclCommShrink(
+            parent, excluded, len(exclude), handle, config, flags), on_abort)
+
+    def _child(self, function: str, make, on_abort) -> Optional["Communicator"]:
+        """A communicator made from this one by ``make(parent, newcomm_ref, config_ref)`` (a
+        collective over this one), in this one's mode; None when NCCL gives this rank none."""
+        handle = nccl_bindings.ncclComm_t()
+        config = nccl_bindings.make_config(blocking=not self.nonblocking)
+        with _cuda.cupy_module().cuda.Device(self.device):
+            self._guarded(function, lambda parent: make(parent, ctypes.byref(handle), ctypes.byref(config)))
+            self._poll(function)
         if not handle.value:
             return None
-        child = Communicator(self.device, 0, 0, self._nccl_library, handle=handle.value, timeout=self.timeout,
-                             on_abort=on_abort)
+        child = Communicator(self.device, 0, 0, self._nccl_library, handle=handle.value,
+                             nonblocking=self.nonblocking, timeout=self.timeout, on_abort=on_abort)
         child.wait_ready()
         count, rank = ctypes.c_int(), ctypes.c_int()
         self._lib.ncclCommCount(handle, ctypes.byref(count))
@@ -206,45 +189,35 @@ class Communicator(GuardedCalls):
         return child
 
     # -- collectives (pointers, counts and codes are plain ints) --------------------
-    def _call(self, c_name: str, cupy_name: str, *args) -> None:
-        """Run one NCCL call: CuPy's method (blocking), or the C function with this
-        communicator inserted before the stream, settled or left to the open group."""
-        if self._cupy_comm is not None:
-            self._guarded(c_name, lambda handle: self._cupy_call(c_name, cupy_name, args))
-            return
+    def _call(self, c_name: str, *args) -> None:
+        """Run one NCCL call: the C function with this communicator inserted before the
+        stream, settled or left to the open group."""
         function = getattr(self._lib, c_name)
         status = self._guarded(c_name, lambda handle: function(*args[:-1], handle, args[-1]))
         # Outside the guard: a poll that fails or times out aborts this communicator from
         # this very thread, which must not wait for itself.
         self._settle(c_name, status)
 
-    def _cupy_call(self, c_name: str, cupy_name: str, args) -> None:
-        nccl_group.join(self)  # inside a group: aborted at its end if it raises
-        try:
-            getattr(self._cupy_comm, cupy_name)(*args)
-        except self._nccl_error as exc:
-            raise _translate(exc, c_name) from exc
-
     def all_reduce(self, sendbuf, recvbuf, count, dtype, op, stream):
-        self._call("ncclAllReduce", "allReduce", sendbuf, recvbuf, count, dtype, op, stream)
+        self._call("ncclAllReduce", sendbuf, recvbuf, count, dtype, op, stream)
 
     def broadcast(self, sendbuf, recvbuf, count, dtype, root, stream):
-        self._call("ncclBroadcast", "broadcast", sendbuf, recvbuf, count, dtype, root, stream)
+        self._call("ncclBroadcast", sendbuf, recvbuf, count, dtype, root, stream)
 
     def reduce(self, sendbuf, recvbuf, count, dtype, op, root, stream):
-        self._call("ncclReduce", "reduce", sendbuf, recvbuf, count, dtype, op, root, stream)
+        self._call("ncclReduce", sendbuf, recvbuf, count, dtype, op, root, stream)
 
     def all_gather(self, sendbuf, recvbuf, count, dtype, stream):
-        self._call("ncclAllGather", "allGather", sendbuf, recvbuf, count, dtype, stream)
+        self._call("ncclAllGather", sendbuf, recvbuf, count, dtype, stream)
 
     def reduce_scatter(self, sendbuf, recvbuf, recvcount, dtype, op, stream):
-        self._call("ncclReduceScatter", "reduceScatter", sendbuf, recvbuf, recvcount, dtype, op, stream)
+        self._call("ncclReduceScatter", sendbuf, recvbuf, recvcount, dtype, op, stream)
 
     def send(self, buf, count, dtype, peer, stream):
-        self._call("ncclSend", "send", buf, count, dtype, peer, stream)
+        self._call("ncclSend", buf, count, dtype, peer, stream)
 
     def recv(self, buf, count, dtype, peer, stream):
-        self._call("ncclRecv", "recv", buf, count, dtype, peer, stream)
+        self._call("ncclRecv", buf, count, dtype, peer, stream)
 
     # -- PREMUL_SUM ----------------------------------------------------------------
     def create_premul_sum(self, scalar, dtype: int, on_device: bool) -> int:
@@ -262,23 +235,22 @@ class Communicator(GuardedCalls):
             residence = nccl_bindings.ncclScalarHostImmediate
         # Guarded: an aborted communicator has no comm_ptr (NCCL: ncclInvalidArgument).
         status = self._guarded("ncclRedOpCreatePreMulSum", lambda handle: self._lib.ncclRedOpCreatePreMulSum(
-            ctypes.byref(op), scalar_ptr, dtype, residence, ctypes.c_void_p(self.comm_ptr)))
-        if self.nonblocking:
-            self._settle("ncclRedOpCreatePreMulSum", status)
+            ctypes.byref(op), scalar_ptr, dtype, residence, handle))
+        self._settle("ncclRedOpCreatePreMulSum", status)
         return op.value
 
     def destroy_op(self, op: int) -> None:
         # NCCL allows this as soon as the last call using ``op`` has returned. Guarded: an
         # abort in between frees the op with the communicator, and this must not touch it.
         try:
-            self._guarded("ncclRedOpDestroy", lambda handle: self._lib.ncclRedOpDestroy(
-                op, ctypes.c_void_p(self.comm_ptr)))
+            self._guarded("ncclRedOpDestroy", lambda handle: self._lib.ncclRedOpDestroy(op, handle))
         except CommunicatorAbortedError:
             pass
 
     # -- nonblocking progress ---------------------------------------------------------
     def _settle(self, function: str, status: int) -> None:
-        # Inside a group NCCL settles everything at ncclGroupEnd; poll then.
+        # Inside a group NCCL settles everything at ncclGroupEnd (poll then; a group that
+        # raises aborts what it joined).
         if nccl_group.join(self):
             return
         if status == nccl_bindings.ncclInProgress:
@@ -365,24 +337,20 @@ class Communicator(GuardedCalls):
                 self._poll("ncclCommFinalize", timeout)  # aborts on error or timeout
             else:
                 self._stream.synchronize()
-                if self._lib.has("ncclCommFinalize"):
-                    self._lib.ncclCommFinalize(ctypes.c_void_p(self.comm_ptr))
+                self._lib.ncclCommFinalize(self._handle)
             with self._lock:
                 if self.state != "ok":
                     return
                 self.state = "shut down"
                 self._wait_for_callers()
-                if self.nonblocking:
-                    handle, self._handle = self._handle, None
-                    self._lib.ncclCommDestroy(handle)
-                else:
-                    self._cupy_comm.destroy()  # its status is lost (see the module's docstring)
+                handle, self._handle = self._handle, None
+                self._lib.ncclCommDestroy(handle)
 
     def abort(self, on_behalf_of: Optional[int] = None) -> Optional[int]:
         """ncclCommAbort: frees the communicator without waiting for peers or queued work,
         ending any kernel of it stuck on the GPU. Callable from any thread; idempotent.
-        Returns NCCL's status for the abort (None when there was nothing to abort); always
-        ncclSuccess for a blocking one, whose status CuPy discards. ``on_behalf_of``: the
+        Returns NCCL's status for the abort (None when there was nothing to abort; a failing
+        status raises NcclError). ``on_behalf_of``: the
         thread that asked for the abort when another runs it (its call under way, if any, is
         not waited for, as the caller's own would not be)."""
         # The state changes under the lock, ncclCommAbort runs outside it: an abort that
@@ -394,8 +362,7 @@ class Communicator(GuardedCalls):
             self.state = "aborted"  # from now on _guarded refuses new calls
             handle, self._handle = self._handle, None
             self._wait_for_callers(on_behalf_of)
+        if not handle:
+            return None
         with _cuda.cupy_module().cuda.Device(self.device):
-            if self.nonblocking:
-                return self._lib.ncclCommAbort(handle) if handle else None
-            self._cupy_comm.abort()  # its status is lost (see the module's docstring)
-            return nccl_bindings.ncclSuccess
+            return self._lib.ncclCommAbort(handle)

@@ -291,35 +291,36 @@ def forget_coalescing_manager(group: ProcessGroup) -> None:
     dist.distributed_c10d._world.pg_coalesce_state.pop(group, None)
 
 
+# torch's registry of groups (distributed_c10d's _world and the default group's helpers),
+# read as torch 2.7.1 - 2.15 keep it, for a shrink: is a group still registered, which others
+# are, its name, the default group and its store.
+def default_group() -> ProcessGroup:
+    """The default group; ValueError (torch's) when none was initialized."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def default_store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def registered_groups() -> List[ProcessGroup]:
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def is_registered(group: ProcessGroup) -> bool:
+    return group in dist.distributed_c10d._world.pg_map
+
+
+def group_name(group: ProcessGroup) -> str:
+    """The name torch gave ``group`` (its own record once it was destroyed, if any)."""
+    return dist.distributed_c10d._world.pg_names.get(group) or getattr(group, "group_name", "?")
+
+
 # ------------------------------------------------------------------------------ CuPy
 
 
 def cupy_major(cupy) -> int:
     return int(cupy.__version__.split(".")[0])
-
-
-def unique_id_to_bytes(raw) -> bytes:
-    """``cupy.cuda.nccl.get_unique_id()`` as 128 bytes."""
-    # CuPy 14 returns bytes; CuPy 13 a tuple of 128 signed chars.
-    if isinstance(raw, (bytes, bytearray)):
-        return bytes(raw)
-    return bytes(value & 0xFF for value in raw)
-
-
-def unique_id_for_cupy(cupy, unique_id: bytes):
-    """128 bytes as ``NcclCommunicator(size, uid, rank)`` takes them."""
-    # CuPy 14 takes the bytes; CuPy 13 a tuple of signed chars. Decided by version, not by
-    # calling get_unique_id(): each call starts an NCCL bootstrap listener.
-    if cupy_major(cupy) >= 14:
-        return unique_id
-    return tuple(b - 256 if b > 127 else b for b in unique_id)
-
-
-def cupy_has_comm_split(nccl) -> bool:
-    """Can CuPy's NcclCommunicator split (``ncclCommSplit``)?"""
-    # CuPy 14 added NcclCommunicator.commSplit; CuPy 13 (13.6 included) has none, and then
-    # every subgroup gets a communicator of its own.
-    return hasattr(nccl.NcclCommunicator, "commSplit")
 
 
 def load_pip_nvrtc(cupy) -> Optional[str]:

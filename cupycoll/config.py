@@ -38,7 +38,7 @@ Every variable that configures cupycoll is read here, only here, and listed in
 ``CUPYCOLL_NONBLOCKING`` (``TORCH_NCCL_USE_COMM_NONBLOCKING``)
     ``1`` creates communicators nonblocking (``ncclCommInitRankConfig`` with
     ``blocking = 0``): cupycoll polls ``ncclInProgress``, bounded by the timeout, so even
-    communicator creation can be aborted. ``0`` (default): CuPy's blocking communicator.
+    communicator creation can be aborted. ``0`` (default): ``blocking = 1``.
 ``CUPYCOLL_BLOCKING_WAIT`` (``TORCH_NCCL_BLOCKING_WAIT``)
     ``1``: ``Work.wait()`` blocks the CPU until the collective is done (or the watchdog
     fails it); ``0`` (default): it only makes the current stream wait.

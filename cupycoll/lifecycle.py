@@ -60,7 +60,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -137,6 +137,8 @@ class GroupLifetime:
         self.watch = watch
         self.state = GroupState.OK
         self.fault: Optional[BaseException] = None
+        # Why the group ended when another took its place (a shrink): what later calls say.
+        self.replaced: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._watched = False  # registered with the process's watchdog
         self._held = None  # the backend, while "aborting"
@@ -157,6 +159,8 @@ class GroupLifetime:
         """Raise CommunicatorAbortedError unless the group is ``ok``."""
         state = self.state
         if state is not GroupState.OK:  # "aborting": a fault was claimed, its abort is under way
+            if self.replaced is not None:
+                raise CommunicatorAbortedError(str(self.replaced)) from self.fault
             reason = f": {self.fault}" if self.fault is not None else ""
             shown = GroupState.ABORTED if state is GroupState.ABORTING else state
             raise CommunicatorAbortedError(
@@ -223,10 +227,16 @@ class GroupLifetime:
             self._watched = False
 
     # -- ending --------------------------------------------------------------------------
-    def abort(self, reason: Optional[BaseException] = None, bounded: bool = True) -> None:
+    def abort(self, reason: Optional[BaseException] = None, bounded: bool = True,
+              before_kernels_end: Optional[Callable[[], None]] = None) -> None:
         """See the module docstring. Raises only a KeyboardInterrupt or SystemExit met on the
         way, and only after every step has run. ``bounded=False``: the caller bounds the
-        whole abort itself (the exit hook), so ncclCommAbort runs inline."""
+        whole abort itself (the exit hook), so ncclCommAbort runs inline.
+
+        ``before_kernels_end``: run on the caller's thread once the Works have failed and
+        before any communicator is aborted (a shrink takes the survivors' communicator from
+        the live one there); what it raises is raised after the abort finished. When the
+        group was aborted already it does not run, and CommunicatorAbortedError is raised."""
         if reason is None:
             reason = CommunicatorAbortedError(f"process group {self._name()!r} was aborted")
         watch = self.watch
@@ -241,6 +251,9 @@ class GroupLifetime:
             if threading.get_ident() not in watch.aborters and not watch.settled.wait(ABORT_DEADLINE):
                 _warn(f"cupycoll: the abort of process group {self._name()!r} has not finished "
                       f"after {ABORT_DEADLINE:g} s (ncclCommAbort hangs?)")
+            if before_kernels_end is not None:
+                raise CommunicatorAbortedError(
+                    f"process group {self._name()!r} was aborted: {watch.closed}") from watch.closed
             return
         backend = self._backend()
         interrupts = []
@@ -256,6 +269,12 @@ class GroupLifetime:
             steps.insert(0, ("dropping the queued calls", lambda: backend.calls.drop(reason)))
         for what, step in steps:
             interrupts.append(_step(what, step))
+        handed_over: List[BaseException] = []
+        if before_kernels_end is not None:
+            try:
+                before_kernels_end()
+            except BaseException as exc:  # noqa: BLE001 - raised once the abort finished
+                handed_over.append(exc)
         asker = threading.get_ident()
 
         def end_kernels_then_release() -> None:
@@ -276,10 +295,15 @@ class GroupLifetime:
                 _ABORTING.discard(self)
                 self._held = None
 
-        if not bounded:
+        if bounded:
+            self._finish_abort(end_kernels_then_release, watch)
+        else:
             end_kernels_then_release()
-            _reraise(interrupts)
-            return
+        _reraise(interrupts)
+        if handed_over:
+            raise handed_over[0]
+
+    def _finish_abort(self, end_kernels_then_release, watch) -> None:
         # ncclCommAbort can hang (NCCL's known hangs): it runs on a thread of its own, and the
         # caller waits for it at most ABORT_DEADLINE. Past that the Works have failed already
         # and their tensors stay held until it returns (a kernel may still use them).
@@ -294,7 +318,20 @@ class GroupLifetime:
                       f"{ABORT_DEADLINE:g} s; its Works have failed, and their tensors stay held until it does")
             else:
                 finisher.join(ABORT_DEADLINE)
-        _reraise(interrupts)
+
+    def work_in_flight(self) -> bool:
+        """Has an issued Work not finished on the GPU yet (or the watch faulted)? Asks each
+        event once, never waits."""
+        return not self.watch.drain(0.0)
+
+    def replace(self, reason: BaseException, before_kernels_end: Optional[Callable[[], None]] = None) -> None:
+        """The group ends because another takes its place (a shrink): aborted with ``reason``
+        (see :meth:`abort` for ``before_kernels_end``), unless a fault aborted it already,
+        and every later call says ``reason``."""
+        self.replaced = reason
+        if self.state is GroupState.ABORTED and before_kernels_end is None:
+            return
+        self.abort(reason, before_kernels_end=before_kernels_end)
 
     def shutdown(self, timeout: float) -> None:
         """See the module docstring (``timeout``: the group's). Never raises."""

@@ -1,8 +1,9 @@
-"""Raw ctypes bindings to ``libnccl.so.2`` for what CuPy's ``cupy.cuda.nccl`` lacks.
+"""Raw ctypes bindings to ``libnccl.so.2``: every NCCL call cupycoll makes on a communicator.
 
-CuPy cannot make a nonblocking communicator, finalize one, create PreMulSum reduction
-ops or read ``ncclGetLastError``; this module binds those and the collectives cupycoll
-drives on raw ``ncclComm_t`` handles. Names are NCCL's C names. Every function that
+CuPy's ``cupy.cuda.nccl`` cannot make a nonblocking communicator, finalize one, shrink one,
+create PreMulSum reduction ops or read ``ncclGetLastError``, and it declares abort and
+destroy ``void``; so cupycoll creates and drives every ``ncclComm_t`` through this table
+(CuPy keeps streams, memory and kernels). Names are NCCL's C names. Every function that
 returns ``ncclResult_t`` is wrapped: ``ncclSuccess`` (0) and ``ncclInProgress`` (7, a
 nonblocking communicator is still working: poll ``ncclCommGetAsyncError``) are returned,
 any other status raises :class:`cupycoll.errors.NcclError`.
@@ -17,7 +18,7 @@ Deliberately left out: anything that needs CuPy or torch (this module imports ne
 the error classes derive from torch's when torch is present),
 buffer/stream/dtype conversion, NCCL functions CuPy already binds well and cupycoll does
 not call through ctypes (``ncclCommInitAll``, ``ncclBcast``), and newer APIs cupycoll
-does not use (``ncclCommShrink``, windows, ``ncclMemAlloc``, one-sided operations).
+does not use (windows, ``ncclMemAlloc``, one-sided operations, revoke and grow).
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def make_config(blocking: bool, split_share: Optional[bool] = None) -> ncclConfi
 ncclSuccess = 0
 ncclInProgress = 7
 NCCL_SPLIT_NOCOLOR = -1
+# ncclCommShrink's shrinkFlags (2.27)
+NCCL_SHRINK_DEFAULT = 0
+NCCL_SHRINK_ABORT = 1  # abort what is in flight on the parent first
 
 # ncclDataType_t
 ncclInt8 = 0
@@ -165,9 +169,9 @@ class Function(NamedTuple):
 
 _p = ctypes.POINTER
 
-# Every entry below exists in NCCL 2.18.1 and later; the optional ones are the extras
-# cupycoll can work without (CuPy's own calls, or a feature switched off), so that a
-# stripped or vendor build lacking them still loads.
+# Every entry below exists in NCCL 2.18.1 and later but ncclCommShrink (2.27); the optional
+# ones are the extras cupycoll can work without (a feature then refused with the NCCL it
+# needs), so that an older, stripped or vendor build lacking them still loads.
 FUNCTIONS = (
     # ncclResult_t ncclGetVersion(int *version);
     Function("ncclGetVersion", ncclResult_t, (_p(ctypes.c_int),)),
@@ -182,13 +186,18 @@ FUNCTIONS = (
     # ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId,
     #                                     int rank, ncclConfig_t* config);   (2.14)
     Function("ncclCommInitRankConfig", ncclResult_t,
-             (_p(ncclComm_t), ctypes.c_int, ncclUniqueId, ctypes.c_int, _p(ncclConfig_t)), optional=True),
+             (_p(ncclComm_t), ctypes.c_int, ncclUniqueId, ctypes.c_int, _p(ncclConfig_t))),
     # ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm,
     #                            ncclConfig_t* config);   (2.18)
     Function("ncclCommSplit", ncclResult_t,
              (ncclComm_t, ctypes.c_int, ctypes.c_int, _p(ncclComm_t), _p(ncclConfig_t)), optional=True),
+    # ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
+    #                             ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags);   (2.27)
+    Function("ncclCommShrink", ncclResult_t,
+             (ncclComm_t, _p(ctypes.c_int), ctypes.c_int, _p(ncclComm_t), _p(ncclConfig_t), ctypes.c_int),
+             optional=True),
     # ncclResult_t ncclCommFinalize(ncclComm_t comm);   (2.14)
-    Function("ncclCommFinalize", ncclResult_t, (ncclComm_t,), optional=True),
+    Function("ncclCommFinalize", ncclResult_t, (ncclComm_t,)),
     # ncclResult_t ncclCommDestroy(ncclComm_t comm);
     Function("ncclCommDestroy", ncclResult_t, (ncclComm_t,)),
     # ncclResult_t ncclCommAbort(ncclComm_t comm);

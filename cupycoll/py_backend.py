@@ -31,13 +31,14 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
-from torch.distributed import ProcessGroup
+from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _args, compat, config
 from .config import BACKEND_NAME
 from .errors import CollectiveTimeoutError, PeerFailedError
 from .lifecycle import GroupState
-from .shell import GroupShell, build_gloo_half, group_arguments
+from .shell import GroupShell, build_gloo_half, group_arguments, shrinking
+from .shrink import SHRINK_ABORT, check_options
 
 _CPU = torch.device("cpu")
 _GLOO = ProcessGroup.BackendType.GLOO
@@ -118,6 +119,23 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
         return self._cuda.supports_splitting
 
     supports_coalescing = True
+    supports_shrinking = True
+
+    def shrink(self, ranks_to_exclude, shrink_flags: int = 0, opts=None) -> "CupycollBackend":
+        """torch's ``dist.shrink_group``, which checked the ranks and calls this on the ranks
+        that stay: the survivors' backend, its communicator taken from this one's (see
+        :func:`cupycoll.shell.shrinking`), on this group's store under a prefix of its own.
+        torch then destroys this group and registers the new backend in a ProcessGroup of
+        its own making (under the bound device, else the CPU)."""
+        check_options(opts)
+        exclude = sorted(ranks_to_exclude)
+        survivors = [r for r in range(self._size) if r not in exclude]
+        store = PrefixStore(f"cupycoll-shrink/{','.join(map(str, survivors))}/", self._store)
+        with shrinking(self, exclude, shrink_flags == SHRINK_ABORT):
+            return CupycollBackend(store, survivors.index(self._rank), len(survivors), self.settings.timeout,
+                                   opts if opts is not None else self.pg_options,
+                                   global_ranks=[self._global_ranks[r] for r in survivors],
+                                   group_id=f"{self._group_name}:shrunk")
 
     def eager_connect_single_device(self, device) -> None:
         self._cuda.eager_connect_single_device(device)

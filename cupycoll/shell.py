@@ -20,16 +20,22 @@ torch's own ProcessGroup dispatches to (torch 2.14+). They differ only in how to
 them; each supplies ``_build_cpu_group``, ``_split_parent``, ``_bind``, ``getGroupName``
 and ``_torch_group``.
 
+A group made inside :func:`shrinking` (on the same thread) is the survivors' group of a
+shrink (:mod:`cupycoll.shrink`): its communicator comes from the parent's instead of a new
+bootstrap, and the parent ends there.
+
 Deliberately left out: anything below routing (argument checks live in
 :mod:`cupycoll._args` and :mod:`cupycoll.collectives`; streams, queueing, faults and
-communicators in :mod:`cupycoll.backend`), and recovery (a faulted group stays dead; build
-a new one, see docs/design.md).
+communicators in :mod:`cupycoll.backend`), and the torch side of a shrink (validation, which
+torch call makes the new group: :mod:`cupycoll.shrink`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from typing import Callable, Optional, Sequence, Tuple
+import threading
+from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +54,23 @@ _CPU = torch.device("cpu")
 # Ops whose tensors differ by rank outside one argument: [outputs, inputs] -> the alike one.
 _ROOT_ONLY = {"gather": 1, "scatter": 0}
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+
+
+# The shrink the group being made on this thread comes from: (parent shell, excluded
+# parent ranks, abort_first), set by shrinking() and taken by the group it makes.
+_SHRINKING = threading.local()
+
+
+@contextlib.contextmanager
+def shrinking(parent: "GroupShell", exclude: Sequence[int], abort_first: bool) -> Iterator[None]:
+    """The cupycoll group torch makes on this thread inside the block is ``parent`` without
+    its ranks ``exclude``: it takes its communicator from the parent's (and ends the parent;
+    see :meth:`~cupycoll.backend.CudaBackend.shrink_from`)."""
+    _SHRINKING.source = (parent, list(exclude), abort_first)
+    try:
+        yield
+    finally:
+        _SHRINKING.source = None
 
 
 def build_gloo_half(store, rank: int, size: int, timeout) -> Tuple[ProcessGroup, ProcessGroup]:
@@ -78,6 +101,7 @@ class GroupShell:
                options: Optional[config.Options], global_ranks: Optional[Sequence[int]],
                group_id: str) -> None:
         self.settings = config.resolve(options, timeout)
+        self._store = store  # a shrink's new group lives on it, under a prefix of its own
         # ``pg_options``, as init_process_group names it: apart from torch's own ``options``
         # (its backends' options objects, which torch reads).
         self.pg_options = options if options is not None else config.Options()
@@ -94,11 +118,22 @@ class GroupShell:
                                         on_bind=self._bind)
         self._trace = GroupTrace(store, group_id, self._global_ranks, rank, self.settings)
         self._cuda.use_trace(self._trace)
+        # How this group's communicator was made from another's: "ncclCommShrink", "new"
+        # (a shrink that made it anew) or None (a group of its own, or split).
+        self.shrunk_by: Optional[str] = None
+        # Set on a group being shrunk: its ending is the shrink's, not torch's destroy.
+        self._shrink_owns_end = False
 
         try:
-            parent = self._split_parent()
-            if parent is not None:
-                self._cuda.split_from(parent._cuda)
+            shrink = getattr(_SHRINKING, "source", None)
+            if shrink is not None:
+                _SHRINKING.source = None  # one group per shrink
+                source, exclude, abort_first = shrink
+                self.shrunk_by = self._cuda.shrink_from(source._cuda, exclude, abort_first)
+            else:
+                parent = self._split_parent()
+                if parent is not None:
+                    self._cuda.split_from(parent._cuda)
         except BaseException:
             self._trace.close("failed")  # no half-built group left answering its peers
             raise

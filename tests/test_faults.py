@@ -337,7 +337,6 @@ class ScriptedLibrary:
 
 def polling_comm(states, timeout=5.0):
     comm = Communicator.__new__(Communicator)
-    comm._cupy_comm = None
     comm._handle = 1234
     comm.nonblocking = True
     comm._lib = ScriptedLibrary(states)
@@ -448,7 +447,7 @@ def test_an_nccl_group_never_looks_the_library_up_again(monkeypatch):
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(),
                                                             Stream=Stream))
     monkeypatch.setattr(communicator_module._cuda, "cupy_module", lambda: cupy)
-    comm = Communicator(0, 0, 1, cupy_comm=object())  # blocking mode: no NCCL comm is touched
+    comm = Communicator(0, 0, 1, handle=0)  # no NCCL comm is touched
     lookups = []
 
     def find_library(path=None):
@@ -598,15 +597,15 @@ def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
 
 
 def test_calls_after_an_abort_name_the_abort(no_device):
-    # CuPy's handle is NULL after an abort, and NCCL would answer ncclInvalidArgument: the
-    # call is refused first, naming the abort.
-    class CupyComm:
-        comm = 0
-
-        def allReduce(self, *args):
-            raise AssertionError("reached CuPy")
+    # The handle is gone after an abort, and NCCL would answer ncclInvalidArgument: the
+    # call is refused first, naming the abort, in either mode.
+    class Library(ScriptedLibrary):
+        def ncclAllReduce(self, *args):
+            raise AssertionError("reached NCCL")
     comm = polling_comm([nb.ncclSuccess])
-    comm._cupy_comm, comm.nonblocking, comm.state = CupyComm(), False, "aborted"
+    comm._lib, comm.nonblocking = Library([nb.ncclSuccess]), False
+    comm.abort()
+    assert comm.state == "aborted" and comm._lib.aborts == 1
     with pytest.raises(CommunicatorAbortedError, match="was aborted"):
         comm.all_reduce(1, 1, 1, 7, 0, 0)
     group = make_group()

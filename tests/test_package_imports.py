@@ -24,7 +24,8 @@ def test_no_package_module_imports_one_that_imports_it_back():
 
 # What reads torch's private state: frames of torch's code, distributed_c10d's globals.
 _TORCH_PRIVATE = {"sys._getframe": r"\bsys\._getframe\b", "_world": r"\._world\b",
-                  "_get_default_group": r"\b_get_default_group\b"}
+                  "_get_default_group": r"\b_get_default_group\b",
+                  "_get_default_store": r"\b_get_default_store\b"}
 
 
 def test_torchs_private_state_is_read_in_compat_alone():
@@ -34,4 +35,4 @@ def test_torchs_private_state_is_read_in_compat_alone():
         found = [name for name, pattern in _TORCH_PRIVATE.items() if re.search(pattern, source)]
         if found:
             readers[path.name] = found
-    assert readers == {"compat.py": ["sys._getframe", "_world"]}
+    assert readers == {"compat.py": ["sys._getframe", "_world", "_get_default_group", "_get_default_store"]}

@@ -141,17 +141,17 @@ def upward_calls(calls: Sequence[Call], layers: Sequence[Sequence[str]]) -> List
 # -- the group on CPU stand-ins -------------------------------------------------------
 
 
-class _CupyComm:
-    """CuPy's NcclCommunicator for a Communicator in blocking mode: every verb does nothing.
-    ``comm`` 0: the watchdog's async-error query then asks NCCL nothing."""
+class _Library:
+    """The NCCL library of a Communicator on CPU stand-ins: every call on a communicator
+    succeeds at once (the async-error query answers ncclSuccess)."""
 
-    comm = 0
+    def __getattr__(self, name):
+        if name.startswith("nccl"):
+            return lambda *args: 0
+        raise AttributeError(name)
 
-    def allReduce(self, *args):
-        pass
-
-    def abort(self):
-        pass
+    def has(self, name):
+        return True
 
 
 @contextlib.contextmanager
@@ -174,7 +174,9 @@ def standin_group(size: int = 2) -> Iterator[object]:
     class Backend(standins.CpuAsCudaBackend):
         def _connect(self, key, creator, size, rank, device):
             # No store gate, no NCCL: the Communicator is the real one around a stand-in.
-            return Communicator(device, rank, size, cupy_comm=_CupyComm())
+            comm = Communicator(device, rank, size, handle=1)
+            comm._lib = _Library()
+            return comm
 
     class Group(standins.CpuAsCudaGroup):
         backend_class = Backend

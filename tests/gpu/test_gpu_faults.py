@@ -45,9 +45,9 @@ BUDGET_S = GPU_TIER_BUDGETS_S["faults"]
 TIER_CYCLES = 24
 CYCLES = int(os.environ.get("CUPYCOLL_GPU_CYCLES", TIER_CYCLES))
 FIGURE_RUN = CYCLES != TIER_CYCLES
-# One suite launch: ~10 s to start; 8 init/abort cycles (~2 s each over sockets); seven
+# One suite launch: ~10 s to start; 8 init/abort cycles (~2 s each over sockets); eight
 # faults that each wait out the 5 s timeout (skip, skip_lazy, never_joins, three recoveries,
-# killed) plus ~15 inits: ~80 s, both modes at once, ~90 s with the launches beside them
+# a shrink from a faulted group, killed) plus ~17 inits: ~90 s, both modes at once, ~100 s with the launches beside them
 # (20 processes importing torch and CuPy at once).
 # cold skip: start ~10 s, init ~3 s, then an error at ~5 s or the deadline (17 s): <= ~30 s.
 # kill mid-DDP: start + init ~13 s, 20 steps ~2 s, timeout 5 s, destroy, re-init ~3 s: ~30 s.
@@ -224,6 +224,22 @@ def test_three_abort_and_recover_cycles_keep_training(suites, mode):
 
 
 # -- the figures the suite lacks (tests/workers/gpu_hang_worker.py) ---------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_survivors_shrink_a_healthy_group_and_a_faulted_one_and_go_on(suites, mode):
+    reports, logs = _reports(suites, mode, "shrink")
+    assert sorted(reports) == list(range(WORLD)), logs
+    assert all(report["before"] == WORLD for report in reports.values()), reports
+    for rank in (0, 1):
+        healthy = reports[rank]["healthy"]
+        # NCCL 2.27+ shrinks the live communicator; the default group is the survivors' now
+        assert healthy["by"] == "ncclCommShrink" and healthy["size"] == 2 and healthy["is_default"], healthy
+        assert healthy["sum"] == 3.0, healthy  # 1 + 2: ranks 0 and 1 alone
+    report = reports[0]
+    assert report["fault"], report  # rank 1 skipped: a timeout, the watchdog aborted
+    faulted = report["faulted"]
+    assert faulted["by"] == "new" and faulted["size"] == 1 and faulted["sum"] == 5.0, faulted
 
 
 def _launch(launched, scenario, mode):

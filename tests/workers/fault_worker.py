@@ -40,7 +40,7 @@ NEVER_JOINED_WORDS = ("ranks to join communicator", "from its creator rank", "an
 
 
 # The order of the "suite" scenario: the leak check first, on a clean process; "killed" last.
-SUITE = ("cycles", "skip", "skip_lazy", "never_joins", "abort_thread", "recover", "killed")
+SUITE = ("cycles", "skip", "skip_lazy", "never_joins", "abort_thread", "recover", "shrink", "killed")
 SUITE_CYCLES = 8
 
 
@@ -112,10 +112,14 @@ class Context:
 
     def all_reach(self, key, seconds=60):
         """A store-only barrier (the group under test may be dead)."""
+        self.all_reach_of(key, self.world, seconds)
+
+    def all_reach_of(self, key, count, seconds=60):
+        """A store-only barrier of ``count`` ranks."""
         key = self.key(key)
         self.store.add(key, 1)
         deadline = time.monotonic() + seconds
-        while self.store.add(key, 0) < self.world and time.monotonic() < deadline:
+        while self.store.add(key, 0) < count and time.monotonic() < deadline:
             time.sleep(0.02)
 
 
@@ -346,7 +350,58 @@ def recover(ctx):
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (skip, skip_lazy, killed, abort_thread, never_joins, cycles, recover)}
+def shrink(ctx):
+    """Recovery in place. The last rank leaves a healthy group: the others shrink it to
+    themselves (the default group; ncclCommShrink on its communicator) and train on. Then
+    rank 1 skips a collective: rank 0's times out, the watchdog aborts the communicator, and
+    rank 0 shrinks the faulted group to itself (a communicator made anew)."""
+    model = torch.nn.Linear(64, 64).to(ctx.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    group = ctx.init()
+    x = torch.ones(4, device=ctx.device)
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    result = {"before": x[0].item()}
+    if ctx.rank == ctx.world - 1:
+        ctx.wait_for("shrunk")  # the survivors shrink without it; then it lets its group go
+        group.abort()
+        dist.destroy_process_group()
+        return result
+    started = time.monotonic()
+    healthy = cupycoll.shrink_group([ctx.world - 1])
+    result["healthy"] = {"seconds": time.monotonic() - started, "by": healthy.shrunk_by,
+                         "size": healthy.size(), "is_default": healthy is dist.group.WORLD}
+    ctx.all_reach_of("shrunk-ready", ctx.world - 1)
+    ctx.store.set(ctx.key("shrunk"), "1")
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index])
+    for _ in range(3):
+        ddp(torch.randn(8, 64, device=ctx.device)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    del ddp
+    y = torch.full((4,), float(ctx.rank + 1), device=ctx.device)
+    dist.all_reduce(y)
+    torch.cuda.synchronize()
+    result["healthy"]["sum"] = y[0].item()
+    if ctx.rank == 1:  # fails: skips the collective rank 0 makes
+        healthy.abort()
+        ctx.wait_for("shrunk-again")
+        dist.destroy_process_group()
+        return result
+    result["fault"] = expect_fault(lambda: (dist.all_reduce(y), torch.cuda.synchronize(), dist.all_reduce(y)))[1]
+    started = time.monotonic()
+    alone = cupycoll.shrink_group([1])
+    z = torch.full((4,), 5.0, device=ctx.device)
+    dist.all_reduce(z)
+    torch.cuda.synchronize()
+    result["faulted"] = {"seconds": time.monotonic() - started, "by": alone.shrunk_by, "size": alone.size(),
+                         "sum": z[0].item()}
+    ctx.store.set(ctx.key("shrunk-again"), "1")
+    dist.destroy_process_group()
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (skip, skip_lazy, killed, abort_thread, never_joins, cycles, recover, shrink)}
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,168 @@
+"""Recovery in place: :func:`shrink_group` makes a cupycoll group of a group's survivors.
+
+After a rank dies (or is to be left out), the ranks that remain call
+``cupycoll.shrink_group([dead_rank], group)`` and get a working group of their own size and
+ranks, with its recorder, diagnosis, watchdog and Options; there is no new
+``init_process_group`` on a new store. It takes torch's ``dist.shrink_group`` signature and
+rules (torch >= 2.11 has that function; this one runs on every torch cupycoll supports):
+
+* bad input raises before anything changes, with torch's exception classes: a
+  ``ranks_to_exclude`` that is not a list (TypeError), empty, out of range, repeated or
+  naming every rank (ValueError), an unknown ``shrink_flags`` (ValueError), a call from an
+  excluded rank (RuntimeError), a group that is not cupycoll's (TypeError) or was destroyed
+  (ValueError);
+* the new group is made by torch's own calls, so torch knows it as it knows any group: a
+  shrunk default group is destroyed with every other group (torch's rule: global ranks
+  change) and the survivors' group becomes the default (``init_process_group`` on the
+  group's store, under a new prefix); another group becomes a ``new_group`` of the
+  survivors made among them alone (``use_local_synchronization``);
+* the group torch makes takes its NCCL communicator from the parent's (see
+  :func:`cupycoll.shell.shrinking` and ``CudaBackend.shrink_from``): ``ncclCommShrink`` when
+  every survivor's communicator is healthy and NCCL has it (2.27+), with
+  ``NCCL_SHRINK_ABORT`` for ``SHRINK_ABORT`` or work in flight; otherwise (a fault already
+  aborted the communicators, an older NCCL, no communicator yet) a new one among the
+  survivors. The parent's Works in flight fail first, with a reason that says it was shrunk;
+  its CPU half is replaced by a gloo group of the survivors.
+
+In the c10d Backend shape (``CUPYCOLL_SHAPE=backend``) torch's ``dist.shrink_group`` is the
+one to call and this function hands over to it.
+
+Deliberately left out: growing a group back (NCCL 2.29's grow), revoking a communicator,
+and a store that died with an excluded rank (the store must outlive every rank it serves:
+torchrun's agent store does, a TCPStore hosted by the excluded rank 0 does not).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore
+
+from . import compat, config
+from .errors import CupycollValueError
+from .lifecycle import GroupState
+from .shell import GroupShell, shrinking
+
+logger = logging.getLogger(__name__)  # a child of "cupycoll"
+
+# torch's values of shrink_flags (torch 2.11+ names them dist.SHRINK_DEFAULT / SHRINK_ABORT).
+SHRINK_DEFAULT = 0
+SHRINK_ABORT = 1  # abort the parent's work in flight before shrinking
+
+# Survivors of one history make their shrinks in the same order, so the n-th shrink of a
+# default group has the same store prefix on each of them.
+_DEFAULT_SHRINKS = itertools.count()
+
+
+def _check_arguments(ranks_to_exclude, shrink_flags) -> None:
+    if not isinstance(ranks_to_exclude, list):
+        raise TypeError(f"ranks_to_exclude must be a list of group ranks, got "
+                        f"{type(ranks_to_exclude).__name__}: {ranks_to_exclude!r}")
+    if not ranks_to_exclude:
+        raise ValueError("ranks_to_exclude is empty: name at least one rank to leave out")
+    if isinstance(shrink_flags, bool) or shrink_flags not in (SHRINK_DEFAULT, SHRINK_ABORT):
+        raise ValueError(f"shrink_flags={shrink_flags!r}: must be SHRINK_DEFAULT ({SHRINK_DEFAULT}) "
+                         f"or SHRINK_ABORT ({SHRINK_ABORT})")
+
+
+def _check_ranks(ranks_to_exclude: List[int], size: int, rank: int, name: str) -> List[int]:
+    seen = set()
+    for index, excluded in enumerate(ranks_to_exclude):
+        if isinstance(excluded, bool) or not isinstance(excluded, int):
+            raise TypeError(f"ranks_to_exclude[{index}] is {type(excluded).__name__} {excluded!r}, "
+                            "not a group rank")
+        if not 0 <= excluded < size:
+            raise ValueError(f"ranks_to_exclude[{index}] = {excluded} is not a rank of process group "
+                             f"{name!r} (ranks 0 to {size - 1})")
+        if excluded in seen:
+            raise ValueError(f"ranks_to_exclude names rank {excluded} twice")
+        seen.add(excluded)
+    if len(seen) >= size:
+        raise ValueError(f"ranks_to_exclude leaves none of the {size} ranks of process group {name!r}")
+    if rank in seen:
+        raise RuntimeError(f"rank {rank} is in ranks_to_exclude of process group {name!r}: only the "
+                           "ranks that stay call shrink_group (an excluded rank should exit)")
+    return sorted(seen)
+
+
+def check_options(pg_options) -> None:
+    if pg_options is not None and not isinstance(pg_options, config.Options):
+        raise TypeError(f"pg_options must be cupycoll.Options, got {type(pg_options).__name__}")
+
+
+def _cupycoll_group(group) -> GroupShell:
+    """The group's cupycoll shell: the adapter itself, or the c10d Backend torch dispatches its
+    CUDA calls to; a TypeError naming what the group is otherwise."""
+    if isinstance(group, GroupShell):
+        return group
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except RuntimeError:  # no CUDA backend in it
+        backend = None
+    if isinstance(backend, GroupShell):
+        return backend
+    raise TypeError(f"process group {compat.group_name(group)!r} is not a cupycoll group "
+                    f"(its backend is {dist.get_backend(group)!r}): cupycoll.shrink_group shrinks "
+                    "cupycoll groups; use torch.distributed.shrink_group for torch's own")
+
+
+def shrink_group(ranks_to_exclude: List[int], group=None, shrink_flags: int = SHRINK_DEFAULT,
+                 pg_options: Optional[config.Options] = None):
+    """The group of ``group``'s ranks but ``ranks_to_exclude`` (group ranks), made by the
+    ranks that stay, each calling this; the default group when ``group`` is None (then the
+    new group is the default one, and every other group is destroyed). ``pg_options``:
+    the new group's :class:`cupycoll.Options` (default: the parent's). See the module."""
+    _check_arguments(ranks_to_exclude, shrink_flags)
+    if group is None:
+        group = compat.default_group()  # raises ValueError when none was initialized
+    if not compat.is_registered(group):
+        raise ValueError(f"process group {compat.group_name(group)!r} was destroyed; nothing to shrink")
+    shell = _cupycoll_group(group)
+    name = compat.group_name(group)
+    exclude = _check_ranks(ranks_to_exclude, group.size(), group.rank(), name)
+    check_options(pg_options)
+    if shell._cuda.state is GroupState.SHUT_DOWN:
+        raise ValueError(f"process group {name!r} was shut down; nothing to shrink")
+    if shell is not group:  # the c10d Backend shape: torch's own shrink reaches its backend
+        return dist.shrink_group(ranks_to_exclude, group, shrink_flags, pg_options)
+
+    survivors = [r for r in range(group.size()) if r not in exclude]
+    new_rank = survivors.index(group.rank())
+    options = pg_options if pg_options is not None else shell.pg_options
+    backend = dist.get_backend_config(group)
+    bound = getattr(group, "bound_device_id", None)
+    abort_first = shrink_flags == SHRINK_ABORT
+    logger.info("shrinking process group %r to %d of its %d ranks (leaving out %s)",
+                name, len(survivors), group.size(), exclude)
+    if group is not compat.default_group():
+        with shrinking(shell, exclude, abort_first):
+            child = dist.new_group(ranks=[shell._global_ranks[r] for r in survivors], backend=backend,
+                                   timeout=shell.settings.timeout, pg_options=options,
+                                   use_local_synchronization=True)
+        if child.shrunk_by is None:  # torch made no cupycoll group of ours (cannot happen)
+            raise CupycollValueError(f"shrinking {name!r}: torch made {child!r}, not a cupycoll group")
+        dist.destroy_process_group(group)
+        return child
+
+    # The default group: torch's world goes (every other group with it: their ranks were
+    # global ranks that change), then the survivors' world is initialized on its store.
+    store = compat.default_store()
+    for other in compat.registered_groups():
+        if other is not group and isinstance(other, GroupShell):
+            other.abort()  # an excluded rank may never take part in their shutdown
+    shell._shrink_owns_end = True  # torch's destroy must not end the communicator we shrink
+    try:
+        dist.destroy_process_group()
+        with shrinking(shell, exclude, abort_first):
+            kwargs = {"device_id": bound} if bound is not None else {}
+            dist.init_process_group(backend, store=PrefixStore(f"cupycoll-shrink/{next(_DEFAULT_SHRINKS)}/", store),
+                                    rank=new_rank, world_size=len(survivors), timeout=shell.settings.timeout,
+                                    pg_options=options, **kwargs)
+    except BaseException:
+        shell.abort()  # the parent is out of torch's world: nothing else would end it
+        raise
+    return compat.default_group()

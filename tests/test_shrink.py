@@ -1,0 +1,181 @@
+"""cupycoll.shrink (recovery in place): a group shrunk to its survivors works as a group of
+their size, every bad argument is refused with its typed error before anything changes, and
+the CUDA half takes the survivors' communicator from the parent's (ncclCommShrink, the
+parent's Works failed first) or makes it anew when a survivor's is gone.
+
+The multi-process tests run the CPU route (3 ranks, the last one leaves); the CUDA half's
+logic runs here on a scripted NCCL (tests/test_communicator.py's); the GPU tier runs it on
+NCCL itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cupycoll import compat, config
+from cupycoll.backend import CudaBackend
+from cupycoll.communicator import Communicator
+from cupycoll.errors import CommunicatorAbortedError
+from cupycoll.lifecycle import GroupState
+from mp import run_ranks
+from test_communicator import RecordingLibrary, made  # noqa: F401 - made: a fixture
+from test_faults import no_device  # noqa: F401 - a fixture
+
+BACKENDS = ["cupycoll", "cpu:gloo,cuda:cupycoll"]
+
+
+def _run(tmp_path, backend, scenario, env=None):
+    out = tmp_path / scenario
+    out.mkdir()
+    run_ranks("shrink_worker.py", 3, args=[str(out), backend, scenario], timeout=120,
+              fail_fast=False, env=env)
+    return {rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8"))
+            for rank in range(3) if (out / f"rank{rank}.json").exists()}
+
+
+def _check_survivors(reports, group_type="ProcessGroupCupycoll"):
+    for rank in (0, 1):
+        report = reports[rank]
+        assert report["before"] == [3.0] * 4  # the bad arguments changed nothing
+        assert (report["size"], report["rank"]) == (2, rank), report
+        # "new": a CPU route has no communicator to shrink
+        assert report["type"] == group_type and report["shrunk_by"] == "new", report
+        assert report["after"] == [3.0] * 3 and report["gathered"] == [0.0, 1.0], report
+        assert report["parent_error"] is not None, report  # torch knows the old group no more
+        error = report["parent_call_error"]
+        assert error["type"] == "CommunicatorAbortedError", error
+        assert "was shrunk (ranks [2] left out); use the group shrink_group returned" in error["text"], error
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shrinking_the_default_group_makes_the_survivors_world(tmp_path, backend):
+    reports = _run(tmp_path, backend, "default")
+    assert 2 not in reports  # it left without a word
+    _check_survivors(reports)
+    for rank in (0, 1):
+        report = reports[rank]
+        assert report["is_default"] and report["world_size"] == 2, report
+        assert not report["other_registered"], report  # torch's rule: every other group goes
+
+
+@pytest.mark.skipif(not compat.PY_BACKEND, reason="the c10d Backend shape needs torch 2.14+")
+def test_torchs_shrink_group_shrinks_the_backend_shape(tmp_path):
+    # cupycoll.shrink_group hands over to dist.shrink_group, which calls CupycollBackend.shrink
+    reports = _run(tmp_path, "cupycoll", "default", env={"CUPYCOLL_SHAPE": "backend"})
+    _check_survivors(reports, group_type="ProcessGroup")
+    for rank in (0, 1):
+        assert reports[rank]["is_default"] and reports[rank]["world_size"] == 2, reports[rank]
+
+
+def test_shrinking_a_subgroup_leaves_the_default_group_whole_and_bad_arguments_change_nothing(tmp_path):
+    reports = _run(tmp_path, "cupycoll", "subgroup")
+    _check_survivors(reports)  # "before": the all_reduce of all three after the bad calls
+    for rank in (0, 1):
+        report = reports[rank]
+        assert not report["is_default"] and report["world_size"] == 3 and report["other_registered"], report
+    for rank in (0, 1, 2):
+        assert reports[rank]["default_after"] == [3.0], reports[rank]
+    expected = {
+        "not a list": ("TypeError", "ranks_to_exclude must be a list"),
+        "empty": ("ValueError", "ranks_to_exclude is empty"),
+        "out of range": ("ValueError", "ranks_to_exclude[0] = 3 is not a rank"),
+        "duplicate": ("ValueError", "names rank 2 twice"),
+        "every rank": ("ValueError", "leaves none of the 3 ranks"),
+        "bad flags": ("ValueError", "shrink_flags=5"),
+        "not a rank": ("TypeError", "ranks_to_exclude[0] is str '2'"),
+        "bad options": ("TypeError", "pg_options must be cupycoll.Options"),
+        "gloo group": ("TypeError", "is not a cupycoll group"),
+    }
+    for rank in (0, 1):
+        bad = reports[rank]["bad"]
+        for name, (kind, words) in dict(expected, **{
+                "excluded caller": ("RuntimeError", f"rank {rank} is in ranks_to_exclude")}).items():
+            error = bad[name]
+            assert error is not None and kind in error["mro"] and words in error["text"], (name, error)
+
+
+# -- the CUDA half: CudaBackend.shrink_from on a scripted NCCL ---------------------------
+
+
+def _backend(store, rank, size):
+    settings = config.resolve(config.Options(), datetime.timedelta(seconds=5))
+    return CudaBackend(store, rank, size, settings)
+
+
+def _parent_with(comm):
+    parent = _backend(dist.HashStore(), 0, 3)
+    parent.comm = comm
+    parent.device = torch.device("cuda", 0)
+    return parent
+
+
+class _Work:
+    """A Work in flight on the parent: its kernel has not finished."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def _query_done(self):
+        return False
+
+    def _mark_failed(self, error):
+        self.events.append(("failed", str(error)))
+
+    def _release(self):
+        self.events.append(("released",))
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_shrink_from_takes_the_communicator_from_a_healthy_parent(made, monkeypatch, in_flight):
+    comm = made(child_size=1, child_rank=0)
+    events = comm._lib.calls
+    parent = _parent_with(comm)
+    if in_flight:
+        monkeypatch.setattr("cupycoll.watchdog_cuda.query_done", lambda work: work._query_done())
+        parent.life.watch.inflight.append(_Work(events))
+    child = _backend(dist.HashStore(), 0, 1)
+    assert child.shrink_from(parent, [1, 2], abort_first=False) == "ncclCommShrink"
+    shrink = [c for c in events if c[0] == "ncclCommShrink"]
+    assert shrink == [("ncclCommShrink", 0x5000, [1, 2], int(in_flight))]  # NCCL_SHRINK_ABORT if in flight
+    if in_flight:  # failed, with the reason, before NCCL ended its kernel
+        failed = events.index(next(e for e in events if e[0] == "failed"))
+        assert failed < events.index(shrink[0]) and "was shrunk (ranks [1, 2] left out)" in events[failed][1]
+    assert events.index(("ncclCommAbort", 0x5000)) > events.index(shrink[0])  # the parent, after
+    assert parent.state is GroupState.ABORTED and comm.state == "aborted"
+    assert child.comm.comm_ptr == 0x5001 and (child.comm.rank, child.comm.size) == (0, 1)
+    assert child.device == torch.device("cuda", 0) and child.state is GroupState.OK
+    with pytest.raises(CommunicatorAbortedError, match="was shrunk"):
+        parent.check_usable()
+    child.abort()
+
+
+def test_shrink_from_a_faulted_parent_makes_the_communicator_anew(made, monkeypatch):
+    comm = made()
+    parent = _parent_with(comm)
+    parent.abort(CommunicatorAbortedError("a peer died"))  # the watchdog's abort, say
+    connected = []
+    monkeypatch.setattr(CudaBackend, "comm_for", lambda self, device: connected.append(device))
+    child = _backend(dist.HashStore(), 0, 1)
+    assert child.shrink_from(parent, [1, 2], abort_first=True) == "new"
+    assert connected == [torch.device("cuda", 0)]  # at once: the parent had a device
+    assert not [c for c in comm._lib.calls if c[0] == "ncclCommShrink"]
+    child.abort()
+
+
+def test_a_survivor_without_ncclcommshrink_makes_every_survivor_start_anew(made, monkeypatch):
+    # The route is agreed: one survivor whose NCCL lacks ncclCommShrink sends all to a new one.
+    comm = made(shrink=False)
+    parent = _parent_with(comm)
+    monkeypatch.setattr(CudaBackend, "comm_for", lambda self, device: None)
+    store = dist.HashStore()
+    store.add("cupycoll/shrink/yes", 1)  # the other survivor could shrink
+    store.add("cupycoll/shrink/told", 1)
+    child = _backend(store, 1, 2)
+    assert child.shrink_from(parent, [2], abort_first=False) == "new"
+    assert parent.state is GroupState.ABORTED
+    child.abort()

@@ -1,0 +1,126 @@
+"""One rank of a 3-rank job whose last rank leaves, and whose other two shrink a group to
+themselves with ``cupycoll.shrink_group`` (CPU tensors: cupycoll's gloo route). Writes
+``<out>/rank<R>.json``.
+
+usage: shrink_worker.py OUT_DIR BACKEND default|subgroup
+
+* before the last rank leaves, ranks 0 and 1 try every kind of bad argument (each must raise
+  its typed error and change nothing: an all_reduce of all three ranks follows);
+* default: the last rank exits without a word; ranks 0 and 1 shrink the default group
+  (a subgroup made earlier is destroyed with it), and the survivors' group becomes the
+  default one: world size 2, its collectives among them alone;
+* subgroup: the ranks shrink a new_group of all three, which the last rank leaves alone;
+  the default group stays as it was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import cupycoll
+from epilogue import write_json
+
+
+def shell_of(group):
+    """cupycoll's object behind ``group``: the group itself, or in the Backend shape the
+    backend torch registered (a shrunk group's under the CPU when it was not bound)."""
+    if hasattr(group, "_trace"):
+        return group
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device))
+        except RuntimeError:
+            pass
+    raise AssertionError(f"no cupycoll backend in {group!r}")
+
+
+def _error(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - reported
+        return {"type": type(exc).__name__, "text": str(exc)[:300],
+                "mro": [c.__name__ for c in type(exc).__mro__]}
+    return None
+
+
+def bad_arguments(group, rank):
+    """Each bad call's error; none may change anything."""
+    cases = {
+        "not a list": lambda: cupycoll.shrink_group((2,), group),
+        "empty": lambda: cupycoll.shrink_group([], group),
+        "out of range": lambda: cupycoll.shrink_group([3], group),
+        "duplicate": lambda: cupycoll.shrink_group([2, 2], group),
+        "every rank": lambda: cupycoll.shrink_group([0, 1, 2], group),
+        "bad flags": lambda: cupycoll.shrink_group([2], group, shrink_flags=5),
+        "not a rank": lambda: cupycoll.shrink_group(["2"], group),
+        "excluded caller": lambda: cupycoll.shrink_group([rank], group),
+        "bad options": lambda: cupycoll.shrink_group([2], group, pg_options={"timeout": 5}),
+        "gloo group": lambda: cupycoll.shrink_group([2], dist.new_group(backend="gloo",
+                                                                         ranks=[0, 1],
+                                                                         use_local_synchronization=True)),
+    }
+    return {name: _error(call) for name, call in cases.items()}
+
+
+def main() -> int:
+    out_dir, backend, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    last = world - 1
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    parent = dist.group.WORLD if scenario == "default" else dist.new_group(ranks=list(range(world)))
+    other = dist.new_group(ranks=list(range(world)))  # destroyed with a shrunk default group
+    report = {"rank": rank}
+    if rank != last:
+        report["bad"] = bad_arguments(parent, rank)
+    t = torch.ones(4)
+    dist.all_reduce(t, group=parent)  # bad arguments changed nothing
+    report["before"] = t.tolist()
+    if rank == last:
+        if scenario == "default":
+            os._exit(0)  # leaves without a word
+        time.sleep(1)
+        write_json(out_dir, f"rank{rank}.json", report)
+        # the default group stays whole: its last collective with the survivors
+        barrier = torch.ones(1)
+        dist.all_reduce(barrier)
+        report["default_after"] = barrier.tolist()
+        write_json(out_dir, f"rank{rank}.json", report)
+        dist.destroy_process_group()
+        return 0
+
+    started = time.monotonic()
+    child = cupycoll.shrink_group([last], parent, shrink_flags=cupycoll.SHRINK_ABORT)
+    report["shrink_s"] = time.monotonic() - started
+    report.update(size=child.size(), rank=child.rank(), shrunk_by=shell_of(child).shrunk_by,
+                  type=type(child).__name__, is_default=child is dist.group.WORLD,
+                  world_size=dist.get_world_size(),
+                  # torch no longer knows the parent; the group itself names its shrink
+                  parent_error=_error(lambda: dist.all_reduce(torch.ones(1), group=parent)),
+                  parent_call_error=_error(lambda: parent.allreduce([torch.ones(1)]).wait()),
+                  other_registered=other in dist.distributed_c10d._world.pg_map)
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x, group=child)
+    report["after"] = x.tolist()
+    gathered = [torch.zeros(1) for _ in range(child.size())]
+    dist.all_gather(gathered, torch.tensor([float(rank)]), group=child)
+    report["gathered"] = [g.item() for g in gathered]
+    if scenario == "subgroup":
+        barrier = torch.ones(1)
+        dist.all_reduce(barrier)  # the default group of three still works
+        report["default_after"] = barrier.tolist()
+    write_json(out_dir, f"rank{rank}.json", report)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
