@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import compat, ring
+from cupycoll import compat
+from cupycoll.ring import algorithm as ring
 
 from . import catalog, metrics
 

@@ -1,6 +1,6 @@
 """Host cost of one empty NCCL group: ``python -m bench.group_cost [--iterations N]``.
 
-Prints microseconds per empty group opened through :meth:`cupycoll.communicator.Communicator.group`
+Prints microseconds per empty group opened through :meth:`cupycoll.nccl.communicator.Communicator.group`
 next to the raw ctypes ``ncclGroupStart(); ncclGroupEnd()`` pair of the same library, and
 their ratio. Every coalescing block, point-to-point batch, all_to_all / gather / scatter and
 ring exchange opens one such group, so this is per-call overhead the GPU never sees.
@@ -44,7 +44,7 @@ class _Stream:
 
 
 def cupy_without_device():
-    """What :class:`cupycoll.communicator.Communicator` asks of CuPy (``cuda.Device``, a
+    """What :class:`cupycoll.nccl.communicator.Communicator` asks of CuPy (``cuda.Device``, a
     ``cuda.Stream``), answered without a device: put in place of ``_cuda.cupy_module()``'s
     answer, a blocking-mode Communicator is built, used and aborted on a CPU-only machine."""
     return types.SimpleNamespace(
@@ -54,7 +54,8 @@ def cupy_without_device():
 def _communicator(nccl_library: Optional[str]):
     """A blocking-mode Communicator with no NCCL communicator (a NULL handle) and no device:
     enough for group(), which only needs the library the communicator holds."""
-    from cupycoll import _cuda, communicator
+    from cupycoll import _cuda
+    from cupycoll.nccl import communicator
 
     real = _cuda.cupy_module
     _cuda.cupy_module = cupy_without_device

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import nccl_bindings
+from cupycoll.nccl import bindings as nccl_bindings
 
 from . import gpu_info, launch, output
 from .calls import group_timeout

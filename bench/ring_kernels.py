@@ -45,7 +45,9 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, dtypes: Sequence[str] = DEFAULT_DT
         iterations: int = 20, warmup: int = 3, device: int = 0, verbose: bool = True) -> Dict:
     """Time the kernels; returns ``{"device": name, "rows": [...]}``, one row per
     (dtype, size, kernel) with seconds, bytes moved, GB/s and the ratio to the copy."""
-    from cupycoll import _cuda, _kernels, ring
+    from cupycoll import _cuda
+    from cupycoll.ring import kernels as _kernels
+    from cupycoll.ring import algorithm as ring
 
     if iterations < 1 or warmup < 0:
         raise ValueError("iterations must be >= 1 and warmup >= 0")

@@ -26,7 +26,7 @@ from .errors import (
     NoCudaDeviceError,
     PeerFailedError,
 )
-from .recorder import dump_trace
+from .trace.recorder import dump_trace
 from .work import CudaWork
 
 _LAZY = {"ProcessGroupCupycoll": "process_group", "abort_all": "process_group",

@@ -7,7 +7,7 @@ the user wrote it. Reductions need an NCCL datatype; collectives that only move 
 works for them.
 
 Deliberately left out: anything that needs the group's state (its device: the backend
-checks that), CuPy (the fp8 probe, :func:`cupycoll._cuda.fp8_supported`, runs only for fp8
+checks that), CuPy (the fp8 probe, :func:`fp8_supported`, runs only for fp8
 tensors), bitwise reductions on NCCL (NCCL has none; the plan sends them to the ring) and
 any casting.
 """
@@ -15,6 +15,7 @@ any casting.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -22,8 +23,8 @@ import torch
 from torch.distributed import ReduceOp
 
 from . import _cuda, compat
-from . import nccl_bindings as nb
-from ._kernels import check as check_ring_pair
+from .nccl import bindings as nb
+from .ring.kernels import check as check_ring_pair
 from .errors import CupycollTypeError, CupycollValueError
 
 NCCL_BYTE = nb.ncclUint8
@@ -197,7 +198,7 @@ BITWISE_VALUES = frozenset(kind.value for kind in _BITWISE)
 
 
 def ring_names(dtype: torch.dtype, kind: RedOpType):
-    """(dtype, op) as cupycoll.ring names them: ``("bfloat16", "sum")``."""
+    """(dtype, op) as cupycoll.ring.algorithm names them: ``("bfloat16", "sum")``."""
     return str(dtype).replace("torch.", ""), kind.name.lower()
 
 
@@ -321,6 +322,12 @@ class RingReduction:
     premul_tensor: Optional[torch.Tensor] = dataclasses.field(default=None, compare=False, repr=False)
 
 
+@functools.lru_cache(maxsize=None)
+def fp8_supported() -> bool:
+    """Can the NCCL CuPy loaded reduce fp8 (NCCL >= 2.24)? Asked only for fp8 tensors."""
+    return nb.fp8_supported(_cuda.nccl_module().get_version())
+
+
 def reduction_plan(tensor: torch.Tensor, reduce_op, algorithm: str,
                    group_size: int) -> Union[Reduction, RingReduction]:
     """How to reduce ``tensor`` with ``reduce_op``: on NCCL (a :class:`Reduction`) or on the
@@ -339,7 +346,7 @@ def reduction_plan(tensor: torch.Tensor, reduce_op, algorithm: str,
         if isinstance(factor, torch.Tensor):
             return RingReduction(ring_dtype, ring_op, premul_ptr=factor.data_ptr(), premul_tensor=factor)
         return RingReduction(ring_dtype, ring_op, premul=float(factor))
-    fp8_available = dtype in _FP8_DTYPES and _cuda.fp8_supported()
+    fp8_available = dtype in _FP8_DTYPES and fp8_supported()
     red = for_group_size(reduction(dtype, reduce_op, fp8_available), dtype, group_size)
     _premul_checked(red.premul_factor, tensor)
     return red

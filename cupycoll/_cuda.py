@@ -114,14 +114,6 @@ def nvrtc_module():
     return nvrtc
 
 
-@functools.lru_cache(maxsize=None)
-def fp8_supported() -> bool:
-    """Can the NCCL CuPy loaded reduce fp8 (NCCL >= 2.24)? Asked only for fp8 tensors."""
-    from . import nccl_bindings
-
-    return nccl_bindings.fp8_supported(nccl_module().get_version())
-
-
 def cupy_module():
     nccl_module()
     import cupy

@@ -5,7 +5,7 @@ A :class:`CudaBackend` owns everything a group needs to run NCCL:
 * **communicators**: one per group on one device, created lazily at the first CUDA call
   (or eagerly, when torch calls :meth:`~CudaBackend.eager_connect_single_device` for
   ``init_process_group(device_id=...)``), from a unique id shared through the store
-  (:mod:`cupycoll.bootstrap`) or split from a bound parent's; two-rank pair communicators
+  (:mod:`cupycoll.nccl.bootstrap`) or split from a bound parent's; two-rank pair communicators
   for point-to-point calls, unless the group's own was made at init (see :meth:`~CudaBackend.p2p_comm`);
 * **the queue**: point-to-point calls wait in it and are issued together, as one NCCL
   group, when one of their Works is touched or any other CUDA call is made. torch
@@ -17,13 +17,13 @@ A :class:`CudaBackend` owns everything a group needs to run NCCL:
   communicator's internal stream after it waits for the current stream, and its tensors
   stay referenced until the GPU is done with them;
 * **faults**: every issued Work is tracked by the process's watchdog
-  (:mod:`cupycoll.watchdog`), through the group's lifetime (:mod:`cupycoll.lifecycle`, which
+  (:mod:`cupycoll.faults.watchdog`), through the group's lifetime (:mod:`cupycoll.faults.lifecycle`, which
   also owns the group's state, abort and shutdown). A collective that outlives the timeout, or an NCCL async
   error, aborts the communicators and fails the Works; every later call raises
   CommunicatorAbortedError. :meth:`~CudaBackend.abort` works from any thread, also while a
   communicator is being created (store waits poll; nonblocking communicators can be
   aborted mid-init); :meth:`~CudaBackend.shutdown` finalizes when healthy, aborts when not;
-* **rings**: cupycoll's ring algorithm (:mod:`cupycoll.ring`), one per communicator.
+* **rings**: cupycoll's ring algorithm (:mod:`cupycoll.ring.algorithm`), one per communicator.
 
 The backend knows its group only through callbacks it holds weakly (``name`` for messages,
 ``on_abort`` to shut the group's gloo half down, ``on_bind`` to set its ``bound_device_id``),
@@ -44,13 +44,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import compat, config, lifecycle
-from .bootstrap import StoreBootstrap
-from .communicator import Communicator
+from . import compat, config
+from .faults import lifecycle
+from .nccl.bootstrap import StoreBootstrap
+from .nccl.communicator import Communicator
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 from .call_queue import CallQueue, Issue
-from .watchdog import Watch
-from .recorder import E_ROUTE
+from .faults.watchdog import Watch
+from .trace.recorder import E_ROUTE
 from .work import CudaWork
 
 
@@ -100,8 +101,8 @@ class CudaBackend:
         self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
         self._p2p_on_group = False  # the group's communicator was made at init: P2P uses it
         self._pending_comms: List[Communicator] = []  # being created: abort() must reach them
-        self._rings: Dict[int, object] = {}  # id(communicator) -> cupycoll.ring.Ring
-        self.trace = None  # the group's flight recorder (cupycoll.group_trace), if any
+        self._rings: Dict[int, object] = {}  # id(communicator) -> cupycoll.ring.algorithm.Ring
+        self.trace = None  # the group's flight recorder (cupycoll.trace.group), if any
         self._submitting: Optional[list] = None  # its entry for the call being submitted
         timeout = settings.timeout.total_seconds()
         # Callbacks into this object are weak: a cycle would keep destroyed groups (and their
@@ -118,7 +119,7 @@ class CudaBackend:
                                settings.blocking_wait)
 
     def use_trace(self, trace) -> None:
-        """Keep ``trace`` (the group's :class:`~cupycoll.group_trace.GroupTrace`): calls are
+        """Keep ``trace`` (the group's :class:`~cupycoll.trace.group.GroupTrace`): calls are
         marked issued here, completed by the watchdog, and a timeout is explained by it."""
         self.trace = trace
         mark = trace.recorder.mark
@@ -126,7 +127,7 @@ class CudaBackend:
         self._watch.explain_timeout = lambda work, timeout_s: trace.explain_timeout(
             getattr(work, "_trace_entry", None), timeout_s)
 
-    # The group's state, fault and watch are its lifetime's (cupycoll.lifecycle).
+    # The group's state, fault and watch are its lifetime's (cupycoll.faults.lifecycle).
     @property
     def state(self) -> lifecycle.GroupState:
         return self.life.state
@@ -307,7 +308,7 @@ class CudaBackend:
         """The ring (scratch memory, side stream) of ``comm``, made on first use."""
         ring = self._rings.get(id(comm))
         if ring is None:
-            from .ring import Ring  # CuPy and numpy: only the ring path pays for them
+            from .ring.algorithm import Ring  # CuPy and numpy: only the ring path pays for them
 
             ring = self._rings[id(comm)] = Ring(comm, self.settings.ring_scratch_bytes)
         return ring
@@ -425,7 +426,7 @@ class CudaBackend:
             self._comm_stream = torch.cuda.ExternalStream(comm.stream, device=self.device)
         return self._comm_stream
 
-    # -- lifetime (the rules and their order: cupycoll.lifecycle) ---------------------
+    # -- lifetime (the rules and their order: cupycoll.faults.lifecycle) ---------------------
     def shutdown(self) -> None:
         """Finalize and destroy the communicators once their work is done (healthy), or
         abort them when the group has faulted, its work does not finish within

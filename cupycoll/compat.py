@@ -14,12 +14,12 @@ behaviour.
 Left out: what every supported version has (``torch.uint32``, the fp8 dtypes, gloo's
 ``alltoall_base``: nothing to decide), and NCCL's own version facts (which data types and
 ``ncclConfig_t`` fields exist since which release), which are data in
-:mod:`cupycoll.nccl_bindings` next to the declarations they describe. This module imports
+:mod:`cupycoll.nccl.bindings` next to the declarations they describe. This module imports
 no CuPy at import time: CuPy is handed in by the callers that already loaded it.
 
 Elsewhere on purpose, as a try/except at their one call site rather than a version check:
-:mod:`cupycoll.lifecycle`'s exit hook (Python 3.12+ refuses to start a thread while the
-interpreter finalizes) and :mod:`cupycoll.nccl_bindings`' library search (no
+:mod:`cupycoll.faults.lifecycle`'s exit hook (Python 3.12+ refuses to start a thread while the
+interpreter finalizes) and :mod:`cupycoll.nccl.bindings`' library search (no
 ``cuda.pathfinder`` with CuPy 13). Also elsewhere: torch's protocol for a ProcessGroup
 written in Python (the ``_``-named methods :mod:`cupycoll.process_group` overrides or calls
 on itself, and the options classes of ``torch._C._distributed_c10d``, where

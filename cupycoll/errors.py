@@ -10,7 +10,7 @@ from ``torch.distributed.DistBackendError``, which is what torch's own nccl back
 so ``except dist.DistBackendError`` catches both backends' failures alike; timeouts keep the
 builtin ``TimeoutError`` as well. A CPU (gloo) collective's ``wait()`` raises
 :class:`CollectiveTimeoutError` or :class:`PeerFailedError` too (see
-``group_trace.TracedWork``).
+``trace.group.TracedWork``).
 
 Deliberately left out: any retry or recovery policy. Errors describe; callers decide.
 """

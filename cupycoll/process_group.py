@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import compat, config, lifecycle
+from . import compat, config
+from .faults import lifecycle
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
 from .shell import GroupShell, build_gloo_half
 
@@ -118,5 +119,5 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
 compat.run_eagerly_under_compile(ProcessGroupCupycoll)
 
 
-# Every live group's abort, side by side (cupycoll.lifecycle owns the registry of groups).
+# Every live group's abort, side by side (cupycoll.faults.lifecycle owns the registry of groups).
 abort_all = lifecycle.abort_all

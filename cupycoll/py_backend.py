@@ -36,7 +36,7 @@ from torch.distributed import PrefixStore, ProcessGroup
 from . import _args, compat, config
 from .config import BACKEND_NAME
 from .errors import CollectiveTimeoutError, PeerFailedError
-from .lifecycle import GroupState
+from .faults.lifecycle import GroupState
 from .shell import GroupShell, build_gloo_half, group_arguments, shrinking
 from .shrink import SHRINK_ABORT, check_options
 

@@ -6,7 +6,7 @@
   gloo half (a gloo group built on the same store): they behave exactly as ``"cpu:gloo"``;
 * CUDA tensors go to the group's :class:`~cupycoll.backend.CudaBackend`, through the
   collective's body in :mod:`cupycoll.collectives`;
-* every call is recorded first in the group's flight recorder (:mod:`cupycoll.group_trace`),
+* every call is recorded first in the group's flight recorder (:mod:`cupycoll.trace.group`),
   so a timeout on either route is explained by which rank is behind.
 
 It also speaks torch's coalescing protocol (``_start_coalescing`` / ``_end_coalescing``, and
@@ -45,8 +45,8 @@ from torch.distributed import PrefixStore, ProcessGroup
 from . import _args, collectives, compat, config
 from .backend import CudaBackend
 from .errors import CupycollValueError
-from .group_trace import GroupTrace
-from .lifecycle import GroupState
+from .trace.group import GroupTrace
+from .faults.lifecycle import GroupState
 from .work import CudaWork
 
 _GLOO = ProcessGroup.BackendType.GLOO
@@ -145,7 +145,7 @@ class GroupShell:
     # -- routing ----------------------------------------------------------------------
     def _is_cuda(self, tensors, op_name: str, opts=None, peer=None) -> bool:
         """True when the call goes to NCCL, False for gloo. Records the call (see
-        :mod:`cupycoll.group_trace`): a CUDA call's entry goes to the backend, a CPU call's
+        :mod:`cupycoll.trace.group`): a CUDA call's entry goes to the backend, a CPU call's
         to :meth:`_gloo`."""
         if self._classify(tensors, op_name):
             if not op_name.endswith("_coalesced"):  # its parts are recorded one by one

@@ -44,7 +44,7 @@ from torch.distributed import PrefixStore
 
 from . import compat, config
 from .errors import CupycollValueError
-from .lifecycle import GroupState
+from .faults.lifecycle import GroupState
 from .shell import GroupShell, shrinking
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"

@@ -12,7 +12,7 @@ way to issue its queue; touching the Work (wait, is_completed, get_future) calls
 so a waited Work never hangs on an unissued call.
 
 Every issued Work carries a completion event and is tracked by its group's watchdog
-(:mod:`cupycoll.watchdog`), which fails it with the fault (timeout, NCCL async error,
+(:mod:`cupycoll.faults.watchdog`), which fails it with the fault (timeout, NCCL async error,
 abort) if one happens first: ``wait()`` then raises the fault, ``exception()`` returns it,
 ``is_completed()`` is True and a future not yet handed out carries it. A future obtained
 *before* the fault completes in stream order, as ProcessGroupNCCL's does.

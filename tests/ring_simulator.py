@@ -2,7 +2,7 @@
 code, not shipped: tests import it as ``ring_simulator``).
 
 :func:`simulate_all_reduce` and :func:`simulate_reduce_scatter` build every rank's plan
-with :mod:`cupycoll.ring_schedule` (the same functions :mod:`cupycoll.ring` calls) and run
+with :mod:`cupycoll.ring.schedule` (the same functions :mod:`cupycoll.ring.algorithm` calls) and run
 the plans in lock step, one numpy array per rank: ``Stage``/``Reduce``/``Alone`` apply the
 kernels' element arithmetic (``_Arithmetic``: widen to the accumulation type, PREMUL
 scaling, the op, AVG's division, one rounding at the end, bf16 as uint16 bit patterns),
@@ -11,9 +11,9 @@ sender and receiver name the same slice (:class:`ScheduleError` otherwise). The 
 compare the ring's results with these bit for bit.
 
 Deliberately left out: timing and streams (all ranks run action ``i`` before any runs
-``i + 1``; the stream order is :func:`cupycoll.ring_schedule.issue`, tested on its own),
-pointers and CuPy. It reads the package's tables (:mod:`cupycoll._kernels`,
-:mod:`cupycoll.ring_schedule`); the package never imports it.
+``i + 1``; the stream order is :func:`cupycoll.ring.schedule.issue`, tested on its own),
+pointers and CuPy. It reads the package's tables (:mod:`cupycoll.ring.kernels`,
+:mod:`cupycoll.ring.schedule`); the package never imports it.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from cupycoll._kernels import ELEMENTS, check, op_struct
+from cupycoll.ring.kernels import ELEMENTS, check, op_struct
 from cupycoll.errors import CupycollValueError
-from cupycoll.ring_schedule import (
+from cupycoll.ring.schedule import (
     LANES,
     SLOTS,
     Action,

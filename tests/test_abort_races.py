@@ -1,4 +1,4 @@
-"""Races in the abort/fault path (cupycoll.lifecycle): a Work issued while an abort runs,
+"""Races in the abort/fault path (cupycoll.faults.lifecycle): a Work issued while an abort runs,
 calls made while a fault is being diagnosed, two aborts at once, fork, and the bound on
 every abort a user can call. The interleavings are forced with seams (a communicator whose
 abort waits, a blocking step), so each test is deterministic. Each test is named after the
@@ -220,7 +220,9 @@ def test_a_second_abort_from_the_aborting_thread_itself_returns_at_once():
 _FORK_SCRIPT = """
     import datetime, os, sys, threading
     import torch.distributed as dist
-    from cupycoll import diagnosis, lifecycle, recorder
+    from cupycoll.trace import diagnosis
+    from cupycoll.faults import lifecycle
+    from cupycoll.trace import recorder
     from standins import CpuAsCudaGroup
     from test_watchdog import stuck_work
 
@@ -294,7 +296,7 @@ class HangingAbortComm(FakeComm):
 
 
 def test_a_user_abort_returns_within_its_bound_when_ncclcommabort_hangs(monkeypatch):
-    from cupycoll import lifecycle
+    from cupycoll.faults import lifecycle
     monkeypatch.setattr(lifecycle, "ABORT_DEADLINE", 0.5)
     group = make_group()
     comm = group._cuda.comm = HangingAbortComm()
@@ -314,7 +316,7 @@ def test_a_user_abort_returns_within_its_bound_when_ncclcommabort_hangs(monkeypa
 
 
 def test_abort_all_aborts_every_group_when_one_abort_hangs(monkeypatch):
-    from cupycoll import lifecycle
+    from cupycoll.faults import lifecycle
     monkeypatch.setattr(lifecycle, "ABORT_DEADLINE", 0.5)
     hung, other = make_group(), make_group()
     hung._cuda.comm = HangingAbortComm()
@@ -332,7 +334,7 @@ def test_abort_all_aborts_every_group_when_one_abort_hangs(monkeypatch):
 def test_abort_all_on_a_thread_that_holds_a_cupycoll_lock_returns_and_the_aborts_follow():
     # a signal handler calling abort_all() runs on the thread it interrupted, which may hold
     # the lock every abort takes first
-    from cupycoll import lifecycle
+    from cupycoll.faults import lifecycle
     group = make_group()
     group._cuda.comm = FakeComm()
     start = time.monotonic()

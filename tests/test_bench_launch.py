@@ -25,12 +25,12 @@ sys.path.insert(0, str(ROOT))
 from bench import launch  # noqa: E402
 from mp import process_alive  # noqa: E402
 
+pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
+
 RANK_MAIN = '''
 import json, os, sys, time
 from datetime import timedelta
 from bench import launch
-
-pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
 launch.bind_to_launcher()  # what bench/cli.py does in every rank it was started for
 rank = int(os.environ["RANK"])
 mode = os.environ["FAKE_MODE"]

@@ -1,4 +1,4 @@
-"""Communicator creation through the store (cupycoll.bootstrap and the backend's use of it):
+"""Communicator creation through the store (cupycoll.nccl.bootstrap and the backend's use of it):
 generations that stay in step across failed creations, the unique id made only once everyone
 has arrived, and local checks before the gate. CPU only; the real libnccl where it loads."""
 
@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import bootstrap as bootstrap_module
+from cupycoll.nccl import bootstrap as bootstrap_module
 from cupycoll import config
 from cupycoll.backend import CudaBackend
-from cupycoll.bootstrap import ABANDONED, StoreBootstrap
-from cupycoll.communicator import Communicator
+from cupycoll.nccl.bootstrap import ABANDONED, StoreBootstrap
+from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import (CollectiveTimeoutError, CommunicatorAbortedError, MissingDependencyError,
                              NoCudaDeviceError)
 from workers.fault_worker import NEVER_JOINED_WORDS

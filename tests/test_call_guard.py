@@ -1,4 +1,4 @@
-"""NCCL calls counted while they run (cupycoll.call_guard), on CPU with a scripted NCCL
+"""NCCL calls counted while they run (cupycoll.nccl.call_guard), on CPU with a scripted NCCL
 library: an abort from another thread waits for a call, or an open NCCL group, under way on
 the communicator (at most ``call_guard.ENTER_WAIT_S``) before it frees it; a call it freed
 the communicator under says so; and an abort on the calling thread itself, also inside the
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from cupycoll import call_guard
-from cupycoll import nccl_bindings as nb
+from cupycoll.nccl import call_guard
+from cupycoll.nccl import bindings as nb
 from cupycoll.errors import CommunicatorAbortedError, NcclError
 from test_faults import ScriptedLibrary, grouping_comm, no_device, polling_comm  # noqa: F401 - no_device: a fixture
 

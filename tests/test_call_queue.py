@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from cupycoll.bootstrap import StoreBootstrap
+from cupycoll.nccl.bootstrap import StoreBootstrap
 from cupycoll.call_queue import Issue
 from cupycoll.errors import CommunicatorAbortedError, CupycollError, CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll

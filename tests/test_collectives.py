@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 import cupycoll
-from cupycoll import _args, _cuda, collectives, nccl_bindings as nb
+from cupycoll import _args, _cuda, collectives
+from cupycoll.nccl import bindings as nb
 from cupycoll.backend import CudaBackend
 from cupycoll.errors import (CommunicatorAbortedError, CupycollError, CupycollTypeError,
                              CupycollValueError, MissingDependencyError, NcclError, NoCudaDeviceError)
@@ -80,7 +81,7 @@ class LogicGroup(CpuAsCudaGroup):
 
 @pytest.fixture
 def group(monkeypatch):
-    monkeypatch.setattr(_cuda, "fp8_supported", lambda: True)  # asked for fp8 tensors only
+    monkeypatch.setattr(_args, "fp8_supported", lambda: True)  # asked for fp8 tensors only
     g = LogicGroup(None, 0, 2, datetime.timedelta(seconds=5))
     g.submitted = g._cuda.submitted = []
     g._cuda.prepared = []
@@ -321,7 +322,7 @@ def test_a_ring_whose_kernels_fail_to_compile_launches_nothing(ring_group):
 
 @pytest.mark.parametrize("world, compiles", [(1, False), (2, True), (4, True)])
 def test_ring_prepare_compiles_only_what_the_call_needs(monkeypatch, world, compiles):
-    from cupycoll import ring as ring_module
+    from cupycoll.ring import algorithm as ring_module
     compiled = []
     monkeypatch.setattr(ring_module, "compile_module", lambda *key: compiled.append(key))
     ring = object.__new__(ring_module.Ring)  # no scratch, no stream: prepare needs neither

@@ -1,4 +1,4 @@
-"""One NCCL communicator's verbs (cupycoll.communicator) on CPU with a scripted NCCL
+"""One NCCL communicator's verbs (cupycoll.nccl.communicator) on CPU with a scripted NCCL
 library: every communicator, and every child of one (split, shrink), is made through the
 bindings in its mode; every verb goes through the call guard, so a call on an aborted
 communicator says it was aborted instead of passing NCCL a freed handle. Nonblocking polling, NCCL groups and
@@ -11,8 +11,8 @@ import ctypes
 
 import pytest
 
-from cupycoll import nccl_bindings as nb
-from cupycoll.communicator import Communicator
+from cupycoll.nccl import bindings as nb
+from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CommunicatorAbortedError, CupycollValueError, NcclError
 from test_faults import ScriptedLibrary, no_device, polling_comm  # noqa: F401 - no_device: a fixture
 
@@ -99,7 +99,7 @@ class RecordingLibrary(ScriptedLibrary):
 @pytest.fixture
 def made(monkeypatch, no_device):
     """Communicator.begin with a RecordingLibrary and no device: ``made(nonblocking, **lib)``."""
-    from cupycoll import communicator as communicator_module
+    from cupycoll.nccl import communicator as communicator_module
 
     class Stream:
         ptr = 0

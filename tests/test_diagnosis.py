@@ -1,5 +1,5 @@
-"""Timeout diagnosis (cupycoll.diagnosis) and the collective mismatch check
-(cupycoll.mismatch): pure message builders, a real TCPStore in-process, dead stores, the
+"""Timeout diagnosis (cupycoll.trace.diagnosis) and the collective mismatch check
+(cupycoll.trace.mismatch): pure message builders, a real TCPStore in-process, dead stores, the
 responder that answers for a rank busy elsewhere (never over the rank's own record), and
 real processes on gloo (tests/workers/trace_worker.py)."""
 
@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cupycoll import diagnosis, mismatch, trace
-from cupycoll import recorder as rec_mod
+from cupycoll.trace import diagnosis
+from cupycoll.trace import mismatch
+from cupycoll.trace import analyze as trace
+from cupycoll.trace import recorder as rec_mod
 
 from mp import run_ranks
 from test_faults import eventually

@@ -22,15 +22,15 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 import cupycoll
-from cupycoll import bootstrap as bootstrap_module
-from cupycoll import communicator as communicator_module
+from cupycoll.nccl import bootstrap as bootstrap_module
+from cupycoll.nccl import communicator as communicator_module
 from cupycoll import config
-from cupycoll import nccl_bindings as nb
+from cupycoll.nccl import bindings as nb
 from cupycoll.backend import CudaBackend
-from cupycoll.bootstrap import StoreBootstrap
-from cupycoll.communicator import Communicator
+from cupycoll.nccl.bootstrap import StoreBootstrap
+from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
-from cupycoll.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
+from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
 from cupycoll.work import CudaWork
 from standins import CUDA, CpuAsCudaGroup, FakeEvent
 
@@ -155,7 +155,7 @@ def test_watchdog_threads_do_not_accumulate():
 def test_terminate_policy_ends_the_process(tmp_path):
     script = textwrap.dedent(f"""
         import threading, time, torch
-        from cupycoll.watchdog import Watch, Watchdog
+        from cupycoll.faults.watchdog import Watch, Watchdog
         from cupycoll.work import CudaWork
         class Never:
             def query(self): return False

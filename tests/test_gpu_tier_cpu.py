@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 import mp
-from cupycoll import _args, _cuda
-from cupycoll import bootstrap as bootstrap_module
-from cupycoll import nccl_bindings as nb
+from cupycoll import _args
+from cupycoll.nccl import bootstrap as bootstrap_module
+from cupycoll.nccl import bindings as nb
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
 from gpu import tier
 from gpu.tier import (COMMAND_LIMIT_S, GPU_TIER, GPU_TIER_BUDGETS_S, GPU_TIER_ESTIMATES_S, PART_START_S,
@@ -290,7 +290,7 @@ def test_fp8_avg_on_one_rank_is_issued_as_sum(dtype, monkeypatch):
     assert _args.for_group_size(red, dtype, 2).op == nb.ncclAvg
     other = _args.reduction(torch.float16, R.AVG, True)
     assert _args.for_group_size(other, torch.float16, 1) is other
-    monkeypatch.setattr(_cuda, "fp8_supported", lambda: True)
+    monkeypatch.setattr(_args, "fp8_supported", lambda: True)
     for size, op in ((1, nb.ncclSum), (3, nb.ncclAvg)):
         assert _args.reduction_plan(torch.ones(2, dtype=dtype), R.AVG, "auto", size).op == op
 

@@ -102,7 +102,7 @@ def test_an_argument_gloo_refuses_raises_its_own_error_without_asking_the_other_
 
 
 def test_gloos_errors_are_told_apart_by_what_they_say():
-    from cupycoll import diagnosis
+    from cupycoll.trace import diagnosis
     between = ["[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7057",
                "Connection reset by peer", "[enforce fail at pair.cc:446] op.preamble.length <= op.nbytes. "
                "Broken pipe"]
@@ -144,7 +144,7 @@ def test_a_bad_trace_dir_is_a_typed_error():
 
 def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
     # world of one, CPU route: each call is numbered and completed in the group's recorder
-    from cupycoll import recorder
+    from cupycoll.trace import recorder
     import torch
 
     dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)

@@ -1,4 +1,4 @@
-"""A CUDA group's lifetime (cupycoll.lifecycle), on CPU with stand-ins: which issued Works
+"""A CUDA group's lifetime (cupycoll.faults.lifecycle), on CPU with stand-ins: which issued Works
 the watchdog watches (none issued while a CUDA graph is captured, a coalescing block's
 covering Work included; a watchdog whose thread died is started again by the next tracked
 call), and how the group ends while a fault is being diagnosed (a shutdown then aborts it at
@@ -16,10 +16,10 @@ import weakref
 import torch
 from torch._C import _distributed_c10d as c10d
 
-from cupycoll import lifecycle
+from cupycoll.faults import lifecycle
 from cupycoll.call_queue import Issue
 from cupycoll.errors import CollectiveTimeoutError
-from cupycoll.watchdog import Watchdog
+from cupycoll.faults.watchdog import Watchdog
 from cupycoll.work import CudaWork
 from standins import CUDA, FakeStream, capture
 from test_abort_races import IssuingGroup

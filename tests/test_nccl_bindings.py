@@ -1,4 +1,4 @@
-"""cupycoll.nccl_bindings against the real libnccl and nccl.h of the nvidia-nccl pip package.
+"""cupycoll.nccl.bindings against the real libnccl and nccl.h of the nvidia-nccl pip package.
 
 No GPU needed: only calls that fail or succeed before NCCL touches a device are made.
 The struct layout and the enum values are checked against the installed header by
@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from cupycoll import errors, nccl_bindings as nb
+from cupycoll import errors
+from cupycoll.nccl import bindings as nb
 from cupycoll.errors import MissingDependencyError, NcclError
 
 PIP_LIBRARY = nb._pip_library()

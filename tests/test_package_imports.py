@@ -30,7 +30,7 @@ _TORCH_PRIVATE = {"sys._getframe": r"\bsys\._getframe\b", "_world": r"\._world\b
 
 def test_torchs_private_state_is_read_in_compat_alone():
     readers = {}
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         source = path.read_text(encoding="utf-8")
         found = [name for name, pattern in _TORCH_PRIVATE.items() if re.search(pattern, source)]
         if found:

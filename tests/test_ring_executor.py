@@ -1,4 +1,4 @@
-"""CPU tier: cupycoll.ring's executor, run against a fake CuPy and fake communicators.
+"""CPU tier: cupycoll.ring.algorithm's executor, run against a fake CuPy and fake communicators.
 
 Each rank runs in a thread with its own fake device memory (a numpy byte array behind
 made-up addresses). Fake kernels compute with the simulator's arithmetic; fake NCCL
@@ -20,8 +20,10 @@ import pytest
 
 import cupycoll._cuda
 import ring_simulator as sim
-from cupycoll import nccl_bindings, ring, ring_schedule as rs
-from cupycoll._kernels import ELEMENTS, KINDS, all_pairs
+from cupycoll.nccl import bindings as nccl_bindings
+from cupycoll.ring import algorithm as ring
+from cupycoll.ring import schedule as rs
+from cupycoll.ring.kernels import ELEMENTS, KINDS, all_pairs
 from cupycoll.errors import CommunicatorAbortedError, CupycollTypeError, CupycollValueError
 
 _local = threading.local()

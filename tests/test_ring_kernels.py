@@ -1,7 +1,7 @@
 """CPU tier: every ring kernel instantiation compiles with NVRTC, without a GPU.
 
-The tests compile exactly what :mod:`cupycoll.ring` compiles at run time (same source,
-options and name expressions, from :func:`cupycoll._kernels.module_spec`), to PTX for
+The tests compile exactly what :mod:`cupycoll.ring.algorithm` compiles at run time (same source,
+options and name expressions, from :func:`cupycoll.ring.kernels.module_spec`), to PTX for
 compute_80 and compute_90. NVRTC needs no driver, so this runs on any CI machine that has
 the cuda12 extra installed.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cupycoll import _kernels, ring
+from cupycoll.ring import kernels as _kernels
+from cupycoll.ring import algorithm as ring
 from cupycoll.errors import CupycollValueError
 
 
@@ -99,8 +100,8 @@ def test_supported_pairs_pass_check():
         ring.check(dtype, op)
 
 
-def test_sources_are_read_from_the_packages_kernels_folder():
-    folder = importlib.resources.files("cupycoll").joinpath("kernels")
+def test_sources_are_read_from_the_packages_cuda_folder():
+    folder = importlib.resources.files("cupycoll.ring").joinpath("cuda")
     names = {entry.name for entry in folder.iterdir()}
     assert {"ring_reduce.cu", "ring_common.cuh"} <= names
     assert folder.joinpath("ring_common.cuh").read_text(encoding="utf-8") in _kernels.source()
@@ -109,12 +110,13 @@ def test_sources_are_read_from_the_packages_kernels_folder():
 def test_every_kernel_source_is_declared_package_data():
     # A source the wheel leaves out compiles in a checkout and fails once installed.
     tomllib = pytest.importorskip("tomllib")
-    root = Path(_kernels.__file__).resolve().parent
-    if not (root.parent / "pyproject.toml").is_file():
+    root = Path(_kernels.__file__).resolve().parent  # cupycoll/ring
+    checkout = root.parent.parent
+    if not (checkout / "pyproject.toml").is_file():
         pytest.skip("cupycoll is imported from an installation, not from a checkout")
-    with open(root.parent / "pyproject.toml", "rb") as f:
-        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["cupycoll"]
-    sources = [p.relative_to(root).as_posix() for p in (root / "kernels").iterdir()
+    with open(checkout / "pyproject.toml", "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["cupycoll.ring"]
+    sources = [p.relative_to(root).as_posix() for p in (root / "cuda").iterdir()
                if p.suffix in (".cu", ".cuh")]
     assert sources
     for name in sources:
@@ -132,7 +134,7 @@ def test_a_missing_kernel_folder_names_the_incomplete_installation(monkeypatch):
     _kernels.source.cache_clear()
     monkeypatch.setattr(_kernels, "KERNEL_DIR", "no_such_folder")
     try:
-        with pytest.raises(FileNotFoundError, match=r"cupycoll/no_such_folder/.*incomplete"):
+        with pytest.raises(FileNotFoundError, match=r"cupycoll/ring/no_such_folder/.*incomplete"):
             _kernels.source()
     finally:
         _kernels.source.cache_clear()
@@ -142,6 +144,6 @@ def test_import_cupycoll_ring_does_not_import_cupy():
     import subprocess
     import sys
 
-    code = "import sys, cupycoll.ring, cupycoll.ring_schedule; print('cupy' in sys.modules)"
+    code = "import sys, cupycoll.ring.algorithm, cupycoll.ring.schedule; print('cupy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

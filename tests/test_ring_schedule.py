@@ -1,7 +1,7 @@
-"""CPU tier: the ring schedule (cupycoll.ring_schedule), run by its numpy simulator
+"""CPU tier: the ring schedule (cupycoll.ring.schedule), run by its numpy simulator
 (tests/ring_simulator.py).
 
-The GPU executes the same plans (:func:`cupycoll.ring.plan_for` builds them through the
+The GPU executes the same plans (:func:`cupycoll.ring.algorithm.plan_for` builds them through the
 same functions) and the same stream commands (:func:`issue`), so what is proven here about
 coverage, step order, reduction order, in-place safety and stream ordering holds there.
 """
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import ring_simulator as sim
-from cupycoll import ring, ring_schedule as rs
-from cupycoll._kernels import ELEMENTS, all_pairs
+from cupycoll.ring import algorithm as ring
+from cupycoll.ring import schedule as rs
+from cupycoll.ring.kernels import ELEMENTS, all_pairs
 from cupycoll.errors import CupycollValueError
 
 pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it

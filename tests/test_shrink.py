@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from cupycoll import compat, config
 from cupycoll.backend import CudaBackend
-from cupycoll.communicator import Communicator
+from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CommunicatorAbortedError
-from cupycoll.lifecycle import GroupState
+from cupycoll.faults.lifecycle import GroupState
 from mp import run_ranks
 from test_communicator import RecordingLibrary, made  # noqa: F401 - made: a fixture
 from test_faults import no_device  # noqa: F401 - a fixture
@@ -136,7 +136,7 @@ def test_shrink_from_takes_the_communicator_from_a_healthy_parent(made, monkeypa
     events = comm._lib.calls
     parent = _parent_with(comm)
     if in_flight:
-        monkeypatch.setattr("cupycoll.watchdog_cuda.query_done", lambda work: work._query_done())
+        monkeypatch.setattr("cupycoll.faults.watchdog_cuda.query_done", lambda work: work._query_done())
         parent.life.watch.inflight.append(_Work(events))
     child = _backend(dist.HashStore(), 0, 1)
     assert child.shrink_from(parent, [1, 2], abort_first=False) == "ncclCommShrink"

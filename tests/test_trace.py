@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from cupycoll import recorder as rec_mod
-from cupycoll import trace
+from cupycoll.trace import recorder as rec_mod
+from cupycoll.trace import analyze as trace
 from cupycoll.errors import CupycollTypeError, CupycollValueError
-from cupycoll.recorder import E_SEQ, E_STATE, Recorder
+from cupycoll.trace.recorder import E_SEQ, E_STATE, Recorder
 
 from mp import run_python
 

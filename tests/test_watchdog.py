@@ -1,4 +1,4 @@
-"""The watchdog (cupycoll.watchdog, watchdog_cuda, heartbeat), abort and teardown under
+"""The watchdog (cupycoll.faults.watchdog, watchdog_cuda, heartbeat), abort and teardown under
 hostile stand-ins: events that raise or are slow, aborts that raise, hang or end the kernel
 before returning, config values the watchdog could not run with, process exit and fork,
 completed Works releasing their tensors, and event queries on the group's device and next
@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import config, lifecycle
-from cupycoll import watchdog as watchdog_module
-from cupycoll import watchdog_cuda
+from cupycoll import config
+from cupycoll.faults import lifecycle
+from cupycoll.faults import watchdog as watchdog_module
+from cupycoll.faults import watchdog_cuda
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
-from cupycoll.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
+from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
 from test_faults import FakeComm, eventually, issued_work, make_group
 from shapes import shell_of
 
@@ -113,7 +114,7 @@ def test_terminate_exits_on_a_sticky_cuda_error():
     result = run_script("""
         import time
         from test_watchdog import RaisingEvent, stuck_work
-        from cupycoll.watchdog import Watch, Watchdog
+        from cupycoll.faults.watchdog import Watch, Watchdog
         work = stuck_work(); work._event = RaisingEvent()
         watch = Watch("g", timeout=60, interval=0.01, communicators=list,
                       on_fault=lambda f: None, policy="terminate")
@@ -147,7 +148,7 @@ def test_terminate_exits_even_when_the_abort_hangs():
     result = run_script("""
         import threading, time
         from test_watchdog import stuck_work
-        from cupycoll import watchdog
+        from cupycoll.faults import watchdog
         watchdog.FAULT_DEADLINE = 0.5
         watch = watchdog.Watch("g", timeout=0.05, interval=0.01, communicators=list,
                                on_fault=lambda f: threading.Event().wait(), policy="terminate")
@@ -162,7 +163,8 @@ def test_a_stuck_watchdog_is_detected_by_its_heartbeat_and_terminate_exits():
     result = run_script("""
         import threading, time
         from test_watchdog import stuck_work
-        from cupycoll import heartbeat, watchdog
+        from cupycoll.faults import heartbeat
+        from cupycoll.faults import watchdog
         heartbeat.HEARTBEAT_TIMEOUT = 0.3
         stuck = threading.Event()
         def communicators():
@@ -205,7 +207,7 @@ def test_terminate_exits_when_the_abort_raises():
     result = run_script("""
         import time
         from test_watchdog import stuck_work
-        from cupycoll.watchdog import Watch, Watchdog
+        from cupycoll.faults.watchdog import Watch, Watchdog
         def on_fault(fault):
             raise RuntimeError("abort blew up")
         watch = Watch("g", timeout=0.05, interval=0.01, communicators=list,
@@ -322,7 +324,7 @@ def test_a_communicator_shutdown_that_raises_falls_back_to_abort():
 
 _EXIT_SCRIPT = """
     import datetime, threading, torch.distributed as dist
-    from cupycoll import lifecycle
+    from cupycoll.faults import lifecycle
     from standins import CpuAsCudaGroup
     from test_watchdog import stuck_work
     lifecycle.EXIT_DEADLINE = 1.0 if {hang} else 10.0  # a quick abort must not race 1 s
@@ -341,7 +343,7 @@ _EXIT_SCRIPT = """
 
 _EXIT_WHILE_DIAGNOSING_SCRIPT = """
     import datetime, torch.distributed as dist
-    from cupycoll import lifecycle
+    from cupycoll.faults import lifecycle
     from cupycoll.errors import CollectiveTimeoutError
     from standins import CpuAsCudaGroup
     class Comm:
@@ -387,7 +389,7 @@ def test_a_forked_child_gets_a_fresh_watchdog():
     result = run_script("""
         import os, threading, time
         from test_watchdog import stuck_work
-        from cupycoll.watchdog import WATCHDOG, Watch
+        from cupycoll.faults.watchdog import WATCHDOG, Watch
         parent = Watch("p", timeout=60, interval=0.01, communicators=list, on_fault=lambda f: None)
         WATCHDOG.watch(parent); parent.track(stuck_work())
         pid = os.fork()

@@ -3,7 +3,7 @@
 
 It builds the group the CPU tests build (``tests/standins.py``: the real
 ``ProcessGroupCupycoll`` and ``CudaBackend``, every tensor counting as ``cuda:0``, torch.cuda's
-streams and events answered on CPU) over a real blocking :class:`~cupycoll.communicator.Communicator`
+streams and events answered on CPU) over a real blocking :class:`~cupycoll.nccl.communicator.Communicator`
 whose CuPy communicator does nothing. A first all_reduce creates the communicator; then one
 ``group.allreduce([t], opts)`` and its ``wait()`` run under ``sys.setprofile``, and every
 Python call whose code lives in the cupycoll package is listed with its depth. From that list
@@ -48,10 +48,11 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("collectives",),
     ("_args",),
     ("backend",),
-    ("lifecycle", "call_queue", "bootstrap"),
-    ("communicator", "call_guard", "nccl_group"),
-    ("nccl_bindings", "_cuda", "compat", "config", "errors", "work", "watchdog", "watchdog_cuda",
-     "heartbeat", "group_trace", "recorder", "diagnosis", "mismatch"),
+    ("faults.lifecycle", "call_queue", "nccl.bootstrap"),
+    ("nccl.communicator", "nccl.call_guard", "nccl.group"),
+    ("nccl.bindings", "_cuda", "compat", "config", "errors", "work", "faults.watchdog",
+     "faults.watchdog_cuda", "faults.heartbeat", "trace.group", "trace.recorder", "trace.diagnosis",
+     "trace.mismatch"),
 )
 
 GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
@@ -165,7 +166,7 @@ def standin_group(size: int = 2) -> Iterator[object]:
     import standins
     from bench.group_cost import cupy_without_device
     from cupycoll import _cuda
-    from cupycoll.communicator import Communicator
+    from cupycoll.nccl.communicator import Communicator
 
     class DoneEvent(standins.RecordedEvent):
         def query(self):

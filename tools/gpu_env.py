@@ -25,7 +25,7 @@ import sys
 from typing import Dict, List
 
 from bench import gpu_info
-from cupycoll import nccl_bindings
+from cupycoll.nccl import bindings as nccl_bindings
 
 NO_GPU_EXIT = 3
 

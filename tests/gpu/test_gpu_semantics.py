@@ -100,7 +100,8 @@ def test_bitwise_ops_run_on_the_ring_by_default(group):
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_fp8_avg_on_one_rank(group, dtype):
     # NCCL's one-rank path rejects fp8 AVG (no host-side fp8 pre-multiply); cupycoll issues SUM
-    from cupycoll import _cuda, nccl_bindings
+    from cupycoll import _cuda
+    from cupycoll.nccl import bindings as nccl_bindings
 
     if not nccl_bindings.fp8_supported(_cuda.nccl_module().get_version()):
         pytest.skip("fp8 needs NCCL >= 2.24")
@@ -159,7 +160,7 @@ def _bopts(root):
 def test_the_watchdog_thread_can_take_thread_local_capture_mode():
     import threading
 
-    from cupycoll import watchdog_cuda
+    from cupycoll.faults import watchdog_cuda
     torch.cuda.init()
     got = []
     thread = threading.Thread(target=lambda: got.append(watchdog_cuda.use_thread_local_capture_mode()))

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll._kernels import supports
+from cupycoll.ring.kernels import supports
 from ring_simulator import simulate_all_reduce, simulate_reduce_scatter
 from epilogue import end_suite
 

@@ -2,7 +2,7 @@
 
 Usage: trace_worker.py SCENARIO OUT_DIR
 
-``mismatch``: cupycoll.mismatch.check over a real gloo group: calls that agree, then one
+``mismatch``: cupycoll.trace.mismatch.check over a real gloo group: calls that agree, then one
 call per kind of mismatch (shape, dtype, op, root, a skipped collective) made by rank 1
 only, each of which must raise CupycollValueError on every rank, then a call that agrees
 again (the exchange must still line up).
@@ -25,7 +25,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from cupycoll import diagnosis, mismatch, recorder
+from cupycoll.trace import diagnosis
+from cupycoll.trace import mismatch
+from cupycoll.trace import recorder
 from cupycoll.errors import CupycollValueError
 from epilogue import write_json
 

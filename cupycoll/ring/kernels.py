@@ -1,7 +1,7 @@
 """The ring kernels' catalogue: which (dtype, op) pairs exist, and the exact CUDA source,
 compiler options and template instantiations each pair compiles to.
 
-Both the runtime (:mod:`cupycoll.ring`, through ``cupy.RawModule``) and the CPU tests
+Both the runtime (:mod:`cupycoll.ring.algorithm`, through ``cupy.RawModule``) and the CPU tests
 (straight through NVRTC, no GPU needed) build from :func:`module_spec`, so the tests
 compile exactly what runs. The tests' numpy model of the kernels (tests/ring_simulator.py)
 reads the same tables, so it computes what the kernels compute.
@@ -22,9 +22,9 @@ import importlib.resources
 import re
 from typing import Dict, Tuple
 
-from .errors import CupycollValueError
+from ..errors import CupycollValueError
 
-KERNEL_DIR = "kernels"  # the CUDA C++ sources: a data folder of this package
+KERNEL_DIR = "cuda"  # the CUDA C++ sources: a data folder of this package
 KERNEL_SOURCE = "ring_reduce.cu"
 
 # Compiled with the caller's arch added by CuPy (or by the tests). --fmad=false keeps the
@@ -108,7 +108,7 @@ def stages_first_contribution(dtype: str, op: str) -> bool:
 # ----------------------------------------------------------------------------- sources
 
 def _kernel_dir_files() -> Dict[str, str]:
-    """name -> text of every .cu/.cuh in the package's kernels/ folder.
+    """name -> text of every .cu/.cuh in the package's cuda/ folder.
 
     One place, read through importlib.resources: the folder is package data beside this
     module, in a checkout, an editable install and a wheel (zipped or not) alike."""
@@ -129,7 +129,7 @@ def source() -> str:
     files = _kernel_dir_files()
     if KERNEL_SOURCE not in files:
         raise FileNotFoundError(
-            f"{KERNEL_SOURCE} not found in {__package__}/{KERNEL_DIR}/; the installation is "
+            f"{KERNEL_SOURCE} not found in {__package__.replace('.', '/')}/{KERNEL_DIR}/; the installation is "
             "incomplete")
 
     def inline(match, seen=()):
@@ -178,7 +178,7 @@ def all_pairs():
 def compile_module(device: int, dtype: str, op: str) -> Dict[str, object]:
     """kind -> ``cupy.RawKernel`` for the pair on ``device``; compiled once per process
     (and found in CuPy's on-disk kernel cache after the first process)."""
-    from . import _cuda
+    from .. import _cuda
 
     cupy = _cuda.cupy_module()
     spec = module_spec(dtype, op)
@@ -192,7 +192,7 @@ def compile_module(device: int, dtype: str, op: str) -> Dict[str, object]:
 def compile_ptx(spec: ModuleSpec, arch: str) -> Tuple[str, Dict[str, str]]:
     """Compile ``spec`` to PTX for ``arch`` (``"compute_80"``) with NVRTC alone: no GPU,
     no driver. Returns the PTX and each name expression's mangled name. For the tests."""
-    from . import _cuda
+    from .. import _cuda
 
     nvrtc = _cuda.nvrtc_module()
     program = nvrtc.createProgram(spec.source, KERNEL_SOURCE, [], [])

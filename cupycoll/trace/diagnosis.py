@@ -47,7 +47,8 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-from . import hooks, recorder as _recorder
+from .. import hooks
+from . import recorder as _recorder
 from .recorder import E_OP, E_SEQ, E_SHAPES, E_DTYPES, E_STATE, Recorder, describe, \
     dump_on_timeout
 

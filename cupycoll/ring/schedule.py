@@ -1,6 +1,6 @@
 """The ring algorithm's schedule, as plain data: chunks, slices, per-rank plans, stream order.
 
-:mod:`cupycoll.ring` executes the plans built here on the GPU, action by action, in list
+:mod:`cupycoll.ring.algorithm` executes the plans built here on the GPU, action by action, in list
 order; the tests' numpy model (tests/ring_simulator.py) executes the very same plans, one
 array per rank, so the CPU tests of the schedule test what the GPU runs.
 
@@ -32,7 +32,7 @@ receives into slot ``s % 2`` while sending from slot ``(s + 1) % 2``.
 
 Deliberately left out: arithmetic on values (the numpy model of the kernels is
 tests/ring_simulator.py; this module imports no numpy), CuPy, torch, real streams
-and pointers (see :mod:`cupycoll.ring`). Streams appear only as the two names that
+and pointers (see :mod:`cupycoll.ring.algorithm`). Streams appear only as the two names that
 :func:`issue` orders commands on.
 """
 
@@ -41,8 +41,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence, Tuple, Union
 
-from ._kernels import check, stages_first_contribution
-from .errors import CupycollValueError
+from .kernels import check, stages_first_contribution
+from ..errors import CupycollValueError
 
 LANES = 2
 SLOTS = 2

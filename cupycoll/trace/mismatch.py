@@ -14,7 +14,7 @@ scatter). :func:`compare` is also what ``python -m cupycoll.trace`` uses on dump
 
 Deliberately left out: a rank that never makes the call at all. The check's own all_gather
 then waits like the collective would, until gloo's timeout, and the timeout diagnosis
-(:mod:`cupycoll.diagnosis`) names the missing rank. Also left out: point-to-point calls,
+(:mod:`cupycoll.trace.diagnosis`) names the missing rank. Also left out: point-to-point calls,
 which pair ranks rather than make all of them agree.
 """
 
@@ -26,7 +26,7 @@ import json
 from typing import Dict, List, Optional, Sequence
 
 from .diagnosis import ranks_text  # one rank-list format for every message
-from .errors import CupycollValueError
+from ..errors import CupycollValueError
 
 # Ops whose per-rank shapes may differ legitimately (uneven all-to-all splits).
 SHAPES_MAY_DIFFER = frozenset({"all_to_all", "all_to_all_single", "alltoall", "alltoall_base"})

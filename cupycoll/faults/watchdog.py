@@ -16,7 +16,7 @@ polls every watch each interval:
 
 Events are queried with the group's device current (``Watch.device``, once the group has
 one), and the watchdog thread runs in thread-local capture mode, so that it neither creates
-a context on cuda:0 nor invalidates a capture (:mod:`cupycoll.watchdog_cuda`).
+a context on cuda:0 nor invalidates a capture (:mod:`cupycoll.faults.watchdog_cuda`).
 
 On a fault the watchdog thread only *detects*; a fault thread handles it, so that one hung
 ``ncclCommAbort`` cannot blind the other groups. Handling marks every Work in flight
@@ -25,7 +25,7 @@ group's ``on_fault`` (which aborts the communicators), then releases the Works' 
 With the ``terminate`` policy the process exits once that is done or after
 :data:`FAULT_DEADLINE` seconds, whichever comes first (like
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` with torch's bounded abort). A monitor thread checks
-the watchdog's heartbeat (:mod:`cupycoll.heartbeat`): a pass stuck too long is logged with
+the watchdog's heartbeat (:mod:`cupycoll.faults.heartbeat`): a pass stuck too long is logged with
 the watchdog's stack, and ends the process when a watched group's policy is ``terminate``.
 
 What a Work must offer the watch (duck-typed, testable with stand-ins): ``_query_done()``,
@@ -58,8 +58,9 @@ import time
 import weakref
 from typing import Callable, List, Optional, Tuple
 
-from . import heartbeat, hooks, watchdog_cuda
-from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
+from . import heartbeat, watchdog_cuda
+from .. import hooks
+from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 

@@ -1,6 +1,6 @@
 """NCCL calls counted while they run, so that an abort never frees a communicator under one.
 
-:class:`GuardedCalls` is a part of :class:`cupycoll.communicator.Communicator`: each NCCL
+:class:`GuardedCalls` is a part of :class:`cupycoll.nccl.communicator.Communicator`: each NCCL
 call on a communicator runs through :meth:`GuardedCalls._guarded` (refused once the
 communicator is aborted or shut down; the thread noted while NCCL has it), an NCCL group
 that used the communicator is noted until its ``ncclGroupEnd`` (where its calls really
@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
-from .errors import CommunicatorAbortedError
+from ..errors import CommunicatorAbortedError
 
 # How long abort (or destroy) waits for NCCL calls under way on other threads before it
 # frees the communicator anyway: an enqueue takes microseconds.

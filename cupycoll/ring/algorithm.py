@@ -3,12 +3,12 @@
 NCCL's reductions add fp16/bf16 in fp16/bf16 at every hop, have no bitwise ops, and give
 results that depend on the algorithm NCCL picks. The ring here accumulates fp16/bf16 in
 fp32 and rounds once, offers BAND/BOR/BXOR, and is bitwise reproducible: every element is
-reduced in an order fixed by the schedule (:mod:`cupycoll.ring_schedule`; the tests' numpy
+reduced in an order fixed by the schedule (:mod:`cupycoll.ring.schedule`; the tests' numpy
 model, tests/ring_simulator.py, runs the same plans on the CPU), and all-reduce copies each finished chunk from
 its owner, so every rank holds the same bits.
 
 Public API (pointers, counts, dtype/op names and the stream are plain values, as in
-:mod:`cupycoll.communicator`; nothing here knows torch)::
+:mod:`cupycoll.nccl.communicator`; nothing here knows torch)::
 
     ring = Ring(communicator, scratch_bytes=DEFAULT_RING_SCRATCH_BYTES)
     ring.all_reduce(sendbuf, recvbuf, count, dtype, op, stream, premul=None, premul_ptr=None)
@@ -24,7 +24,7 @@ Public API (pointers, counts, dtype/op names and the stream are plain values, as
 * ``count`` / ``recvcount``: elements (not bytes); 0 is a no-op.
 * ``dtype``: ``float16 bfloat16 float32 float64 int8 uint8 int32 int64 bool``.
 * ``op``: ``sum avg product min max premul_sum band bor bxor`` (see
-  :func:`cupycoll._kernels.check` for the pairs; bool SUM/MAX are OR, PRODUCT/MIN AND).
+  :func:`cupycoll.ring.kernels.check` for the pairs; bool SUM/MAX are OR, PRODUCT/MIN AND).
 * ``stream``: a ``cudaStream_t`` as an int. Everything is enqueued after the work already
   on it, and work enqueued on it afterwards sees the result. Nothing blocks the host.
 * PREMUL_SUM's factor: ``premul`` a Python number (used in the accumulation type: fp32
@@ -49,11 +49,12 @@ from typing import List, Optional
 
 import numpy
 
-from . import _cuda, compat, nccl_bindings
-from ._kernels import ELEMENTS, OPS, check, compile_module, supports
-from .config import DEFAULT_RING_SCRATCH_BYTES
-from .errors import CommunicatorAbortedError, CupycollTypeError, CupycollValueError
-from .ring_schedule import (
+from .. import _cuda, compat
+from ..nccl import bindings as nccl_bindings
+from .kernels import ELEMENTS, OPS, check, compile_module, supports
+from ..config import DEFAULT_RING_SCRATCH_BYTES
+from ..errors import CommunicatorAbortedError, CupycollTypeError, CupycollValueError
+from .schedule import (
     CALLER,
     LANES,
     SIDE,

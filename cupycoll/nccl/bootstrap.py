@@ -44,7 +44,7 @@ import time
 from typing import Callable
 
 from .communicator import new_unique_id
-from .errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError
 
 # Store waits poll in slices of at most this length, so that abort() can end them.
 STORE_POLL_S = 0.05

@@ -29,7 +29,7 @@ import os
 import threading
 from typing import NamedTuple, Optional
 
-from .errors import CupycollTypeError, CupycollValueError, MissingDependencyError, NcclError
+from ..errors import CupycollTypeError, CupycollValueError, MissingDependencyError, NcclError
 
 # ---------------------------------------------------------------------------- types
 

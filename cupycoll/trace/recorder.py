@@ -17,10 +17,10 @@ lists indexed by the ``E_*`` constants, not objects: a list literal costs a fift
 Python ``__init__``. ``python -m cupycoll.trace --bench`` prints what a call costs.
 
 A buffer of size 0 keeps no entries but still counts: the last issued and completed sequence
-numbers, which the timeout diagnosis (:mod:`cupycoll.diagnosis`) publishes, work either way.
+numbers, which the timeout diagnosis (:mod:`cupycoll.trace.diagnosis`) publishes, work either way.
 
 :func:`dump_trace` writes every recorder of the process as one JSON document;
-``python -m cupycoll.trace DIR`` (:mod:`cupycoll.trace`) compares the ranks' dumps.
+``python -m cupycoll.trace DIR`` (:mod:`cupycoll.trace.analyze`) compares the ranks' dumps.
 
 Deliberately left out: tensor contents, stack traces (they cost far more than the 1 µs a
 call may spend here), and any configuration parsing (``cupycoll.config`` resolves the size).
@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-from .errors import CupycollTypeError, CupycollValueError
+from ..errors import CupycollTypeError, CupycollValueError
 
 DEFAULT_BUFFER = 2000
 STATES = ("queued", "issued", "completed", "failed", "aborted")
@@ -305,7 +305,7 @@ def process_rank() -> int:
 
 def trace_payload(rank: Optional[int] = None, reason: str = "") -> dict:
     """Every recorder of the process, with who, where and when, as one JSON-ready dict."""
-    from ._version import __version__
+    from .._version import __version__
 
     torch_module = sys.modules.get("torch")
     groups = []

@@ -6,7 +6,7 @@ datatype/op codes and a stream handle (plain ints), so this layer knows nothing 
 the process-group adapter translates tensors into those.
 
 Every communicator is made the same way, through the ctypes bindings
-(:mod:`cupycoll.nccl_bindings`) with ``ncclCommInitRankConfig``, and so is every child of one
+(:mod:`cupycoll.nccl.bindings`) with ``ncclCommInitRankConfig``, and so is every child of one
 (``ncclCommSplit``, ``ncclCommShrink``): one kind of object, whose every NCCL status is read,
 ``ncclCommAbort``'s and ``ncclCommDestroy``'s included. Two modes, the config's ``blocking``
 field, invisible to the caller:
@@ -21,7 +21,7 @@ field, invisible to the caller:
 
 NCCL groups: :meth:`Communicator.group` is ncclGroupStart/End of the library the
 communicator already holds; the per-thread bookkeeping (which communicators a group used,
-polled or aborted at its end) is :mod:`cupycoll.nccl_group`.
+polled or aborted at its end) is :mod:`cupycoll.nccl.group`.
 
 Deliberately left out: validation of user input (done once, above, with names the user
 knows), scheduling policy (which stream, when to group), the watchdog (it lives above and
@@ -36,9 +36,10 @@ import os
 import time
 from typing import Callable, Optional, Sequence
 
-from . import _cuda, nccl_bindings, nccl_group
+from .. import _cuda
+from . import bindings as nccl_bindings, group as nccl_group
 from .call_guard import GuardedCalls
-from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
+from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -82,7 +83,7 @@ class Communicator(GuardedCalls):
         self.state = "initializing" if self.nonblocking else "ok"
         # Serialises the end of the communicator's life against the watchdog's queries, so
         # that ncclCommGetAsyncError never reads a freed communicator, and against the calls
-        # under way (cupycoll.call_guard).
+        # under way (cupycoll.nccl.call_guard).
         self._init_guard()
         with cupy.cuda.Device(device):
             # Non-blocking w.r.t. the legacy default stream, like ProcessGroupNCCL's.

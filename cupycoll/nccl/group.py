@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from . import nccl_bindings
+from . import bindings as nccl_bindings
 
 _group_state = threading.local()  # NCCL groups are per thread, so is this bookkeeping
 

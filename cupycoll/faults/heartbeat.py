@@ -1,7 +1,7 @@
 """The watchdog's heartbeat monitor: a second daemon thread that notices when the watchdog
 thread itself is stuck.
 
-The watchdog thread (:class:`cupycoll.watchdog.Watchdog`) stamps its heartbeat before and
+The watchdog thread (:class:`cupycoll.faults.watchdog.Watchdog`) stamps its heartbeat before and
 after each group it polls. A pass only queries events and async errors (microseconds each),
 so one that has not finished for :func:`heartbeat_limit` seconds is stuck (the CUDA driver
 lock, a communicator lock held by a hung abort): :func:`monitor` logs that once per stuck
@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Callable, List, Optional, Tuple
 
-from .errors import CupycollError
+from ..errors import CupycollError
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 

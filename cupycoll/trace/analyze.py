@@ -4,7 +4,7 @@ Reads the per-rank dumps in DIR (``cupycoll_trace_rank<R>.json``, written on tim
 ``CUPYCOLL_TRACE_DIR`` or by ``cupycoll.dump_trace``), lines each group's collectives up by
 sequence number across ranks, and prints, per group, the first collective the ranks disagree
 on: a rank that never reached it, or a different op, root, dtype or shape (compared as
-:func:`cupycoll.mismatch.compare` compares a live call). Like torch's ``fr_trace``.
+:func:`cupycoll.trace.mismatch.compare` compares a live call). Like torch's ``fr_trace``.
 
 Exit status: 0 when every group's ranks agree, 1 when a disagreement (or a member's missing
 dump) is found, 2 when DIR is missing, empty, or holds a file that is not a readable dump.
@@ -29,7 +29,7 @@ import timeit
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .diagnosis import ranks_text
-from .errors import CupycollValueError
+from ..errors import CupycollValueError
 from .mismatch import compare, signature
 from .recorder import Recorder, describe_entry, load_dump
 
@@ -143,7 +143,7 @@ def analyze_group(key: Tuple[str, int], members: Dict[int, dict],
 def analyze(dumps: Sequence[dict]) -> Tuple[bool, List[str]]:
     """(disagreement found, report lines) over every group in ``dumps``."""
     dumped = [d["rank"] for d in dumps]
-    lines = [f"cupycoll.trace: {len(dumps)} trace(s), {ranks_text(dumped)}"]
+    lines = [f"cupycoll.trace.analyze: {len(dumps)} trace(s), {ranks_text(dumped)}"]
     found = False
     for key, members in sorted(_groups(dumps).items()):
         group_found, group_lines = analyze_group(key, members, dumped)
@@ -199,12 +199,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         dumps = load_dir(args.dir)
     except CupycollValueError as exc:
-        print(f"cupycoll.trace: error: {exc}", file=sys.stderr)
+        print(f"cupycoll.trace.analyze: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     found, lines = analyze(dumps)
     print("\n".join(lines))
     return EXIT_DISAGREE if found else EXIT_AGREE
 
 
-if __name__ == "__main__":
-    sys.exit(main())

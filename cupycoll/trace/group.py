@@ -2,12 +2,12 @@
 them: one :class:`GroupTrace` per :class:`~cupycoll.ProcessGroupCupycoll`.
 
 The group calls :meth:`GroupTrace.call` once per call it routes, CPU and CUDA alike, with
-the tensors every rank passes alike. That records the call (:mod:`cupycoll.recorder`) and,
-with ``check_collectives``, compares it across ranks first (:mod:`cupycoll.mismatch`).
+the tensors every rank passes alike. That records the call (:mod:`cupycoll.trace.recorder`) and,
+with ``check_collectives``, compares it across ranks first (:mod:`cupycoll.trace.mismatch`).
 
 * A CUDA call's entry is taken by the backend, which holds this object
   (``CudaBackend.use_trace``): its ``submit`` calls :meth:`GroupTrace.take`, and the entry
-  is marked issued when the call's batch launches (:mod:`cupycoll.lifecycle`); the watchdog
+  is marked issued when the call's batch launches (:mod:`cupycoll.faults.lifecycle`); the watchdog
   marks it completed, and on a timeout asks :meth:`GroupTrace.explain_timeout` for the
   message.
 * A CPU call goes to gloo; :meth:`GroupTrace.gloo` wraps gloo's Work in a
@@ -15,7 +15,7 @@ with ``check_collectives``, compares it across ranks first (:mod:`cupycoll.misma
   timeout, runs the diagnosis and raises :class:`~cupycoll.CollectiveTimeoutError` with its
   message ("rank 2 is behind: ...").
 
-Every group also registers with the process's responder (:mod:`cupycoll.diagnosis`), which
+Every group also registers with the process's responder (:mod:`cupycoll.trace.diagnosis`), which
 answers the other ranks' diagnosis requests while this rank is busy elsewhere.
 
 Deliberately left out: gloo point-to-point calls are recorded but their Works are not
@@ -34,8 +34,8 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from . import diagnosis, mismatch, recorder
-from .config import Settings
-from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, PeerFailedError
+from ..config import Settings
+from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, PeerFailedError
 from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
 
 # Calls that every rank makes alike and that the mismatch check compares.

@@ -8,7 +8,7 @@ guarantees docs/design.md states):
 * **watching**: an issued call gets one completion event per batch, recorded on the batch's
   stream, and is marked ``issued`` in the group's flight recorder; an async call's Work keeps
   its tensors until the event fires (the watchdog releases them). It is handed to the
-  group's :class:`~cupycoll.watchdog.Watch` unless this thread's current stream is capturing
+  group's :class:`~cupycoll.faults.watchdog.Watch` unless this thread's current stream is capturing
   a CUDA graph, as ProcessGroupNCCL does: a captured call runs nothing until the graph is
   replayed, and the watchdog's event queries would invalidate the capture. A Work handed
   over is marked ``tracked`` on its Issue: from then on its failure and release are the
@@ -23,7 +23,7 @@ guarantees docs/design.md states):
   release after it run on a thread of their own, waited for at most :data:`ABORT_DEADLINE`
   seconds: an abort returns within that bound even when NCCL's abort hangs (the tensors then
   stay held until it returns). The watch is closed with the reason (a Work tracked later
-  fails: see cupycoll.watchdog), and a second aborter (the fault thread, abort_all) waits,
+  fails: see cupycoll.faults.watchdog), and a second aborter (the fault thread, abort_all) waits,
   at most ``watchdog.FAULT_DEADLINE`` seconds, for the first one's ncclCommAbort before it
   returns (and its caller releases anything). A claimed watchdog fault marks the group
   ``aborting`` at once; until that abort ran, the group's backend is held here, so that
@@ -64,8 +64,9 @@ from typing import Callable, List, Optional
 
 import torch
 
-from . import hooks, watchdog
-from .errors import CommunicatorAbortedError
+from .. import hooks
+from . import watchdog
+from ..errors import CommunicatorAbortedError
 from .watchdog import WATCHDOG, Watch
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
