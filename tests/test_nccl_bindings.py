@@ -347,7 +347,7 @@ def test_find_library_prefers_the_nccl_already_loaded(tmp_path):
     link = tmp_path / "libnccl.so.2"
     link.symlink_to(PIP_LIBRARY)
     code = ("import ctypes, sys; ctypes.CDLL(sys.argv[1]); "
-            "from cupycoll import nccl_bindings as nb; print(nb.find_library()); print(nb.load().path); "
+            "from cupycoll.nccl import bindings as nb; print(nb.find_library()); print(nb.load().path); "
             "print(*sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libnccl.so' in l}))")
     out = subprocess.run([sys.executable, "-c", code, str(link)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
