@@ -62,6 +62,7 @@ def test_train_ddp_on_cpu_matches_gloo(backend):
     assert float(diff) <= float(tolerance), explain(proc)
 
 
+@pytest.mark.any_stack  # train_ddp.py's own comparison; the training itself is tested above
 def test_train_ddp_compare_fails_beyond_tolerance():
     # Identical runs differ by 0, so a negative tolerance must fail: the exit status is the check.
     # One rank: the verdict and its exit status through torchrun need no second one.

@@ -165,6 +165,7 @@ class Function(NamedTuple):
     restype: object
     argtypes: tuple
     optional: bool = False  # may be absent from a library cupycoll supports (NCCL >= 2.18)
+    since: tuple = (2, 18, 1)  # the first NCCL release that has it (those before: in 2.18.1)
 
 
 _p = ctypes.POINTER
@@ -195,7 +196,7 @@ FUNCTIONS = (
     #                             ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags);   (2.27)
     Function("ncclCommShrink", ncclResult_t,
              (ncclComm_t, _p(ctypes.c_int), ctypes.c_int, _p(ncclComm_t), _p(ncclConfig_t), ctypes.c_int),
-             optional=True),
+             optional=True, since=(2, 27, 0)),
     # ncclResult_t ncclCommFinalize(ncclComm_t comm);   (2.14)
     Function("ncclCommFinalize", ncclResult_t, (ncclComm_t,)),
     # ncclResult_t ncclCommDestroy(ncclComm_t comm);
