@@ -42,7 +42,9 @@ def explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-8000:]}"
 
 
-@pytest.mark.parametrize("backend", ["cupycoll", "cpu:gloo,cuda:cupycoll"])
+# Every leg trains on "cupycoll"; the other string's routing is every leg's registration-forms
+# test, so its training runs on one leg.
+@pytest.mark.parametrize("backend", ["cupycoll", pytest.param("cpu:gloo,cuda:cupycoll", marks=pytest.mark.any_stack)])
 def test_train_ddp_on_cpu_matches_gloo(backend):
     proc = torchrun("--device", "cpu", "--backend", backend, "--compare", "gloo", "--steps", "20")
     assert proc.returncode == 0, explain(proc)

@@ -268,6 +268,7 @@ def test_analyzer_errors(tmp_path, capsys):
     assert "a second trace of rank 0" in capsys.readouterr().err
 
 
+@pytest.mark.any_stack  # the analyzer reads JSON dumps; the recorder itself is tested on every leg
 def test_command_line(tmp_path):
     for rank in range(2):
         write_rank(tmp_path, rank, 2, CALLS if rank == 0 else CALLS[:41], done=41)
