@@ -43,7 +43,6 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore
 
 from . import compat, config
-from .errors import CupycollValueError
 from .faults.lifecycle import GroupState
 from .shell import GroupShell, shrinking
 
@@ -143,8 +142,6 @@ def shrink_group(ranks_to_exclude: List[int], group=None, shrink_flags: int = SH
             child = dist.new_group(ranks=[shell._global_ranks[r] for r in survivors], backend=backend,
                                    timeout=shell.settings.timeout, pg_options=options,
                                    use_local_synchronization=True)
-        if child.shrunk_by is None:  # torch made no cupycoll group of ours (cannot happen)
-            raise CupycollValueError(f"shrinking {name!r}: torch made {child!r}, not a cupycoll group")
         dist.destroy_process_group(group)
         return child
 

@@ -19,11 +19,10 @@ import torch.distributed as dist
 
 from cupycoll import compat, config
 from cupycoll.backend import CudaBackend
-from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CommunicatorAbortedError
 from cupycoll.faults.lifecycle import GroupState
 from mp import run_ranks
-from test_communicator import RecordingLibrary, made  # noqa: F401 - made: a fixture
+from test_communicator import made  # noqa: F401 - a fixture
 from test_faults import no_device  # noqa: F401 - a fixture
 
 def _run(tmp_path, backend, scenario, env=None):
