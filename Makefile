@@ -36,6 +36,11 @@ TEST_WORKERS ?= 2
 # Which tests `make test` runs (pytest -m). CI's legs but one add "and not any_stack": those
 # tests' subject is the same on every stack (pyproject.toml's markers).
 TEST_MARKS ?= not gpu
+# The most seconds one CPU test may take (the slowest takes about 60 on a 2-core machine): a
+# test past it fails with the stacks of every thread (pytest-timeout; faulthandler prints them
+# 20 s earlier, also from a thread stuck in C), and the run goes on, instead of one hung test
+# holding the whole run.
+TEST_TIMEOUT ?= 300
 
 .PHONY: install test test-torch-suite test-gpu test-gpu-quick demo verify-gpu verify-gpu-lease bench clean
 
@@ -57,7 +62,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -m "$(TEST_MARKS)" -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	$(PY) -m pytest -m "$(TEST_MARKS)" -n $(TEST_WORKERS) --dist worksteal \
+		--timeout $(TEST_TIMEOUT) -o faulthandler_timeout=$$(( $(TEST_TIMEOUT) - 20 )) $(PYTEST_ARGS)
 
 # torch's whole DistributedTest suite against cupycoll's CPU route at world size 2 (about 280
 # tests, each spawning its ranks: most of an hour on 2 cores); `make test` runs the part that
