@@ -80,7 +80,12 @@ def main() -> int:
     elif rank == last:
         if scenario == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(14)  # busy elsewhere: the others time out and ask this rank where it is
+        # Busy elsewhere until the others have timed out, asked this rank where it is (its
+        # responder thread answers) and written their reports.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(out_dir, f"rank{r}.json")) for r in range(last)):
+            time.sleep(0.1)
     else:
         try:
             dist.all_reduce(t)  # #5
