@@ -172,6 +172,34 @@ def test_store_keys_stay_bounded_over_many_creations(counted_ids):
     assert store.num_keys() <= 4  # the generation and the last generation's keys
 
 
+def _agree(store, answers, key, timeout=10):
+    """Each rank (a thread) tells ``answers[rank]`` to the question ``key``; rank -> verdict."""
+    verdicts = {}
+
+    def one(rank):
+        verdicts[rank] = StoreBootstrap(store, rank, timeout).all_agree(key, answers[rank], len(answers))
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(answers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return verdicts
+
+
+def test_all_agree_is_yes_only_when_every_rank_says_yes_and_leaves_no_keys():
+    store = dist.HashStore()
+    assert _agree(store, [True, True, True], "q0") == {0: True, 1: True, 2: True}
+    assert _agree(store, [True, False, True], "q1") == {0: False, 1: False, 2: False}
+    for question in range(2, 52):  # a long job's many shrinks: the store does not grow
+        _agree(store, [True, True], f"q{question}")
+    assert store.num_keys() == 0
+
+
+def test_all_agree_times_out_when_a_rank_never_tells():
+    with pytest.raises(CollectiveTimeoutError, match="all 3 ranks to answer 'q'"):
+        StoreBootstrap(dist.HashStore(), 0, 0.3).all_agree("q", True, 3)
+
+
 def test_failed_creations_leave_threads_and_fds_flat():
     # The same with the real NCCL: each ncclGetUniqueId starts a bootstrap-root thread and socket.
     from cupycoll import _cuda

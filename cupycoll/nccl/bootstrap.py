@@ -115,14 +115,18 @@ class StoreBootstrap:
     def all_agree(self, key: str, mine: bool, members: int) -> bool:
         """Whether ``mine`` holds on every one of ``members`` ranks, once all have told
         (``key`` names one question on this store, asked once). Raises
-        CollectiveTimeoutError when they do not all tell in time."""
+        CollectiveTimeoutError when they do not all tell in time. The last rank to read the
+        answer deletes the question's keys: every rank has read them by then."""
         store = self._store
         base = f"cupycoll/{key}"
         store.add(f"{base}/yes", int(bool(mine)))
         store.add(f"{base}/told", 1)
         self._wait(lambda: store.add(f"{base}/told", 0) >= members, time.monotonic() + self._timeout_s,
                    f"all {members} ranks to answer {key!r}", lambda: f"{store.add(f'{base}/told', 0)} answered")
-        return store.add(f"{base}/yes", 0) >= members
+        agreed = store.add(f"{base}/yes", 0) >= members
+        if store.add(f"{base}/read", 1) == members:
+            self._delete(f"{base}/{name}" for name in ("yes", "told", "read"))
+        return agreed
 
     def _publish(self, uid_key: str) -> bytes:
         """The creator decides: PENDING first, so that the id (and NCCL's bootstrap-root
@@ -170,11 +174,13 @@ class StoreBootstrap:
 
     def _forget(self, base: str, generation: int) -> None:
         """Delete the keys of an earlier generation (store keys would grow with every creation)."""
-        if generation < 0:
-            return
-        for suffix in ("uid", "arrived"):
+        if generation >= 0:
+            self._delete(f"{base}/{generation}/{suffix}" for suffix in ("uid", "arrived"))
+
+    def _delete(self, keys) -> None:
+        for key in keys:
             try:
-                self._store.delete_key(f"{base}/{generation}/{suffix}")
+                self._store.delete_key(key)
             except Exception:  # a store without delete_key: keep the keys, lose nothing else
                 pass
 
