@@ -92,9 +92,7 @@ class CudaWork(dist.Work):
             error.__cause__ = cause
         self._error = error
         if self._future is None:
-            future = torch.futures.Future()
-            future.set_exception(error)
-            self._future = future
+            self._future = failed_future(error)
 
     def _release(self) -> None:
         """Drop the tensors this Work kept alive for the GPU (it is done with them)."""
@@ -212,6 +210,20 @@ def _never_issued(op_name: str, error: BaseException) -> CupycollError:
         except Exception:  # noqa: BLE001 - a subclass that cannot be copied: the base class
             pass
     return CupycollError(message)
+
+
+def failed_future(error: BaseException) -> torch.futures.Future:
+    """A future that has failed with ``error``, for C++ callers too (DDP's reducer consumes
+    a Work's future): a Python future can hand C++ an error only through a callback that
+    raises, and C++ then sees a RuntimeError with the error's text ("Got the following error
+    when running the callback: CollectiveTimeoutError: ..."). ``set_exception`` would store
+    the error as the future's value, which C++ reads as a result."""
+    def fail(_):
+        raise error
+    start = torch.futures.Future()
+    failed = start.then(fail)
+    start.set_result(None)
+    return failed
 
 
 def empty_work() -> dist.Work:

@@ -8,6 +8,7 @@ torch's C++ reducer) trains exactly as DDP on plain gloo. The GPU runs are in th
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -21,6 +22,7 @@ from mp import run_python as _run_python
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "train_ddp.py"
 DEMO = ROOT / "examples" / "demo.py"
+SHRINK = ROOT / "examples" / "shrink_ddp.py"
 TIMEOUT = 180.0
 
 
@@ -62,6 +64,28 @@ def test_train_ddp_on_cpu_matches_gloo(backend):
     assert (first, second, verdict) == (backend, "gloo", "OK"), explain(proc)
     assert float(tolerance) == 1e-5
     assert float(diff) <= float(tolerance), explain(proc)
+
+
+def test_shrink_ddp_survivors_of_a_killed_rank_end_as_a_job_of_two_from_the_checkpoint(tmp_path):
+    # Three ranks, checkpoint every 5 steps, the last rank SIGKILLed in step 12: the two others
+    # learn which rank died, shrink the default group, restore step 10 and train on. Their
+    # final parameters are those of a plain job of two started from that checkpoint.
+    shrunk, reference = tmp_path / "shrunk", tmp_path / "reference"
+    proc = run_python(str(SHRINK), "--out", str(shrunk))
+    assert proc.returncode == 0, explain(proc)  # the launcher checks: 0, 0 and SIGKILL
+    plain = run_python(str(SHRINK), "--nproc", "2", "--from-checkpoint", str(shrunk / "checkpoint.pt"),
+                       "--out", str(reference))
+    assert plain.returncode == 0, explain(plain)
+    for rank in (0, 1):
+        got = json.loads((shrunk / f"rank{rank}.json").read_text())
+        recovered = got["recovered"]
+        assert recovered is not None, explain(proc)
+        assert "PeerFailedError" in recovered["error"] and "rank 2 did not answer" in recovered["error"], recovered
+        assert (recovered["failed_step"], recovered["restored_step"]) == (12, 10), recovered
+        assert recovered["shrunk_size"] == got["world_size"] == 2, recovered
+        expected = json.loads((reference / f"rank{rank}.json").read_text())
+        assert expected["recovered"] is None and expected["world_size"] == 2
+        assert got["params"] == expected["params"], rank
 
 
 @pytest.mark.any_stack  # train_ddp.py's own comparison; the training itself is tested above

@@ -19,9 +19,7 @@ Every group also registers with the process's responder (:mod:`cupycoll.trace.di
 answers the other ranks' diagnosis requests while this rank is busy elsewhere.
 
 Deliberately left out: gloo point-to-point calls are recorded but their Works are not
-wrapped (``recv_anysource``'s ``source_rank()`` must stay gloo's), and a gloo Work's
-``get_future()`` is gloo's own, so a timeout seen only through the future carries gloo's
-text.
+wrapped (``recv_anysource``'s ``source_rank()`` must stay gloo's).
 """
 
 from __future__ import annotations
@@ -155,6 +153,7 @@ class TracedWork(dist.Work):
         self._work, self._entry, self._trace = work, entry, trace
         # [error or None] once wait() returned or raised, or the group closed before it finished
         self._waited: Optional[list] = None
+        self._failing = threading.Lock()
         trace._open_works.add(self)
 
     @property
@@ -178,9 +177,7 @@ class TracedWork(dist.Work):
         try:
             done = self._work.wait(timeout) if timeout else self._work.wait()
         except Exception as exc:  # noqa: BLE001 - explained, then raised again
-            self._trace.recorder.mark(self._entry, "failed")
-            error = self._trace.failure(self._entry, exc)
-            self._waited = [error]
+            error = self._fail(exc)
             if error is exc:
                 raise
             raise error from exc
@@ -189,6 +186,18 @@ class TracedWork(dist.Work):
             self._waited = [None]
             self._trace._open_works.discard(self)
         return done
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        """gloo's error as the group explains it (:meth:`GroupTrace.failure`), once: wait()
+        and the future may both see it, and the ranks are asked one time."""
+        with self._failing:
+            if self._waited is None or self._waited[0] is None:
+                self._trace.recorder.mark(self._entry, "failed")
+                error = self._trace.failure(self._entry, exc)
+                if error is not exc:
+                    error.__cause__ = exc
+                self._waited = [error]
+            return self._waited[0]
 
     def _settled(self, error) -> None:
         self._trace.recorder.mark(self._entry, "completed" if error is None else "failed")
@@ -248,10 +257,18 @@ class TracedWork(dist.Work):
         self._work.synchronize()
 
     def get_future(self):
-        future = self._work.get_future()
-        # DDP's comm hooks and async callers consume the future, never wait()
-        future.add_done_callback(lambda done: self._settled(_future_error(done)))
-        return future
+        """gloo's future, continued: its value, or on failure the error wait() raises
+        (cupycoll's, naming the rank behind): DDP's comm hooks and async callers consume the
+        future, never wait(). An error a callback raises is the only failure a Python future
+        can hand to C++ (DDP's reducer), which sees a RuntimeError with its text. The ranks
+        are asked on the thread that completes gloo's future."""
+        def settle(done):
+            error = _future_error(done)
+            if error is not None:
+                raise self._fail(error)
+            self._settled(None)
+            return done.value()
+        return self._work.get_future().then(settle)
 
     def __repr__(self) -> str:
         entry = self._entry
