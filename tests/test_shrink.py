@@ -11,7 +11,10 @@ NCCL itself.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
+import os
+import threading
 
 import pytest
 import torch
@@ -175,3 +178,24 @@ def test_a_survivor_without_ncclcommshrink_makes_every_survivor_start_anew(made,
     assert child.shrink_from(parent, [2], abort_first=False) == "new"
     assert parent.state is GroupState.ABORTED
     child.abort()
+
+
+def test_fifty_shrinks_leave_threads_fds_and_store_keys_flat(made):
+    store = dist.HashStore()  # the survivors' store, shared by every shrink
+
+    def cycle():
+        parent = _parent_with(made(child_size=1, child_rank=0))
+        child = _backend(store, 0, 1)
+        assert child.shrink_from(parent, [1, 2], abort_first=False) == "ncclCommShrink"
+        child.abort()
+        assert parent.state is GroupState.ABORTED and child.state is GroupState.ABORTED
+
+    cycle()  # the process-wide helpers (the watchdog thread) start once
+    gc.collect()
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        cycle()
+    gc.collect()
+    assert threading.active_count() <= threads
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    assert store.num_keys() == 0  # each agreement's keys were deleted by its last reader
