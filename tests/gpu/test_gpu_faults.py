@@ -47,7 +47,7 @@ CYCLES = int(os.environ.get("CUPYCOLL_GPU_CYCLES", TIER_CYCLES))
 FIGURE_RUN = CYCLES != TIER_CYCLES
 # One suite launch: ~10 s to start; 8 init/abort cycles (~2 s each over sockets); eight
 # faults that each wait out the 5 s timeout (skip, skip_lazy, never_joins, three recoveries,
-# a shrink from a faulted group, killed) plus ~17 inits: ~90 s, both modes at once, ~100 s with the launches beside them
+# a shrink from a faulted group, killed and shrunk) plus ~18 inits: ~95 s, both modes at once, ~100 s with the launches beside them
 # (20 processes importing torch and CuPy at once).
 # cold skip: start ~10 s, init ~3 s, then an error at ~5 s or the deadline (17 s): <= ~30 s.
 # kill mid-DDP: start + init ~13 s, 20 steps ~2 s, timeout 5 s, destroy, re-init ~3 s: ~30 s.
@@ -162,7 +162,7 @@ def test_a_skipped_collective_errors_on_the_others_within_the_timeout(suites, mo
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_killed_rank_makes_the_survivors_error_within_the_timeout(suites, mode):
+def test_a_killed_rank_makes_the_survivors_error_within_the_timeout_then_shrink_and_go_on(suites, mode, capsys):
     results = _results(suites, mode)
     reports, logs = _reports(suites, mode, "killed")
     assert results[WORLD - 1].returncode == -9, logs
@@ -171,6 +171,13 @@ def test_a_killed_rank_makes_the_survivors_error_within_the_timeout(suites, mode
         report = reports[rank]
         assert report["error"] and report["steps"] >= 20, report
         assert report["since_last_step"] < TIMEOUT_S + GRACE_S, report
+        # the fault aborted the communicator, so the survivors' one is made anew
+        assert report["shrunk"] == {"by": "new", "size": 2, "sum": 3.0, "gathered": [0.0, 1.0], "scattered": 2.0,
+                                    "broadcast": [0.0, 0.0], "received": [0.0, 0.0, 0.0]}, report
+        # the timeout (5 s), the diagnosis (at most 5 s), then a new communicator of two
+        assert report["death_to_first_collective_s"] < TIMEOUT_S + GRACE_S + 15, report
+    figure(capsys, f"{mode} killed rank: seconds from the kill to the shrunk group's first all_reduce",
+           f"{max(reports[r]['death_to_first_collective_s'] for r in (0, 1)):.2f}")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -188,6 +188,7 @@ def train_until_killed(ctx, model, kill_at_step=20, before_step=None):
             if before_step is not None:
                 before_step(step, optimizer)
             if ctx.rank == ctx.world - 1 and step == kill_at_step:
+                ctx.store.set(ctx.key("killed_at"), repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = ddp(torch.randn(32, 256, device=ctx.device)).square().mean()
             optimizer.zero_grad()
@@ -202,9 +203,33 @@ def train_until_killed(ctx, model, kill_at_step=20, before_step=None):
 
 
 def killed(ctx):
-    """The last rank is SIGKILLed in the middle of a training loop."""
+    """The last rank is SIGKILLed in the middle of a training loop. The survivors shrink the
+    default group to themselves (the watchdog aborted its communicator: a new one is made)
+    and run each kind of collective on it; ``death_to_first_collective_s``: from the kill to
+    the end of the shrunk group's first all_reduce."""
     ctx.init()
     _, _, result = train_until_killed(ctx, torch.nn.Linear(256, 256).to(ctx.device))
+    group = cupycoll.shrink_group([ctx.world - 1])
+    x = torch.full((4,), float(ctx.rank + 1), device=ctx.device)
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    result["death_to_first_collective_s"] = time.time() - float(ctx.store.get(ctx.key("killed_at")))
+    size, rank = group.size(), group.rank()
+    gathered = torch.empty(size, device=ctx.device)
+    dist.all_gather_into_tensor(gathered, torch.full((1,), float(rank), device=ctx.device))
+    scattered = torch.empty(1, device=ctx.device)
+    dist.reduce_scatter_tensor(scattered, torch.ones(size, device=ctx.device))
+    root = torch.full((2,), float(rank), device=ctx.device)
+    dist.broadcast(root, 0)
+    peer = torch.full((3,), float(rank), device=ctx.device)
+    if rank == 0:
+        dist.send(peer, 1)
+    else:
+        dist.recv(peer, 0)
+    dist.barrier()
+    torch.cuda.synchronize()
+    result["shrunk"] = {"by": group.shrunk_by, "size": size, "sum": x[0].item(), "gathered": gathered.tolist(),
+                        "scattered": scattered.item(), "broadcast": root.tolist(), "received": peer.tolist()}
     dist.destroy_process_group()
     return result
 
