@@ -3,7 +3,8 @@
 Three ranks train a small model with DistributedDataParallel on cupycoll (CPU tensors: the
 gloo route; ``--device cuda`` for the GPUs), rank 0 writing a checkpoint every few steps.
 At ``--kill-step`` the last rank is killed (SIGKILL) between its forward and its backward.
-The others' gradient all_reduce fails with ``cupycoll.PeerFailedError`` naming it; they call
+The others' gradient all_reduce fails with cupycoll's ``PeerFailedError`` naming it (DDP's C++
+reducer hands it back from ``loss.backward()`` as a ``RuntimeError`` with its text); they call
 ``cupycoll.shrink_group([dead_rank])``, restore the last checkpoint (model and optimizer)
 and train the remaining steps as a job of two. No process is restarted and no new
 ``init_process_group`` is written by the user.
@@ -69,6 +70,11 @@ def new_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
 
 
+def wrap(model, device) -> DDP:
+    """``model`` in DDP over the current default group (which a shrink replaces)."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 def save_checkpoint(path: str, step: int, model, optimizer) -> None:
     partial = path + ".partial"
     torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, partial)
@@ -94,7 +100,7 @@ def run_rank(args, rank: int, world: int) -> int:
     step = 0
     if args.from_checkpoint:
         step = restore(args.from_checkpoint, model, optimizer)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = wrap(model, device)
     report = {"rank": rank, "recovered": None}
     while step < args.steps:
         try:
@@ -112,7 +118,7 @@ def run_rank(args, rank: int, world: int) -> int:
             dead, failed_step = world - 1, step  # the rank the error names (here: the one killed)
             group = cupycoll.shrink_group([dead])  # the survivors' group, now the default one
             step = restore(checkpoint, model, optimizer)
-            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # its first collective
+            ddp = wrap(model, device)  # its first collective, on the shrunk group
             report["recovered"] = {
                 "error_type": type(error).__name__, "error": str(error).splitlines()[0],
                 "failed_step": failed_step, "restored_step": step, "shrunk_size": group.size(),
@@ -143,7 +149,7 @@ def launch(args, argv) -> int:
              for r in range(args.nproc)]
     codes = [rank.wait() for rank in ranks]
     print(f"exit codes: {codes}  (results in {args.out})")
-    killed = args.nproc - 1 if args.kill_step >= 0 and not args.from_checkpoint else None
+    killed = args.nproc - 1 if args.kill_step >= 0 else None
     expected = [-signal.SIGKILL if r == killed else 0 for r in range(args.nproc)]
     return 0 if codes == expected else 1
 

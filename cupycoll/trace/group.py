@@ -191,7 +191,7 @@ class TracedWork(dist.Work):
         """gloo's error as the group explains it (:meth:`GroupTrace.failure`), once: wait()
         and the future may both see it, and the ranks are asked one time."""
         with self._failing:
-            if self._waited is None or self._waited[0] is None:
+            if self._waited is None:
                 self._trace.recorder.mark(self._entry, "failed")
                 error = self._trace.failure(self._entry, exc)
                 if error is not exc:

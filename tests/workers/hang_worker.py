@@ -31,6 +31,13 @@ from cupycoll import compat
 from epilogue import write_json
 
 
+def wait_for_reports(out_dir: str, count: int, seconds: float = 30) -> None:
+    """Until ``count`` ranks have written their report to ``out_dir`` (or ``seconds`` passed)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and len([n for n in os.listdir(out_dir) if n.startswith("rank")]) < count:
+        time.sleep(0.1)
+
+
 def main() -> int:
     out_dir, scenario = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -82,10 +89,7 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         # Busy elsewhere until the others have timed out, asked this rank where it is (its
         # responder thread answers) and written their reports.
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all(
-                os.path.exists(os.path.join(out_dir, f"rank{r}.json")) for r in range(last)):
-            time.sleep(0.1)
+        wait_for_reports(out_dir, last)
     else:
         try:
             dist.all_reduce(t)  # #5
@@ -99,10 +103,7 @@ def main() -> int:
     write_json(out_dir, f"rank{rank}.json", report)
     sys.stdout.flush()
     if rank == 0:  # it hosts the store: the others may still be asking it
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(
-                [n for n in os.listdir(out_dir) if n.startswith("rank")]) < world - (scenario == "kill"):
-            time.sleep(0.1)
+        wait_for_reports(out_dir, world - (scenario == "kill"))
     # A group whose collective failed is not torn down collectively: skip the teardown.
     os._exit(0)
 
