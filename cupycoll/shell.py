@@ -121,8 +121,9 @@ class GroupShell:
         # How this group's communicator was made from another's: "ncclCommShrink", "new"
         # (a shrink that made it anew) or None (a group of its own, or split).
         self.shrunk_by: Optional[str] = None
-        # Set on a group being shrunk: its ending is the shrink's, not torch's destroy.
-        self._shrink_owns_end = False
+        # Set on a default group being shrunk: torch destroys it before the survivors' group
+        # exists, and that group takes its communicator (ncclCommShrink), then ends it.
+        self._ended_by_shrink = False
 
         try:
             shrink = getattr(_SHRINKING, "source", None)
@@ -365,9 +366,17 @@ class GroupShell:
         timeout; then shut the gloo half down. The group is unusable afterwards."""
         if self._cuda.state not in (GroupState.OK, GroupState.ABORTING):  # aborting: the shutdown aborts now
             return
+        if self._ended_by_shrink:  # the shrink under way ends it, after its survivors' group took the communicator
+            return
         self._cuda.shutdown()  # an abort instead shuts gloo down through on_abort
         if self._cuda.state is GroupState.SHUT_DOWN:
             self._cpu_shutdown()
+
+    def hand_over_to_shrink(self) -> None:
+        """Leave this group's end to the shrink of it under way (:mod:`cupycoll.shrink`):
+        torch's ``destroy_process_group`` then shuts nothing down, so the survivors' group
+        can still take the communicator; the shrink ends this group either way."""
+        self._ended_by_shrink = True
 
     def abort(self) -> None:
         """Abort the NCCL communicators at once, without waiting for peers or the GPU: a

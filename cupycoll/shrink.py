@@ -34,8 +34,8 @@ torchrun's agent store does, a TCPStore hosted by the excluded rank 0 does not).
 
 from __future__ import annotations
 
-import itertools
 import logging
+import uuid
 from typing import List, Optional
 
 import torch
@@ -52,9 +52,10 @@ logger = logging.getLogger(__name__)  # a child of "cupycoll"
 SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1  # abort the parent's work in flight before shrinking
 
-# Survivors of one history make their shrinks in the same order, so the n-th shrink of a
-# default group has the same store prefix on each of them.
-_DEFAULT_SHRINKS = itertools.count()
+# The keys under a shrunk default group's store through which its survivors agree on the
+# store prefix of their new default group.
+_PREFIX_KEY = "cupycoll-shrink/prefix"
+_PREFIX_READ_KEY = "cupycoll-shrink/prefix-read"
 
 
 def _check_arguments(ranks_to_exclude, shrink_flags) -> None:
@@ -86,6 +87,20 @@ def _check_ranks(ranks_to_exclude: List[int], size: int, rank: int, name: str) -
         raise RuntimeError(f"rank {rank} is in ranks_to_exclude of process group {name!r}: only the "
                            "ranks that stay call shrink_group (an excluded rank should exit)")
     return sorted(seen)
+
+
+def survivors_prefix(store, survivors: int) -> str:
+    """The store prefix of the survivors' new default group, the same on each of them and
+    fresh: the first survivor to ask draws it, and the last to read it deletes it, so a
+    later group on the same store draws anew. Needs no wait: ``compare_set`` is atomic."""
+    token = store.compare_set(_PREFIX_KEY, "", uuid.uuid4().hex)
+    if store.add(_PREFIX_READ_KEY, 1) == survivors:
+        for key in (_PREFIX_KEY, _PREFIX_READ_KEY):
+            try:
+                store.delete_key(key)
+            except Exception:  # noqa: BLE001 - a store without delete_key keeps two keys
+                pass
+    return f"cupycoll-shrink/{token.decode() if isinstance(token, bytes) else token}/"
 
 
 def check_options(pg_options) -> None:
@@ -151,12 +166,13 @@ def shrink_group(ranks_to_exclude: List[int], group=None, shrink_flags: int = SH
     for other in compat.registered_groups():
         if other is not group and isinstance(other, GroupShell):
             other.abort()  # an excluded rank may never take part in their shutdown
-    shell._shrink_owns_end = True  # torch's destroy must not end the communicator we shrink
+    prefix = survivors_prefix(store, len(survivors))
+    shell.hand_over_to_shrink()
     try:
         dist.destroy_process_group()
         with shrinking(shell, exclude, abort_first):
             kwargs = {"device_id": bound} if bound is not None else {}
-            dist.init_process_group(backend, store=PrefixStore(f"cupycoll-shrink/{next(_DEFAULT_SHRINKS)}/", store),
+            dist.init_process_group(backend, store=PrefixStore(prefix, store),
                                     rank=new_rank, world_size=len(survivors), timeout=shell.settings.timeout,
                                     pg_options=options, **kwargs)
     except BaseException:

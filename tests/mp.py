@@ -253,8 +253,9 @@ def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None)
     showing what it printed."""
     import pytest
 
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", NCCL_IB_DISABLE="1",
-                    **(env or {}))
+    # ``env`` wins over the defaults (a dict merge: the two may name the same variable)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NCCL_IB_DISABLE": "1",
+                **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     # communicate() drains both pipes together, so one child cannot block on a full pipe.
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, text=True,

@@ -95,6 +95,14 @@ class RecordingLibrary(ScriptedLibrary):
             raise NcclError(self.abort_status, "ncclCommAbort", "unhandled system error")
         return 0
 
+    def ncclCommFinalize(self, comm):
+        self.calls.append(("ncclCommFinalize", comm))
+        return 0
+
+    def ncclCommDestroy(self, comm):
+        self.calls.append(("ncclCommDestroy", comm))
+        return 0
+
 
 @pytest.fixture
 def made(monkeypatch, no_device):
@@ -105,6 +113,9 @@ def made(monkeypatch, no_device):
         ptr = 0
 
         def __init__(self, non_blocking=False):
+            pass
+
+        def synchronize(self):
             pass
 
     communicator_module._cuda.cupy_module().cuda.Stream = Stream

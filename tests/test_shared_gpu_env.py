@@ -15,6 +15,8 @@ from typing import Set
 
 import pytest
 
+from mp import run_python
+
 pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,3 +93,12 @@ def test_every_source_that_sets_nccl_hostid_also_disables_infiniband():
 def test_each_known_launcher_also_puts_nccl_on_the_loopback_interface(path):
     names = variables_set((ROOT / path).read_text(encoding="utf-8"))
     assert {"NCCL_HOSTID", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME"} <= names, names
+
+
+def test_run_python_lets_the_caller_env_override_the_shared_defaults():
+    # The GPU tier's DDP parity test passes shared_gpu_env()'s NCCL_IB_DISABLE, which
+    # run_python also sets by default: the caller's value wins, and naming it twice is fine.
+    result = run_python("-c", "import os; print(os.environ['NCCL_IB_DISABLE'], os.environ['NCCL_SOCKET_IFNAME'])",
+                        timeout=60, env={"NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "lo"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "lo"]

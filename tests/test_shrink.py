@@ -199,3 +199,35 @@ def test_fifty_shrinks_leave_threads_fds_and_store_keys_flat(made):
     assert threading.active_count() <= threads
     assert len(os.listdir("/proc/self/fd")) <= fds
     assert store.num_keys() == 0  # each agreement's keys were deleted by its last reader
+
+
+def test_survivors_agree_on_one_fresh_prefix_whatever_each_shrank_before():
+    # Each survivor may have shrunk other groups before (a process-wide count would differ);
+    # the prefix is drawn once per shrink and is the same on every survivor.
+    from cupycoll.shrink import survivors_prefix
+    store = dist.HashStore()
+    first = [survivors_prefix(store, 2) for _survivor in range(2)]
+    assert first[0] == first[1] and first[0].startswith("cupycoll-shrink/")
+    assert store.num_keys() == 0  # the last survivor to read it deleted it
+    again = [survivors_prefix(store, 3) for _survivor in range(3)]
+    assert again[0] == again[1] == again[2] != first[0]  # a later shrink on the same store draws anew
+
+
+@pytest.mark.parametrize("handed_over", [False, True])
+def test_torchs_destroy_leaves_a_group_being_shrunk_to_the_shrink(made, handed_over):
+    # torch destroys a shrunk default group before the survivors' group exists; that group
+    # takes the communicator (ncclCommShrink) only if the destroy left it alive.
+    from standins import CpuAsCudaGroup
+    group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=5))
+    comm = made()
+    group._cuda.comm, group._cuda.device = comm, torch.device("cuda", 0)
+    if handed_over:
+        group.hand_over_to_shrink()
+    group.shutdown()  # what destroy_process_group calls
+    if handed_over:
+        assert comm.state == "ok" and group._cuda.state is GroupState.OK
+        group.abort()  # the shrink's end of it
+        assert comm.state == "aborted"
+    else:
+        assert comm.state == "shut down" and group._cuda.state is GroupState.SHUT_DOWN
+        assert ("ncclCommDestroy", 0x5000) in comm._lib.calls

@@ -337,8 +337,11 @@ def cycles(ctx, count=50, warm=5):
 
 
 def recover(ctx):
-    """Three times: train, a peer skips a collective (fault), every rank aborts and builds
-    a new group on a new store prefix, and training goes on from the same model."""
+    """Three times: train, a peer skips a collective (fault: the others' time out), every
+    rank aborts and builds a new group on a new store prefix, and training goes on from the
+    same model. The skipping rank keeps its communicator until the others have their error:
+    a peer whose communicator is already gone is the cold case, where a blocking
+    communicator's call can hang in the host while NCCL connects (cold_skip)."""
     model = torch.nn.Linear(64, 64).to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     result = {"faults": [], "steps_after_recovery": []}
@@ -353,7 +356,8 @@ def recover(ctx):
         result["steps_after_recovery"].append(5)
         x = torch.ones(4, device=ctx.device)
         if ctx.rank == ctx.world - 1:
-            dist.group.WORLD.abort()  # this rank "fails" and skips the collective
+            ctx.wait_for(f"faulted-{round_}")  # this rank "fails": it skips the collective
+            dist.group.WORLD.abort()
             error = "skipped"
         else:
             def collective():
@@ -361,6 +365,8 @@ def recover(ctx):
                 torch.cuda.synchronize()
                 dist.all_reduce(x)
             _seconds, error = expect_fault(collective)
+            if ctx.store.add(ctx.key(f"faulted/{round_}"), 1) == ctx.world - 1:
+                ctx.store.set(ctx.key(f"faulted-{round_}"), "1")
         result["faults"].append(error)
         del ddp
         dist.destroy_process_group()
