@@ -211,8 +211,9 @@ def run_eagerly_under_compile(cls: type, base: type = ProcessGroup) -> type:
 
 
 def shutdown(group: Optional[ProcessGroup]) -> None:
-    """Shut a gloo-backed group down (its threads end now, not when it is freed); None (a
-    group without a CPU half, as the tests' CUDA stand-ins) has nothing to shut."""
+    """Shut a gloo-backed group down; None (a group without a CPU half, as the tests' CUDA
+    stand-ins) has nothing to shut. gloo's threads and sockets end only when the group is
+    freed (torch 2.7.1 to 2.15 alike), so nothing may keep an ended group alive."""
     # A backend that does not implement shutdown makes torch raise RuntimeError; that leaves
     # the teardown to the destructor.
     if group is None:

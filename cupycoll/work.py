@@ -222,7 +222,15 @@ def failed_future(error: BaseException) -> torch.futures.Future:
         raise error
     start = torch.futures.Future()
     failed = start.then(fail)
-    start.set_result(None)
+    # Raising ``error`` gives it a traceback through this frame and its callers (a Work, its
+    # group); torch before 2.14 leaves that on the error, which the group holds too, so the
+    # group and its gloo threads would outlive their last user until a full garbage
+    # collection. The error keeps the traceback it came with.
+    traceback = error.__traceback__
+    try:
+        start.set_result(None)
+    finally:
+        error.__traceback__ = traceback
     return failed
 
 

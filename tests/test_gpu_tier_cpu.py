@@ -518,6 +518,13 @@ def test_the_fault_suite_runs_every_scenario_and_kills_a_rank_last():
     assert fault_worker.SUITE[-1] == "killed"  # it ends a rank: nothing may come after it
 
 
+def test_a_hung_fault_scenario_shows_its_stacks_before_the_launch_is_killed():
+    fault_worker = importlib.import_module("workers.fault_worker")
+    faults = importlib.import_module("gpu.test_gpu_faults")
+    # the suite's scenarios before the longest (recover) take about 60 s on the GPU machine
+    assert fault_worker.SCENARIO_STACKS_AFTER_S + 60 < faults.SUBPROCESS_LIMITS_S["suite launch"]
+
+
 def test_tier_check_names_what_is_missing():
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "tests/gpu/tier.py", "--check"], cwd=ROOT, env=env,

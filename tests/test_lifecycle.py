@@ -121,3 +121,25 @@ def test_a_group_dropped_during_a_fault_diagnosis_is_still_aborted():
     assert comm.aborted.is_set()
     gc.collect()
     assert backend() is None and all(life._backend() is not None for life in lifecycle._ABORTING)
+
+
+# -- an ended group is freed when its last user lets go -----------------------------------
+
+
+def test_an_aborted_group_with_a_work_in_flight_is_freed_once_dropped():
+    # gloo's threads and sockets end only when the group holding them is freed, so an ended
+    # group must not be kept alive by the errors its Works failed with (a reference cycle
+    # would keep it until a full garbage collection).
+    group = IssuingGroup(None, 0, 2, datetime.timedelta(seconds=5))
+    group._cuda.comm = FakeComm()
+    work = group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
+    gone = weakref.ref(group)
+    gc.disable()
+    try:
+        group.abort()  # the Work is still in flight: it fails with the abort's error
+        group._cuda.event.fired.set()  # the abort ended the kernel
+        assert work.exception() is not None and work.get_future() is not None
+        del group, work
+        assert gone() is None  # freed at once, not by a collection
+    finally:
+        gc.enable()

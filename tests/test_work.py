@@ -46,3 +46,34 @@ def test_a_never_issued_works_foreign_error_is_wrapped_in_a_cupycoll_error():
     error = _never_issued(cause).exception()
     assert type(error) is CupycollError and "send was never issued: staging" in str(error)
     assert error.__cause__ is cause
+
+
+def test_a_failed_future_leaves_its_error_as_it_was_and_holds_no_caller_alive():
+    # The group holds the error its Works failed with; if making the failed future left a
+    # traceback on it, that traceback would hold the Work's frames and the group with them
+    # (and the group's gloo threads) until a full garbage collection.
+    import gc
+    import weakref
+
+    from cupycoll.errors import CollectiveTimeoutError
+    from cupycoll.work import failed_future
+
+    class Owner:
+        pass
+
+    def made_by(owner, error):
+        return failed_future(error)
+
+    error = CollectiveTimeoutError("all_reduce #3 timed out")
+    owner = Owner()
+    gone = weakref.ref(owner)
+    gc.disable()
+    try:
+        future = made_by(owner, error)
+        del owner
+        assert error.__traceback__ is None
+        assert gone() is None  # freed at once, not by a collection
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="CollectiveTimeoutError: all_reduce #3 timed out"):
+        future.wait()

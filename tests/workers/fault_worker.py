@@ -13,6 +13,7 @@ recorded and the next one still runs; "killed" comes last, as it ends a rank.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import signal
 import sys
@@ -42,6 +43,9 @@ NEVER_JOINED_WORDS = ("ranks to join communicator", "from its creator rank", "an
 # The order of the "suite" scenario: the leak check first, on a clean process; "killed" last.
 SUITE = ("cycles", "skip", "skip_lazy", "never_joins", "abort_thread", "recover", "shrink", "killed")
 SUITE_CYCLES = 8
+# A scenario of the suite still running after this long is hung: every thread's stack goes
+# to stderr (which the test shows), before the launch's limit ends the ranks without one.
+SCENARIO_STACKS_AFTER_S = 60
 
 
 def main() -> None:
@@ -58,6 +62,7 @@ def main() -> None:
             ctx.scope, ctx.cycle = name, 1000 * index
             ctx.all_reach("start")  # no scenario begins while a peer is still in the last one
             print(f"rank {rank}: scenario {name} ({mode})", flush=True)
+            faulthandler.dump_traceback_later(SCENARIO_STACKS_AFTER_S)
             try:
                 result = cycles(ctx, SUITE_CYCLES, warm=3) if name == "cycles" else SCENARIOS[name](ctx)
             except Exception:  # noqa: BLE001 - recorded for the test, the suite goes on
@@ -69,6 +74,7 @@ def main() -> None:
                         dist.destroy_process_group()
                 except Exception:  # noqa: BLE001 - best effort, the next scenario starts fresh
                     traceback.print_exc()
+            faulthandler.cancel_dump_traceback_later()
             write_json(out_dir, f"{name}-rank{rank}.json", result or {})
         survivors = world - 1  # "killed" ended the last rank
     else:
