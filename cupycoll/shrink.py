@@ -44,6 +44,7 @@ from torch.distributed import PrefixStore
 
 from . import compat, config
 from .faults.lifecycle import GroupState
+from .nccl.bootstrap import delete_keys
 from .shell import GroupShell, shrinking
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
@@ -95,11 +96,7 @@ def survivors_prefix(store, survivors: int) -> str:
     later group on the same store draws anew. Needs no wait: ``compare_set`` is atomic."""
     token = store.compare_set(_PREFIX_KEY, "", uuid.uuid4().hex)
     if store.add(_PREFIX_READ_KEY, 1) == survivors:
-        for key in (_PREFIX_KEY, _PREFIX_READ_KEY):
-            try:
-                store.delete_key(key)
-            except Exception:  # noqa: BLE001 - a store without delete_key keeps two keys
-                pass
+        delete_keys(store, (_PREFIX_KEY, _PREFIX_READ_KEY))
     return f"cupycoll-shrink/{token.decode() if isinstance(token, bytes) else token}/"
 
 

@@ -60,6 +60,16 @@ def _nothing() -> None:
     return None
 
 
+def delete_keys(store, keys) -> None:
+    """Delete ``keys`` from ``store``; a store without ``delete_key`` keeps them, and
+    nothing else is lost."""
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+
+
 class StoreBootstrap:
     """Shares unique ids among the ranks of one group through ``store``."""
 
@@ -178,11 +188,7 @@ class StoreBootstrap:
             self._delete(f"{base}/{generation}/{suffix}" for suffix in ("uid", "arrived"))
 
     def _delete(self, keys) -> None:
-        for key in keys:
-            try:
-                self._store.delete_key(key)
-            except Exception:  # a store without delete_key: keep the keys, lose nothing else
-                pass
+        delete_keys(self._store, keys)
 
     def _generation(self, base: str, deadline: float) -> int:
         """This creation's generation: the shared value, moved past any generation that is

@@ -116,6 +116,12 @@ class Context:
         while not self.store.check([key]) and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def last_of(self, key, count, then):
+        """Count this rank in under ``key``; the ``count``-th rank to do so sets ``then``
+        (what :meth:`wait_for` waits for)."""
+        if self.store.add(self.key(key), 1) == count:
+            self.store.set(self.key(then), "1")
+
     def all_reach(self, key, seconds=60):
         """A store-only barrier (the group under test may be dead)."""
         self.all_reach_of(key, self.world, seconds)
@@ -162,8 +168,7 @@ def skip(ctx, eager=True):
         result["seconds"], result["error"] = expect_fault(collective)
         # every later call raises at once
         result["later_seconds"], result["later_error"] = expect_fault(lambda: dist.all_reduce(x))
-        if ctx.store.add(ctx.key("survivors"), 1) == ctx.world - 1:
-            ctx.store.set(ctx.key("survivors-done"), "1")
+        ctx.last_of("survivors", ctx.world - 1, then="survivors-done")
     dist.destroy_process_group()
     return result
 
@@ -289,8 +294,7 @@ def never_joins(ctx):
         result["error_types"] = [cls.__name__ for cls in type(exc).__mro__]
         forget_failed_init()
     result["seconds"] = time.monotonic() - start
-    if ctx.store.add(ctx.key("failed"), 1) == ctx.world - 1:
-        ctx.store.set(ctx.key("init-failed"), "1")
+    ctx.last_of("failed", ctx.world - 1, then="init-failed")
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
@@ -371,8 +375,7 @@ def recover(ctx):
                 torch.cuda.synchronize()
                 dist.all_reduce(x)
             _seconds, error = expect_fault(collective)
-            if ctx.store.add(ctx.key(f"faulted/{round_}"), 1) == ctx.world - 1:
-                ctx.store.set(ctx.key(f"faulted-{round_}"), "1")
+            ctx.last_of(f"faulted/{round_}", ctx.world - 1, then=f"faulted-{round_}")
         result["faults"].append(error)
         del ddp
         dist.destroy_process_group()
