@@ -123,9 +123,9 @@ class CudaBackend:
         marked issued here, completed by the watchdog, and a timeout is explained by it."""
         self.trace = trace
         mark = trace.recorder.mark
-        self._watch.on_done = lambda work: mark(getattr(work, "_trace_entry", None), "completed")
+        self._watch.on_done = lambda work: mark(work.trace_entry, "completed")
         self._watch.explain_timeout = lambda work, timeout_s: trace.explain_timeout(
-            getattr(work, "_trace_entry", None), timeout_s)
+            work.trace_entry, timeout_s)
 
     # The group's state, fault and watch are its lifetime's (cupycoll.faults.lifecycle).
     @property
@@ -333,8 +333,8 @@ class CudaBackend:
                                          blocking_wait or self.settings.blocking_wait, own_group, prepare)
             finally:
                 self._submitting = None
-            if entry is not None and getattr(work, "_trace_entry", None) is None:
-                work._trace_entry = entry  # queued: marked issued when its batch launches
+            if entry is not None and work.trace_entry is None:
+                work.trace_entry = entry  # queued: marked issued when its batch launches
         return work
 
     def flush(self) -> None:

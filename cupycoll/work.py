@@ -43,7 +43,8 @@ class CudaWork(dist.Work):
         self.op_name = op_name
         self.seq = seq
         self.peers = peers  # global ranks taking part (None: the whole group)
-        self._issued_at = 0.0
+        self.trace_entry = None  # its flight-recorder entry, when the group records
+        self.watch_handle = None  # its place in the group's watch, once tracked (a WatchHandle)
         self.device = device
         self._outputs = outputs
         self._flush = flush  # set while queued; issues the queue
@@ -79,10 +80,11 @@ class CudaWork(dist.Work):
 
     def _fail(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
         """The watchdog (or a failed issue) ends this Work with ``error``; tensors are released."""
-        self._mark_failed(error, cause)
-        self._release()
+        self.mark_failed(error, cause)
+        self.release()
 
-    def _mark_failed(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
+    # -- what the watch asks of it (cupycoll.faults.watchdog.Watched) ------------------
+    def mark_failed(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
         """Record ``error`` (the first one wins) but keep the tensors: an abort marks its
         Works failed *before* ncclCommAbort, so that a caller woken by the ended kernel
         already sees the fault, and releases them only once the abort has returned."""
@@ -94,9 +96,24 @@ class CudaWork(dist.Work):
         if self._future is None:
             self._future = failed_future(error)
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """Drop the tensors this Work kept alive for the GPU (it is done with them)."""
         self._keepalive = None
+
+    def query_done(self) -> bool:
+        """Has the GPU finished this Work (or has it failed)? Never synchronises."""
+        if self._error is not None:
+            return True
+        event = self._event
+        return event is not None and event.query()
+
+    def _saw_completion(self) -> None:
+        """Its event fired, seen by the caller: the tensors are free, and the watch needs
+        no query of its own."""
+        self._keepalive = None
+        handle = self.watch_handle
+        if handle is not None:
+            handle.cancel()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -112,13 +129,6 @@ class CudaWork(dist.Work):
             self._event = torch.cuda.Event()
             self._event.record(self._stream)
         return self._event
-
-    def _query_done(self) -> bool:
-        """For the watchdog: has the GPU finished this Work? (Never synchronises.)"""
-        if self._error is not None:
-            return True
-        event = self._event
-        return event is not None and event.query()
 
     def describe(self) -> str:
         """op, sequence number, shapes and dtypes, peers: what a timeout message names."""
@@ -145,6 +155,8 @@ class CudaWork(dist.Work):
         elif self._blocking_wait:
             # Returns when the GPU is done, or when an abort ends the stuck kernel.
             self._completion_event().synchronize()
+            if self._error is None:
+                self._saw_completion()
         self._raise_if_failed()
         if self._event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._event)
@@ -161,7 +173,7 @@ class CudaWork(dist.Work):
         self._ensure_issued()
         done = self._completion_event().query()
         if done:
-            self._keepalive = None
+            self._saw_completion()
         return done
 
     def is_success(self) -> bool:

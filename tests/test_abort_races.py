@@ -33,7 +33,7 @@ def test_a_work_tracked_after_the_abort_failed_the_works_fails_and_is_released()
     event.fired.set()  # the abort ended its kernel
     assert not work.is_success()
     assert isinstance(work.exception(), CommunicatorAbortedError)
-    assert work._keepalive is None and work not in group._cuda._watch.inflight
+    assert work._keepalive is None and work not in group._cuda._watch.works()
 
 
 class LateTrackingComm(FakeComm):

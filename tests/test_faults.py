@@ -75,7 +75,7 @@ def test_completed_works_leave_the_watch_and_release_their_tensors():
     works[0][1].fired.set()
     works[1][1].fired.set()
     assert watch.poll() is None
-    assert [w.seq for w in watch.inflight] == [2]
+    assert [w.seq for w in watch.works()] == [2]
     tensor = weakref.ref(works[0][0]._outputs[0])
     del works[0]
     assert tensor() is None  # only the user's Work held it, and that is gone
@@ -91,10 +91,10 @@ def test_a_work_older_than_the_timeout_is_a_fault_naming_the_collective():
     stuck, _ = issued_work(seq=7, shape=(2, 3), op="reduce_scatter_tensor")
     done._event.fired.set()
     watch.track(done)
-    watch.track(stuck)
+    issued_at = watch.track(stuck).issued_at
     # the clock is passed in: a stall of this thread must not age the Works early
-    assert watch.poll(now=stuck._issued_at + 0.04) is None  # not old yet
-    fault = watch.poll(now=stuck._issued_at + 0.06)
+    assert watch.poll(now=issued_at + 0.04) is None  # not old yet
+    fault = watch.poll(now=issued_at + 0.06)
     assert isinstance(fault, CollectiveTimeoutError) and faults == [fault]
     message = str(fault)
     assert "'trainers'" in message and "reduce_scatter_tensor #7" in message and "(2, 3) float32" in message

@@ -194,7 +194,7 @@ def test_the_cuda_route_marks_and_explains_through_the_watchdog(monkeypatch):
     cuda = group._cuda
     monkeypatch.setattr(cuda, "_enqueue", lambda issues: cuda._track(issues, None, False))
     work = group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
-    entry = work._trace_entry
+    entry = work.trace_entry
     rec = group._trace.recorder
     assert entry is not None and entry[2] == "all_reduce" and entry[7] == "issued"
     assert rec.last_issued == 1 and rec.last_completed == 0

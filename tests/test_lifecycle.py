@@ -45,7 +45,8 @@ def test_calls_issued_while_capturing_are_not_handed_to_the_watchdog(monkeypatch
     capture(monkeypatch, False)
     later = issues_of("all_reduce")
     cuda._track(later, FakeStream(), True)
-    assert list(cuda._watch.inflight) == [later[0].work] and later[0].tracked
+    assert cuda._watch.works() == [later[0].work] and later[0].tracked
+    assert later[0].work.watch_handle.work is later[0].work  # the Work holds its handle
     group.abort()
 
 
@@ -56,7 +57,7 @@ def test_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monkeypa
     group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
     group._cuda._watch.inflight.clear()  # the stand-in's _enqueue tracked the inner Work itself
     covering = group._end_coalescing(CUDA)
-    assert covering not in group._cuda._watch.inflight
+    assert covering not in group._cuda._watch.works()
 
 
 # -- the watchdog thread is started again after it died -----------------------------------

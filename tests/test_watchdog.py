@@ -288,7 +288,7 @@ def test_drain_and_the_watchdog_never_drop_an_unfinished_work():
         thread.start()
         watch.poll()
         thread.join()
-        assert list(watch.inflight) == [unfinished] and drained == [False]
+        assert watch.works() == [unfinished] and drained == [False]
 
 
 # -- shutdown -----------------------------------------------------------------------------
@@ -464,6 +464,53 @@ def test_a_completed_work_still_held_releases_its_tensors(how):
     assert work.is_success() and work.result()  # the outputs are the caller's, kept
 
 
+class CountedEvent:
+    """An event that has fired, counting its queries."""
+
+    def __init__(self):
+        self.queries = 0
+
+    def query(self):
+        self.queries += 1
+        return True
+
+
+class NeverDoneEvent:
+    def query(self):
+        return False
+
+
+def _tracked_with(event, timeout=60.0):
+    watch = Watch("g", timeout=timeout, interval=0.01, communicators=list, on_fault=pytest.fail)
+    work, _ = issued_work()
+    work._issued(None, event, keepalive=work._outputs[0])
+    work.watch_handle = watch.track(work)
+    return watch, work
+
+
+def test_a_work_that_saw_its_completion_cancels_its_handle_and_leaves_without_a_query():
+    event = CountedEvent()
+    watch, work = _tracked_with(event)
+    assert work.is_completed() and event.queries == 1  # the caller's query
+    assert work.watch_handle.cancelled and work._keepalive is None
+    assert watch.poll() is None and watch.works() == [] and event.queries == 1
+
+
+def test_a_cancelled_handle_never_times_out():
+    watch, work = _tracked_with(NeverDoneEvent(), timeout=0.05)
+    work.watch_handle.cancel()
+    assert watch.poll(now=work.watch_handle.issued_at + 10) is None
+    assert watch.fault is None and watch.works() == []
+
+
+def test_an_uncancelled_handle_still_times_out():
+    faults = []
+    watch, work = _tracked_with(NeverDoneEvent(), timeout=0.05)
+    watch._on_fault = faults.append
+    assert isinstance(watch.poll(now=work.watch_handle.issued_at + 10), CollectiveTimeoutError)
+    assert faults and isinstance(work.exception(), CollectiveTimeoutError)
+
+
 def test_a_work_done_only_because_it_failed_late_keeps_its_tensors_for_the_abort():
     watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
     watch.close(CommunicatorAbortedError("the group is being aborted"))
@@ -622,7 +669,7 @@ def test_a_query_refused_during_a_capture_is_not_done_yet_not_a_fault(error):
     work = stuck_work()
     work._event = event = CaptureRefusedEvent(error)
     watch.track(work)
-    assert watch.poll() is None and list(watch.inflight) == [work] and work.exception() is None
+    assert watch.poll() is None and watch.works() == [work] and work.exception() is None
     event.capturing = False  # the capture ended
     assert watch.poll() is None and not watch.inflight and work.is_success()
 

@@ -207,20 +207,20 @@ class GroupLifetime:
         watched = self.watching()
         for issue in issues:
             work = issue.work
-            entry = getattr(work, "_trace_entry", None)
+            entry = work.trace_entry
             if entry is None and submitting is not None:  # the call being submitted now
-                entry = work._trace_entry = submitting
+                entry = work.trace_entry = submitting
             if entry is not None and recorder is not None:
                 recorder.mark(entry, "issued")
             work._issued(stream, event, issue.keepalive if async_op else None)
             if watched:
-                self.watch.track(work)
+                work.watch_handle = self.watch.track(work)
                 issue.tracked = True
 
     def track_work(self, work) -> None:
         """The queue's ``track``: a coalescing block's covering Work."""
         if self.watching():
-            self.watch.track(work)
+            work.watch_handle = self.watch.track(work)
 
     def stop_watching(self) -> None:
         if self._watched:

@@ -28,8 +28,12 @@ With the ``terminate`` policy the process exits once that is done or after
 the watchdog's heartbeat (:mod:`cupycoll.faults.heartbeat`): a pass stuck too long is logged with
 the watchdog's stack, and ends the process when a watched group's policy is ``terminate``.
 
-What a Work must offer the watch (duck-typed, testable with stand-ins): ``_query_done()``,
-``_issued_at`` (monotonic seconds), ``describe()``, ``_mark_failed(exc)``, ``_release()``.
+The contract with a Work: it offers the watch the four methods of :class:`Watched`
+(``query_done``, ``describe``, ``mark_failed``, ``release``; stand-ins in tests offer the
+same), and :meth:`Watch.track` returns a :class:`WatchHandle`, which the Work cancels once
+it has seen its own completion (``is_completed()``, a blocking ``wait()``): the watch then
+drops it at its next pass without querying its event, as torch's ``_watchdog`` cancels a
+``stream_timeout`` handle.
 
 Hooks (default None, set by the group): ``on_done(work)`` runs for each Work found
 completed (by the watchdog or a drain); ``on_claim(fault)`` when a fault is claimed, first
@@ -56,7 +60,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Protocol, Tuple
 
 from . import heartbeat, watchdog_cuda
 from .. import hooks
@@ -70,6 +74,41 @@ TERMINATE_EXIT_CODE = 70  # EX_SOFTWARE: an internal error ended the job on purp
 # takes tens to hundreds of ms when healthy) before ``terminate`` exits without it and
 # ``raise`` logs that the abort hangs. torch bounds its abort the same way.
 FAULT_DEADLINE = 15.0
+
+
+class Watched(Protocol):
+    """What a Work offers the watch that tracks it."""
+
+    def query_done(self) -> bool:
+        """Has the GPU finished it (or has it failed)? Never synchronises."""
+
+    def describe(self) -> str:
+        """What a timeout message names: op, sequence number, shapes, peers."""
+
+    def mark_failed(self, error: BaseException) -> None:
+        """Record ``error`` (the first one wins); its tensors stay kept until release()."""
+
+    def release(self) -> None:
+        """Drop the tensors it kept for the GPU."""
+
+
+class WatchHandle:
+    """One tracked Work's place in its watch, returned by :meth:`Watch.track`."""
+
+    __slots__ = ("work", "issued_at", "cancelled")
+
+    def __init__(self, work: Watched):
+        self.work = work
+        self.issued_at = time.monotonic()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """The Work saw its own completion: no timeout can fire for it, and the watch
+        drops it (releasing its tensors) at its next pass without querying its event."""
+        self.cancelled = True
+
+    def done(self) -> bool:
+        return self.cancelled or watchdog_cuda.query_done(self.work)
 
 
 class Watch:
@@ -102,27 +141,32 @@ class Watch:
         # appends, which needs no lock) and claiming the fault.
         self._lock = threading.Lock()
 
-    def track(self, work) -> None:
-        """Hot path: note ``work`` as issued now."""
-        work._issued_at = time.monotonic()
-        self.inflight.append(work)
+    def track(self, work: Watched) -> WatchHandle:
+        """Hot path: note ``work`` as issued now; the handle is the Work's to cancel."""
+        handle = WatchHandle(work)
+        self.inflight.append(handle)
         if self.closed is not None:  # after the append: see "Closing" above
-            self._late(work, self.closed)
+            self._late(handle, self.closed)
+        return handle
+
+    def works(self) -> List[Watched]:
+        """The Works in flight, in issue order."""
+        return [handle.work for handle in list(self.inflight)]
 
     def close(self, reason: BaseException) -> None:
         """No Work may run from now on (a fault was claimed or the abort begins)."""
         self.closed = self.closed or reason
 
-    def _late(self, work, reason: BaseException) -> None:
+    def _late(self, handle: WatchHandle, reason: BaseException) -> None:
         """A Work tracked once closed: failed; released too once the abort has returned."""
-        work._mark_failed(reason)
+        handle.work.mark_failed(reason)
         if self.settled.is_set():
             with self._lock:
                 try:
-                    self.inflight.remove(work)
+                    self.inflight.remove(handle)
                 except ValueError:
                     pass  # the abort's last sweep took it
-            work._release()
+            handle.work.release()
 
     # -- finding completed Works ---------------------------------------------------------
     def _pop_done(self) -> None:
@@ -134,7 +178,7 @@ class Watch:
         inflight = self.inflight
         while inflight:
             head = inflight[0]
-            if not watchdog_cuda.query_done(head):
+            if not head.done():
                 return
             with self._lock:
                 if not inflight or inflight[0] is not head:
@@ -143,8 +187,8 @@ class Watch:
             # Its event fired: the GPU is done with its tensors. (Once closed, it may be done
             # only because it was failed, its kernel still running: the abort releases it.)
             if self.closed is None:
-                head._release()
-            self._done(head)
+                head.work.release()
+            self._done(head.work)
 
     def _done(self, work) -> None:
         if self.on_done is not None:
@@ -190,8 +234,9 @@ class Watch:
 
     def _check(self, now: float) -> Tuple[Optional[CupycollError], object]:
         self._pop_done()
-        for work in list(self.inflight):
-            if now - work._issued_at > self.timeout and not watchdog_cuda.query_done(work):
+        for handle in list(self.inflight):
+            if now - handle.issued_at > self.timeout and not handle.done():
+                work = handle.work
                 return CollectiveTimeoutError(
                     f"process group {self.name!r}: {work.describe()} did not complete within "
                     f"{self.timeout:g} s; a peer may have hung, died or skipped it"), work
@@ -257,7 +302,7 @@ class Watch:
             self.fault = self.closed = fault
         return fault
 
-    def mark_failed(self, error: BaseException) -> List[object]:
+    def mark_failed(self, error: BaseException) -> List[Watched]:
         """Take every Work out of flight and mark it failed with ``error``; its tensors stay
         referenced until :meth:`release` (the kernels may still run until the abort)."""
         failed = []
@@ -265,16 +310,16 @@ class Watch:
             with self._lock:
                 if not self.inflight:
                     return failed
-                work = self.inflight.popleft()
+                work = self.inflight.popleft().work
             try:
-                work._mark_failed(error)
+                work.mark_failed(error)
             finally:
                 failed.append(work)
 
     @staticmethod
-    def release(works: List[object]) -> None:
+    def release(works: List[Watched]) -> None:
         for work in works:
-            work._release()
+            work.release()
 
 
 class Watchdog:

@@ -90,10 +90,10 @@ def is_capture_error(exc: BaseException) -> bool:
 
 
 def query_done(work) -> bool:
-    """``work._query_done()``; a query refused because another thread is capturing a CUDA
+    """``work.query_done()``; a query refused because another thread is capturing a CUDA
     graph (or its capture was invalidated) says nothing of this Work: not done yet."""
     try:
-        return work._query_done()
+        return work.query_done()
     except Exception as exc:  # noqa: BLE001 - anything else is for the caller to judge
         if is_capture_error(exc):
             return False
