@@ -102,8 +102,8 @@ ENVIRONMENT = {
     "CUPYCOLL_TIMEOUT": "seconds; used when neither Options nor init_process_group gives a timeout",
     "CUPYCOLL_COMM_SPLIT": "1 (default): subgroups split the parent's communicator; 0: never",
     "CUPYCOLL_NCCL_LIBRARY": "path of libnccl.so.2 for the ctypes bindings (default: CuPy's)",
-    "CUPYCOLL_SHAPE": "process_group (default): each group is a cupycoll ProcessGroup; backend "
-                      "(torch 2.14+): cupycoll's c10d Backend in the ProcessGroup torch builds",
+    "CUPYCOLL_SHAPE": "backend (default on torch 2.14+): cupycoll's c10d Backend in the ProcessGroup "
+                      "torch builds; process_group (default before): a cupycoll ProcessGroup",
     "CUPYCOLL_NONBLOCKING": "1: nonblocking communicators (abortable even in init); 0 (default)",
     "CUPYCOLL_BLOCKING_WAIT": "1: Work.wait() blocks the CPU until done; 0 (default): stream wait",
     "CUPYCOLL_ON_TIMEOUT": "raise (default): abort and fail the Works; terminate: also exit",
@@ -355,10 +355,11 @@ def algorithm_override() -> Optional[str]:
     return _algorithm_override[-1] if _algorithm_override else None
 
 
-def shape(env: Mapping[str, str] = os.environ) -> str:
+def shape(py_backend: bool, env: Mapping[str, str] = os.environ) -> str:
     """The shape new groups take (``CUPYCOLL_SHAPE``; process-wide, read at each group's
-    creation): ``"process_group"``, a cupycoll ProcessGroup that is the whole group, or
-    ``"backend"``, cupycoll's c10d Backend inside the ProcessGroup torch builds (torch 2.14+).
-    The ProcessGroup stays the default until the Backend shape passes the whole CPU and GPU
-    tiers (README, "Two shapes")."""
-    return parse_choice(SHAPES)(_SHAPE_ENV, env.get(_SHAPE_ENV) or "process_group")
+    creation): ``"backend"``, cupycoll's c10d Backend inside the ProcessGroup torch builds,
+    the default where torch dispatches to a Python Backend (``py_backend``: torch 2.14+,
+    :data:`cupycoll.compat.PY_BACKEND`), or ``"process_group"``, a cupycoll ProcessGroup that
+    is the whole group, the default before (README, "Two shapes")."""
+    default = "backend" if py_backend else "process_group"
+    return parse_choice(SHAPES)(_SHAPE_ENV, env.get(_SHAPE_ENV) or default)

@@ -9,16 +9,23 @@ from typing import Dict, Optional
 
 import torch
 
+from cupycoll import compat, config
+
 
 def backend_shape(env: Optional[Dict[str, str]] = None) -> bool:
     """Does a process with this environment plus ``env`` build groups in the Backend shape?"""
-    return {**os.environ, **(env or {})}.get("CUPYCOLL_SHAPE", "").strip().lower() == "backend"
+    return config.shape(compat.PY_BACKEND, {**os.environ, **(env or {})}) == "backend"
 
 
 def cupycoll_group_type(env: Optional[Dict[str, str]] = None) -> str:
     """The type name of torch's handle of a cupycoll group: cupycoll's ProcessGroup, or in the
     Backend shape torch's own."""
     return "ProcessGroup" if backend_shape(env) else "ProcessGroupCupycoll"
+
+
+# What a worker reports instead of the answer to a CPU call that torch's own gloo, not
+# cupycoll, serves (the Backend shape with "cpu:gloo" named).
+TORCHS_GLOO = "torch's gloo"
 
 
 def shell_of(group):

@@ -19,6 +19,7 @@ from cupycoll import _args, compat, config
 from cupycoll.errors import CupycollValueError
 from installed import cupycoll_entry_points
 from mp import run_ranks
+from shapes import backend_shape, cupycoll_group_type, shell_of
 from workers import gloo_compat_worker
 from workers.gloo_compat_worker import rank_input
 
@@ -250,7 +251,7 @@ def test_init_sets_a_default_backend(world_of_one):
     # torch 2.15 attaches a flight-recorder hook to every new group, which needs the
     # group's default backend: init failed with "Could not find the default backend type 0".
     pg = world_of_one
-    assert isinstance(pg, cupycoll.ProcessGroupCupycoll)
+    assert type(pg).__name__ == cupycoll_group_type()
     hooks = getattr(dist.distributed_c10d._world, "pg_flight_recorder_hooks", None)
     if compat.TORCH >= (2, 15):
         assert pg in hooks
@@ -288,19 +289,22 @@ def test_split_source_offered_only_to_cupycoll_groups(world_of_one):
 
 def test_the_group_creator_runs_inside_torchs_helper_that_names_the_cuda_backend(monkeypatch):
     # CudaBackend.supports_splitting tells a new cupycoll group from any other by this frame.
-    from cupycoll import process_group
+    from cupycoll import shell
 
     seen = []
+    read_arguments = shell.group_arguments
 
-    class Recording(process_group.ProcessGroupCupycoll):
-        def __init__(self, *args, **kwargs):
-            seen.append(compat.cuda_backend_being_created())
-            super().__init__(*args, **kwargs)
+    def recording(*args):
+        seen.append(compat.cuda_backend_being_created())
+        return read_arguments(*args)
 
-    monkeypatch.setattr(process_group, "ProcessGroupCupycoll", Recording)
+    monkeypatch.setattr(shell, "group_arguments", recording)  # each shape's creator reads them
+    if compat.PY_BACKEND:
+        from cupycoll import py_backend
+        monkeypatch.setattr(py_backend, "group_arguments", recording)
     dist.init_process_group("cpu:gloo,cuda:cupycoll", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert isinstance(dist.group.WORLD, Recording)
+        assert type(dist.group.WORLD).__name__ == cupycoll_group_type()
     finally:
         dist.destroy_process_group()
     assert seen == ["cupycoll"]
@@ -356,20 +360,22 @@ def test_pg_options_reach_the_group_settings():
     dist.init_process_group("cpu:gloo,cuda:cupycoll", store=dist.HashStore(), rank=0,
                             world_size=1, pg_options=cupycoll.Options(timeout=42, algorithm="ring"))
     try:
-        world = dist.group.WORLD
-        assert isinstance(world, cupycoll.ProcessGroupCupycoll)
+        world = shell_of(dist.group.WORLD)
+        assert type(dist.group.WORLD).__name__ == cupycoll_group_type()
         assert world.settings.timeout == datetime.timedelta(seconds=42)
         assert world.settings.algorithm == "ring"
-        # the CPU route's gloo runs with the same timeout
-        gloo = world._get_backend(torch.device("cpu"))
+        # the shell's gloo half runs with the same timeout (in the Backend shape, torch's own
+        # gloo serves "cpu:gloo" calls with init_process_group's timeout: README, "Two shapes")
+        gloo = world._cpu._get_backend(torch.device("cpu")) if backend_shape() else world._cpu
         assert gloo.options._timeout == datetime.timedelta(seconds=42)
         sub = dist.new_group([0], pg_options=cupycoll.Options(timeout=17, check_collectives=True))
         plain = dist.new_group([0])
-        assert all(isinstance(g, cupycoll.ProcessGroupCupycoll) for g in (sub, plain))
-        assert sub.settings.timeout == datetime.timedelta(seconds=17)
-        assert sub.settings.check_collectives and sub.settings.algorithm == "auto"
+        assert all(type(g).__name__ == cupycoll_group_type() for g in (sub, plain))
+        sub_shell, plain_shell = shell_of(sub), shell_of(plain)
+        assert sub_shell.settings.timeout == datetime.timedelta(seconds=17)
+        assert sub_shell.settings.check_collectives and sub_shell.settings.algorithm == "auto"
         # without options a subgroup gets the defaults, not the default group's options
-        assert plain.settings == config.resolve(None, None)
+        assert plain_shell.settings == config.resolve(None, None)
         t = torch.ones(2)
         dist.all_reduce(t, group=sub)
         assert torch.equal(t, torch.ones(2))
@@ -382,8 +388,9 @@ def test_pg_options_reach_the_group_settings():
 def test_torch_flight_recorder_hook_on_a_cupycoll_group(monkeypatch):
     """What torch 2.15's auto-attached flight-recorder hook records for a cupycoll group: the
     hook itself nothing (cupycoll's Python methods replace the C++ ones it wraps), so torch's
-    dump holds each CPU call once, as the inner gloo's own entry, under an empty group name
-    (the inner gloo has none), as on 2.11 and 2.13 without a hook."""
+    dump holds each CPU call once, as gloo's own entry. In the ProcessGroup shape that is the
+    inner gloo, which has no group name (as on 2.11 and 2.13 without a hook); in the Backend
+    shape torch's own gloo in torch's ProcessGroup, filed under the group's name."""
     import json
 
     from torch._C import _distributed_c10d as c10d
@@ -400,12 +407,12 @@ def test_torch_flight_recorder_hook_on_a_cupycoll_group(monkeypatch):
         dist.broadcast(t, 0)
         dist.all_reduce(torch.ones(5))
         entries = json.loads(c10d._dump_fr_trace_json()).get("entries", [])
+        name = [pg.group_name, "default_pg"] if backend_shape() else ["", ""]
+        # exactly gloo's three entries: the hook filed none of its own
         assert [(e["collective_seq_id"], e["profiling_name"], e["input_sizes"], e["process_group"])
-                for e in entries] == [(1, "gloo:all_reduce", [[3]], ["", ""]),
-                                      (2, "gloo:broadcast", [[3]], ["", ""]),
-                                      (3, "gloo:all_reduce", [[5]], ["", ""])]
-        # the hook would file its own entries under the backend serving the call: none
-        assert json.loads(c10d._dump_fr_trace_json(backend="cupycoll")).get("entries", []) == []
+                for e in entries] == [(1, "gloo:all_reduce", [[3]], name),
+                                      (2, "gloo:broadcast", [[3]], name),
+                                      (3, "gloo:all_reduce", [[5]], name)]
     finally:
         dist.destroy_process_group()
 
@@ -413,15 +420,14 @@ def test_torch_flight_recorder_hook_on_a_cupycoll_group(monkeypatch):
 def test_the_cpu_route_hands_gloo_the_callers_tensors(world_of_one):
     tensor = torch.arange(3.0)
     work = dist.all_reduce(tensor, async_op=True)
-    work.wait()
-    handed = work.result()[0]
+    handed = work.get_future().wait()[0]  # torch's Work in the Backend shape has no result()
     assert handed is tensor and torch.equal(handed, torch.arange(3.0))
 
 
 def test_pg_options_do_not_shadow_torch(world_of_one):
     # cupycoll's options take a name of their own, never one of torch's ProcessGroup.
     pg = world_of_one
-    assert isinstance(pg.pg_options, cupycoll.Options)
+    assert isinstance(shell_of(pg).pg_options, cupycoll.Options)
     if "options" in dir(dist.ProcessGroup):
         assert not isinstance(pg.options, cupycoll.Options)
 
@@ -444,7 +450,7 @@ def test_lazy_backend_entry_point():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ProcessGroupCupycoll"
+    assert out.stdout.strip() == cupycoll_group_type()
 
 
 # ----------------------------------------------------------------------------- CuPy

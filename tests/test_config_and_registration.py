@@ -568,11 +568,12 @@ def test_readme_links_are_absolute_and_name_files_of_the_checkout():
             assert (CHECKOUT / path).is_file(), f"README links to {link}, which this checkout lacks"
 
 
-def test_the_shape_defaults_to_the_process_group_and_names_a_bad_value():
-    assert config.shape({}) == "process_group"
-    assert config.shape({"CUPYCOLL_SHAPE": " Backend "}) == "backend"
+def test_the_shape_defaults_to_the_backend_where_torch_dispatches_to_one_and_names_a_bad_value():
+    assert config.shape(True, {}) == "backend" and config.shape(False, {}) == "process_group"
+    assert config.shape(False, {"CUPYCOLL_SHAPE": " Backend "}) == "backend"
+    assert config.shape(True, {"CUPYCOLL_SHAPE": "process_group"}) == "process_group"
     with pytest.raises(CupycollValueError, match="CUPYCOLL_SHAPE='c10d': expected one of process_group, backend"):
-        config.shape({"CUPYCOLL_SHAPE": "c10d"})
+        config.shape(True, {"CUPYCOLL_SHAPE": "c10d"})
 
 
 def test_the_backend_shape_on_a_torch_without_the_trampoline_is_refused_by_name(monkeypatch):

@@ -25,6 +25,7 @@ from cupycoll.backend import CudaBackend
 from cupycoll.errors import CommunicatorAbortedError
 from cupycoll.faults.lifecycle import GroupState
 from mp import run_ranks
+from shapes import TORCHS_GLOO, backend_shape, cupycoll_group_type
 from test_communicator import made  # noqa: F401 - a fixture
 from test_faults import no_device  # noqa: F401 - a fixture
 
@@ -37,7 +38,7 @@ def _run(tmp_path, backend, scenario, env=None):
             for rank in range(3) if (out / f"rank{rank}.json").exists()}
 
 
-def _check_survivors(reports, group_type="ProcessGroupCupycoll"):
+def _check_survivors(reports, group_type):
     for rank in (0, 1):
         report = reports[rank]
         assert report["before"] == [3.0] * 4  # the bad arguments changed nothing
@@ -45,7 +46,8 @@ def _check_survivors(reports, group_type="ProcessGroupCupycoll"):
         # "new": a CPU route has no communicator to shrink
         assert report["type"] == group_type and report["shrunk_by"] == "new", report
         assert report["after"] == [3.0] * 3 and report["gathered"] == [0.0, 1.0], report
-        assert report["parent_error"] is not None, report  # torch knows the old group no more
+        if report["parent_error"] != TORCHS_GLOO:
+            assert report["parent_error"] is not None, report  # torch knows the old group no more
         error = report["parent_call_error"]
         assert error["type"] == "CommunicatorAbortedError", error
         assert "was shrunk (ranks [2] left out); use the group shrink_group returned" in error["text"], error
@@ -54,18 +56,21 @@ def _check_survivors(reports, group_type="ProcessGroupCupycoll"):
 def test_shrinking_the_default_group_makes_the_survivors_world(tmp_path):
     reports = _run(tmp_path, "cupycoll", "default")
     assert 2 not in reports  # it left without a word
-    _check_survivors(reports)
+    _check_survivors(reports, cupycoll_group_type())
     for rank in (0, 1):
         report = reports[rank]
         assert report["is_default"] and report["world_size"] == 2, report
         assert not report["other_registered"], report  # torch's rule: every other group goes
 
 
-@pytest.mark.skipif(not compat.PY_BACKEND, reason="the c10d Backend shape needs torch 2.14+")
-def test_torchs_shrink_group_shrinks_the_backend_shape(tmp_path):
-    # cupycoll.shrink_group hands over to dist.shrink_group, which calls CupycollBackend.shrink
-    reports = _run(tmp_path, "cupycoll", "default", env={"CUPYCOLL_SHAPE": "backend"})
-    _check_survivors(reports, group_type="ProcessGroup")
+@pytest.mark.skipif(not compat.PY_BACKEND, reason="torch before 2.14 has the ProcessGroup shape alone, "
+                                                   "which the default group's test runs")
+def test_shrinking_the_default_group_in_the_shape_that_is_not_the_default(tmp_path):
+    # Backend shape: cupycoll.shrink_group hands over to dist.shrink_group, which calls
+    # CupycollBackend.shrink; ProcessGroup shape: cupycoll's own shrink
+    shape = "process_group" if backend_shape() else "backend"
+    reports = _run(tmp_path, "cupycoll", "default", env={"CUPYCOLL_SHAPE": shape})
+    _check_survivors(reports, cupycoll_group_type({"CUPYCOLL_SHAPE": shape}))
     for rank in (0, 1):
         assert reports[rank]["is_default"] and reports[rank]["world_size"] == 2, reports[rank]
 
@@ -73,7 +78,7 @@ def test_torchs_shrink_group_shrinks_the_backend_shape(tmp_path):
 def test_shrinking_a_subgroup_leaves_the_default_group_whole_and_bad_arguments_change_nothing(tmp_path):
     # "cpu:gloo,cuda:cupycoll": the other backend string (the default group's test has "cupycoll")
     reports = _run(tmp_path, "cpu:gloo,cuda:cupycoll", "subgroup")
-    _check_survivors(reports)  # "before": the all_reduce of all three after the bad calls
+    _check_survivors(reports, cupycoll_group_type())  # "before": the all_reduce of all three after the bad calls
     for rank in (0, 1):
         report = reports[rank]
         assert not report["is_default"] and report["world_size"] == 3 and report["other_registered"], report
@@ -119,13 +124,13 @@ class _Work:
     def __init__(self, events):
         self.events = events
 
-    def _query_done(self):
+    def query_done(self):
         return False
 
-    def _mark_failed(self, error):
+    def mark_failed(self, error):
         self.events.append(("failed", str(error)))
 
-    def _release(self):
+    def release(self):
         self.events.append(("released",))
 
 
@@ -135,8 +140,7 @@ def test_shrink_from_takes_the_communicator_from_a_healthy_parent(made, monkeypa
     events = comm._lib.calls
     parent = _parent_with(comm)
     if in_flight:
-        monkeypatch.setattr("cupycoll.faults.watchdog_cuda.query_done", lambda work: work._query_done())
-        parent.life.watch.inflight.append(_Work(events))
+        parent.life.watch.track(_Work(events))
     child = _backend(dist.HashStore(), 0, 1)
     assert child.shrink_from(parent, [1, 2], abort_first=False) == "ncclCommShrink"
     shrink = [c for c in events if c[0] == "ncclCommShrink"]

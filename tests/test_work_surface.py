@@ -1,9 +1,14 @@
 """The Works of cupycoll's CPU route against gloo's own, method by method, on the torch that
-runs the suite (every CI leg): wait, wait(timeout), is_completed, is_success, exception,
-result, get_future and source_rank, for collectives, barrier, send and recv (a fixed source
-and any source), and a recv not finished yet. Two ranks in processes, one launch per backend
-(tests/workers/work_surface_worker.py); the CUDA route's Work is tests/test_work.py's
-and, under the watchdog, tests/test_faults.py's and tests/test_watchdog.py's.
+runs the suite (every CI leg) in its default shape: wait, wait(timeout), is_completed,
+is_success, exception, result, get_future and source_rank, for collectives, barrier, send
+and recv (a fixed source and any source), and a recv not finished yet. Two ranks in
+processes, one launch per backend (tests/workers/work_surface_worker.py); the CUDA route's
+Work is tests/test_work.py's and, under the watchdog, tests/test_faults.py's and
+tests/test_watchdog.py's.
+
+In the Backend shape the caller holds torch's wrapper of cupycoll's Work, which passes on
+``wait()`` and ``get_future()`` alone and answers the rest itself (:data:`HOLDER_ANSWERS`;
+README, "Two shapes").
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import re
 import pytest
 
 from mp import start_ranks, wait_all
+from shapes import backend_shape
 from workers.work_surface_worker import QUIET_DONE
 
 @pytest.fixture(scope="module")
@@ -43,6 +49,21 @@ def _gloos_own(case: str) -> bool:
     return case in GLOOS_OWN
 
 
+# What torch's holder of a Python Backend's Work answers itself, whatever the Work behind it
+# would (torch 2.14.1 and 2.15: it passes on wait() and get_future() alone).
+HOLDER_ANSWERS = {"is_completed": {"value": False}, "is_completed after": {"value": False},
+                  "result": {"raised": "RuntimeError", "text": "result() not implemented."},
+                  "source_rank": {"raised": "RuntimeError", "text": "sourceRank() may only be called "
+                                  "on work objects that correspond to a recv or recv-from-any call."}}
+
+
+def _as_gloo(method: str, gloos):
+    """What our Work answers for ``method`` where gloo's answers ``gloos``."""
+    if backend_shape() and method in HOLDER_ANSWERS:
+        return HOLDER_ANSWERS[method]
+    return gloos
+
+
 def _unusable(outcome) -> bool:
     # torch 2.11 cannot hand Work.exception()'s std::exception_ptr to Python (TypeError)
     return outcome.get("raised") == "TypeError"
@@ -59,10 +80,13 @@ def test_every_work_method_answers_as_gloo_does(surfaces):
                 if method == "exception" and _unusable(expected) and not _gloos_own(case):
                     assert got == {"value": None}, (rank, case, got)  # usable where gloo's is not
                 else:
-                    assert got == expected, (rank, case, method, got, expected)
+                    assert got == _as_gloo(method, expected), (rank, case, method, got, expected)
 
 
 def test_a_finished_work_says_completed_and_successful_without_raising(surfaces):
+    if backend_shape():
+        pytest.skip("in the Backend shape torch's holder answers is_completed itself "
+                    "(HOLDER_ANSWERS, pinned by test_every_work_method_answers_as_gloo_does)")
     ours, _ = surfaces["cupycoll"]
     for rank in range(2):
         for case, methods in ours[rank].items():
@@ -104,4 +128,5 @@ def test_a_collective_unfinished_when_its_group_closes_fails_at_once(surfaces):
                             r"on rank 0; gloo may still write its output until its own timeout",
                             got["wait"]["text"]), got
         assert got["wait_s"] < 1  # not gloo's 3 s timeout
-        assert got["is_completed"] == {"value": True} and got["is_success"] == {"value": False}
+        if not backend_shape():  # torch's holder answers these itself (HOLDER_ANSWERS)
+            assert got["is_completed"] == {"value": True} and got["is_success"] == {"value": False}
