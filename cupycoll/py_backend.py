@@ -42,6 +42,7 @@ from .shrink import SHRINK_ABORT, check_options
 
 _CPU = torch.device("cpu")
 _GLOO = ProcessGroup.BackendType.GLOO
+_CUSTOM = ProcessGroup.BackendType.CUSTOM
 _ErrorType = c10d.ErrorType
 
 # The calls torch's trampoline dispatches by the names the shell already answers to.
@@ -218,6 +219,21 @@ for _name in CALLS:
 
 compat.run_eagerly_under_compile(CupycollBackend, c10d.Backend)
 compat.run_eagerly_under_compile(CpuView, c10d.Backend)
+
+
+def register_shrunk(group: ProcessGroup) -> ProcessGroup:
+    """Register the survivors' backend in the ProcessGroup ``dist.shrink_group`` built for
+    them as :func:`create` registers one: for CUDA as a custom backend (the group's default),
+    its :class:`CpuView` for the CPU. torch (2.14.1, 2.15) registers it under the one device
+    it finds (the bound one, else the CPU) with its own type for that device (NCCL, GLOO):
+    the other device then has no backend, and torch code that trusts the type crashes
+    (DDP's logger takes a "gloo" group's backend for torch's ProcessGroupGloo)."""
+    bound = getattr(group, "bound_device_id", None)
+    backend = group._get_backend(bound if bound is not None else _CPU)
+    group._register_backend(torch.device("cuda"), _CUSTOM, backend)
+    group._register_backend(_CPU, _GLOO, CpuView(backend))
+    group._set_default_backend(_CUSTOM)
+    return group
 
 
 def create(dist_backend_opts, pg_options, cls: type = None) -> CupycollBackend:

@@ -45,6 +45,7 @@ def _check_survivors(reports, group_type):
         assert (report["size"], report["rank"]) == (2, rank), report
         # "new": a CPU route has no communicator to shrink
         assert report["type"] == group_type and report["shrunk_by"] == "new", report
+        assert report["cuda_backend"] in ("CudaBackend", "CupycollBackend"), report  # by shape
         assert report["after"] == [3.0] * 3 and report["gathered"] == [0.0, 1.0], report
         if report["parent_error"] != TORCHS_GLOO:
             assert report["parent_error"] is not None, report  # torch knows the old group no more

@@ -112,6 +112,10 @@ def main() -> int:
                                 _error(lambda: dist.all_reduce(torch.ones(1), group=parent))),
                   parent_call_error=_error(lambda: shell_of(parent).allreduce([torch.ones(1)]).wait()),
                   other_registered=other in dist.distributed_c10d._world.pg_map)
+    # torch code that trusts the group's backend type works on it (DDP's logger), and a
+    # CUDA call would reach cupycoll whatever device torch found when it shrank
+    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1), process_group=child)
+    report["cuda_backend"] = type(child._get_backend(torch.device("cuda"))).__name__
     x = torch.full((3,), float(rank + 1))
     dist.all_reduce(x, group=child)
     report["after"] = x.tolist()
