@@ -4,7 +4,8 @@ A :class:`CallQueue` decides *when* calls reach NCCL, never *how* (its owner,
 :class:`~cupycoll.backend.CudaBackend`, enqueues a batch given to its ``enqueue``
 callback as one NCCL group):
 
-* a collective is issued at once, after whatever is queued;
+* a collective is issued at once, after whatever is queued: :meth:`~CallQueue.submit`
+  hands it back, and the backend enqueues it itself (no callback on the hot path);
 * a point-to-point call waits, and its Work carries the queue's :meth:`~CallQueue.flush`,
   so touching the Work (or making any other call) issues the batch;
 * between ``_start_coalescing`` and ``_end_coalescing`` every call waits for the block's
