@@ -44,7 +44,10 @@ def single(tensors, what: str) -> torch.Tensor:
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
         count = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
         raise CupycollValueError(f"{what}: cupycoll takes exactly one tensor per process, got {count}")
-    return check_tensor(tensors[0], what)
+    tensor = tensors[0]
+    if not isinstance(tensor, torch.Tensor):
+        check_tensor(tensor, what)  # raises, naming what it is
+    return tensor
 
 
 def single_list(lists, what: str):
@@ -328,6 +331,11 @@ def fp8_supported() -> bool:
     return nb.fp8_supported(_cuda.nccl_module().get_version())
 
 
+# (dtype, RedOpType value, algorithm, one rank) -> the plan, for every op but PREMUL_SUM:
+# what the hot path looks up instead of deciding again.
+_PLANS: dict = {}
+
+
 def reduction_plan(tensor: torch.Tensor, reduce_op, algorithm: str,
                    group_size: int) -> Union[Reduction, RingReduction]:
     """How to reduce ``tensor`` with ``reduce_op``: on NCCL (a :class:`Reduction`) or on the
@@ -336,6 +344,17 @@ def reduction_plan(tensor: torch.Tensor, reduce_op, algorithm: str,
     ``algorithm``: ``auto`` picks the ring only for what NCCL lacks (bitwise ops), ``ring``
     always (raising for a pair the ring cannot do), ``nccl`` never."""
     kind = op_type(reduce_op)
+    key = (tensor.dtype, kind.value, algorithm, group_size == 1)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(tensor, reduce_op, kind, algorithm, group_size)
+        if kind.value != _PREMUL_SUM:  # a factor is per call
+            _PLANS[key] = plan
+    return plan
+
+
+def _plan(tensor: torch.Tensor, reduce_op, kind: RedOpType, algorithm: str,
+          group_size: int) -> Union[Reduction, RingReduction]:
     dtype = tensor.dtype
     if algorithm == "ring" or (algorithm == "auto" and kind.value in BITWISE_VALUES):
         ring_dtype, ring_op = ring_names(dtype, kind)
@@ -358,6 +377,9 @@ def factor_tensor(plan: Union[Reduction, RingReduction]) -> Optional[torch.Tenso
     freed and reused before an async call's kernel reads it."""
     factor = plan.premul_tensor if isinstance(plan, RingReduction) else plan.premul_factor
     return factor if isinstance(factor, torch.Tensor) else None
+
+
+_PREMUL_SUM = RedOpType.PREMUL_SUM.value
 
 
 def _premul_checked(factor, tensor: torch.Tensor):

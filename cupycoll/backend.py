@@ -329,8 +329,11 @@ class CudaBackend:
                 entry[E_ROUTE] = "ring"
             self._submitting = entry  # _enqueue gives it to this call's Work if it launches now
             try:
-                work = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op, peer,
-                                         blocking_wait or self.settings.blocking_wait, own_group, prepare)
+                work, now = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op,
+                                              peer, blocking_wait or self.settings.blocking_wait, own_group,
+                                              prepare)
+                if now is not None:
+                    self._enqueue([now])
             finally:
                 self._submitting = None
             if entry is not None and work.trace_entry is None:
@@ -354,7 +357,7 @@ class CudaBackend:
             # them can never wait in a cycle.
             comms = {peer: self.p2p_comm(peer) for peer in sorted({i.peer for i in issues} - {None})}
         current = torch.cuda.current_stream(device)
-        async_op = any(i.async_op for i in issues)
+        async_op = issues[0].async_op if len(issues) == 1 else any(i.async_op for i in issues)
         if async_op:
             stream = self._internal_stream(self.comm or comms[min(comms)])
             stream.wait_stream(current)
@@ -393,7 +396,10 @@ class CudaBackend:
                 issue.prepare(self.comm if issue.peer is None else comms[issue.peer])
             if issue.own_group:  # the ring: several steps, any of them may fail
                 launched.append(issue)
-            self._launch(issue, comms, stream_ptr)
+            if issue.peer is None:  # the hot path: one collective on the group's communicator
+                issue.launch(self.comm, stream_ptr)
+            else:
+                self._launch(issue, comms, stream_ptr)
             launched.append(issue)  # its one NCCL call (or own NCCL group) did not raise
         else:
             for issue in issues:

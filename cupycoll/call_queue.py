@@ -4,7 +4,8 @@ A :class:`CallQueue` decides *when* calls reach NCCL, never *how* (its owner,
 :class:`~cupycoll.backend.CudaBackend`, enqueues a batch given to its ``enqueue``
 callback as one NCCL group):
 
-* a collective is issued at once, after whatever is queued;
+* a collective is issued at once, after whatever is queued: :meth:`~CallQueue.submit`
+  hands it back, and the backend enqueues it itself (no callback on the hot path);
 * a point-to-point call waits, and its Work carries the queue's :meth:`~CallQueue.flush`,
   so touching the Work (or making any other call) issues the batch;
 * between ``_start_coalescing`` and ``_end_coalescing`` every call waits for the block's
@@ -31,7 +32,7 @@ from __future__ import annotations
 import inspect
 import threading
 import warnings
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -92,9 +93,11 @@ class CallQueue:
 
     # -- calls -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish, keepalive, async_op, peer,
-               blocking_wait, own_group, prepare=None) -> CudaWork:
-        """Queue or issue one call. The caller holds :attr:`lock` (CudaBackend.submit does)."""
-        if _block_owner() is not None:
+               blocking_wait, own_group, prepare=None) -> Tuple[CudaWork, Optional[Issue]]:
+        """Queue one call, or, for a collective outside a block, issue what is queued and
+        hand the call back: ``(its Work, the Issue to enqueue now or None)``. The caller
+        holds :attr:`lock` (CudaBackend.submit does) and enqueues that Issue itself."""
+        if _open_block_owner.__dict__.get("queue") is not None:
             self.check_block_scope(op_name)
         self._seq += 1
         queued = self.block is not None or peer is not None
@@ -106,10 +109,10 @@ class CallQueue:
             self.pending.append(issue)
             if self.block is not None:
                 self.block.append(work)
-            return work
-        self._flush()
-        self._enqueue([issue])
-        return work
+            return work, None
+        if self.pending:
+            self._flush()
+        return work, issue
 
     def flush(self) -> None:
         """Issue every queued call as one NCCL group (not while a coalescing block is open:

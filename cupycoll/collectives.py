@@ -107,16 +107,21 @@ def all_reduce(backend, tensors, opts) -> CudaWork:
     tensor = _args.single(tensors, "all_reduce")
     device = backend.check_device(tensor, "all_reduce tensor")
     plan = _plan(backend, tensor, opts.reduceOp)
-    ptr, keep = tensor.data_ptr(), (tensor, _args.factor_tensor(plan))
+    ptr = tensor.data_ptr()
     if isinstance(plan, RingReduction):
         return backend.submit("all_reduce", device, [tensor],
                            _ring_launch(backend, plan, "all_reduce", ptr, ptr, tensor.numel()),
-                           keepalive=keep, async_op=_async_requested(opts), own_group=True,
-                           prepare=_ring_prepare(backend, plan, "all_reduce", tensor.numel()))
+                           keepalive=(tensor, _args.factor_tensor(plan)), async_op=_async_requested(opts),
+                           own_group=True, prepare=_ring_prepare(backend, plan, "all_reduce", tensor.numel()))
     count = tensor.numel() * plan.count_scale
+    if plan.premul_factor is None:  # the hot path: one NCCL call, no op to make first
+        dtype, op = plan.dtype, plan.op
+        return backend.submit("all_reduce", device, [tensor],
+                              lambda comm, s: comm.all_reduce(ptr, ptr, count, dtype, op, s),
+                              keepalive=tensor, async_op=_async_requested(opts))
     launch, prepare = _reduce_launch(plan, tensor.dtype,
                                      lambda comm, op, s: comm.all_reduce(ptr, ptr, count, plan.dtype, op, s))
-    return backend.submit("all_reduce", device, [tensor], launch, keepalive=keep,
+    return backend.submit("all_reduce", device, [tensor], launch, keepalive=(tensor, _args.factor_tensor(plan)),
                        async_op=_async_requested(opts), prepare=prepare)
 
 

@@ -148,9 +148,10 @@ class GroupShell:
         """True when the call goes to NCCL, False for gloo. Records the call (see
         :mod:`cupycoll.trace.group`): a CUDA call's entry goes to the backend, a CPU call's
         to :meth:`_gloo`."""
-        if self._classify(tensors, op_name):
+        flat = _args.flat(tensors)
+        if self._classify(flat, op_name):
             if not op_name.endswith("_coalesced"):  # its parts are recorded one by one
-                self._record(tensors, op_name, opts, peer, "nccl")
+                self._record(tensors, flat, op_name, opts, peer, "nccl")
             return True
         calls = self._cuda.calls
         if calls.block is not None and not calls.drop_stale_block():
@@ -159,27 +160,34 @@ class GroupShell:
                 f"{self._group_name!r}: a block coalesces one device's calls; use a separate "
                 "_coalescing_manager(device=torch.device('cpu')) for CPU tensors")
         calls.flush()  # a queued CUDA send/recv must not wait behind unrelated CPU work
-        self._record(tensors, op_name, opts, peer, "gloo")
+        self._record(tensors, flat, op_name, opts, peer, "gloo")
         return False
 
-    def _record(self, tensors, op_name, opts, peer, route) -> None:
+    def _record(self, tensors, flat, op_name, opts, peer, route) -> None:
+        """Record the call of ``tensors`` (``flat``: them as one list)."""
         root = peer
         if op_name in _ROOTED:
             root = opts.rootRank
             # gather's outputs and scatter's inputs exist on the root only: record what all pass
-            tensors = tensors[_ROOT_ONLY[op_name]] if op_name in _ROOT_ONLY else tensors
-        self._trace.call(op_name, _args.flat(tensors), root, opts, route, self._cpu)
+            if op_name in _ROOT_ONLY:
+                flat = _args.flat(tensors[_ROOT_ONLY[op_name]])
+        self._trace.call(op_name, flat, root, opts, route, self._cpu)
 
     def _gloo(self, call, *args) -> dist.Work:
         """``call(*args)`` on the gloo half, its Work traced."""
         return self._trace.gloo(call(*args))
 
-    def _classify(self, tensors, op_name: str) -> bool:
-        """Is this a CUDA call? Rejects calls that mix device types or CUDA devices."""
-        if not self._cuda.life.usable:
+    def _classify(self, flat, op_name: str) -> bool:
+        """Is the call of the tensors ``flat`` a CUDA call? Rejects calls that mix device
+        types or CUDA devices."""
+        if self._cuda.life.state is not GroupState.OK:
             self._cuda.check_usable()
-        flat = _args.flat(tensors)
-        # Fast path (the hot one): all tensors, all on CUDA, one device; or all on CPU.
+        # Fast paths (the hot ones): one tensor; all tensors, all on CUDA, one device; or all on CPU.
+        if len(flat) == 1 and isinstance(flat[0], torch.Tensor):
+            if flat[0].is_cuda:
+                return True
+            if flat[0].is_cpu:
+                return False
         try:
             cuda = sum(t.is_cuda for t in flat)
         except AttributeError:

@@ -140,7 +140,10 @@ class CudaWork(dist.Work):
         return f"{self.op_name} #{self.seq} [{shapes}] on {self.device} with {peers}"
     # -- torch's Work interface -----------------------------------------------------
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        self._ensure_issued()
+        if self._flush is not None:
+            self._flush()
+        if self._error is not None:
+            raise self._error
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 0)
         if seconds > 0:
             event = self._completion_event()
@@ -157,7 +160,8 @@ class CudaWork(dist.Work):
             self._completion_event().synchronize()
             if self._error is None:
                 self._saw_completion()
-        self._raise_if_failed()
+        if self._error is not None:
+            raise self._error
         if self._event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._event)
         elif self._stream is not None and self._stream != torch.cuda.current_stream(self.device):

@@ -67,8 +67,8 @@ def nccl_group(lib: "nccl_bindings.NcclLibrary"):
 def join(comm) -> bool:
     """Inside an open group: record ``comm`` (polled or aborted at the group's end), True.
     Outside one: False, and the caller settles its call itself."""
-    state = _open_group()
-    if not state["depth"]:
+    state = _group_state.__dict__
+    if not state.get("depth"):  # also where no group was ever opened on this thread
         return False
     if comm not in state["members"]:
         comm._enter_group()  # until ncclGroupEnd: an abort elsewhere waits for it
