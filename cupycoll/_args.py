@@ -1,5 +1,5 @@
 """torch arguments in NCCL terms: the checks a call passes before anything is enqueued,
-and dtype/op -> NCCL codes with one reduction plan (NCCL or the ring, and the PREMUL factor).
+and dtype/op -> NCCL codes with one reduction plan (NCCL or one of cupycoll's algorithms, and the PREMUL factor).
 
 Every check raises CupycollValueError / CupycollTypeError naming the offending argument as
 the user wrote it. Reductions need an NCCL datatype; collectives that only move data
@@ -24,7 +24,7 @@ from torch.distributed import ReduceOp
 
 from . import _cuda, compat
 from .nccl import bindings as nb
-from .ring.kernels import check as check_ring_pair
+from . import algorithms
 from .errors import CupycollTypeError, CupycollValueError
 
 NCCL_BYTE = nb.ncclUint8
@@ -200,8 +200,8 @@ _BITWISE = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
 BITWISE_VALUES = frozenset(kind.value for kind in _BITWISE)
 
 
-def ring_names(dtype: torch.dtype, kind: RedOpType):
-    """(dtype, op) as cupycoll.ring.algorithm names them: ``("bfloat16", "sum")``."""
+def algorithm_names(dtype: torch.dtype, kind: RedOpType):
+    """(dtype, op) as the algorithms name them (cupycoll.algorithms): ``("bfloat16", "sum")``."""
     return str(dtype).replace("torch.", ""), kind.name.lower()
 
 
@@ -313,11 +313,12 @@ def check_premul_tensor(factor: torch.Tensor, dtype: torch.dtype, device: torch.
 
 
 @dataclasses.dataclass(frozen=True)
-class RingReduction:
-    """A reduction cupycoll's ring runs: dtype and op by the ring's names, and the PREMUL_SUM
-    factor as a number (``premul``) or a device pointer to one element (``premul_ptr``, into
-    ``premul_tensor``)."""
+class AlgorithmReduction:
+    """A reduction one of cupycoll's algorithms runs (:mod:`cupycoll.algorithms`, by name):
+    dtype and op by the algorithms' names, and the PREMUL_SUM factor as a number
+    (``premul``) or a device pointer to one element (``premul_ptr``, into ``premul_tensor``)."""
 
+    algorithm: str
     dtype: str
     op: str
     premul: Optional[float] = None
@@ -337,12 +338,14 @@ _PLANS: dict = {}
 
 
 def reduction_plan(tensor: torch.Tensor, reduce_op, algorithm: str,
-                   group_size: int) -> Union[Reduction, RingReduction]:
-    """How to reduce ``tensor`` with ``reduce_op``: on NCCL (a :class:`Reduction`) or on the
-    ring (a :class:`RingReduction`), or raise naming the dtype and op neither can do.
+                   group_size: int) -> Union[Reduction, AlgorithmReduction]:
+    """How to reduce ``tensor`` with ``reduce_op``: on NCCL (a :class:`Reduction`) or on one
+    of cupycoll's algorithms (an :class:`AlgorithmReduction`), or raise naming the dtype and
+    op none can do.
 
-    ``algorithm``: ``auto`` picks the ring only for what NCCL lacks (bitwise ops), ``ring``
-    always (raising for a pair the ring cannot do), ``nccl`` never."""
+    ``algorithm``: ``nccl``; ``auto``, NCCL but for what it lacks (bitwise ops), which goes to
+    the algorithm taking it over; or an algorithm's name, for every call (raising for a pair
+    it cannot do)."""
     kind = op_type(reduce_op)
     key = (tensor.dtype, kind.value, algorithm, group_size == 1)
     plan = _PLANS.get(key)
@@ -354,28 +357,34 @@ def reduction_plan(tensor: torch.Tensor, reduce_op, algorithm: str,
 
 
 def _plan(tensor: torch.Tensor, reduce_op, kind: RedOpType, algorithm: str,
-          group_size: int) -> Union[Reduction, RingReduction]:
+          group_size: int) -> Union[Reduction, AlgorithmReduction]:
     dtype = tensor.dtype
-    if algorithm == "ring" or (algorithm == "auto" and kind.value in BITWISE_VALUES):
-        ring_dtype, ring_op = ring_names(dtype, kind)
-        check_ring_pair(ring_dtype, ring_op)
-        if ring_op != "premul_sum":
-            return RingReduction(ring_dtype, ring_op)
+    chosen = None
+    if algorithm == algorithms.AUTO:
+        if kind.value in BITWISE_VALUES:
+            chosen = algorithms.taking_over(kind.name.lower())  # None: NCCL's error below
+    elif algorithm != algorithms.NCCL:
+        chosen = algorithms.get(algorithm)
+    if chosen is not None:
+        name, op = algorithm_names(dtype, kind)
+        chosen.check(name, op)
+        if op != "premul_sum":
+            return AlgorithmReduction(chosen.name, name, op)
         factor = _premul_checked(premul_factor(reduce_op), tensor)
         if isinstance(factor, torch.Tensor):
-            return RingReduction(ring_dtype, ring_op, premul_ptr=factor.data_ptr(), premul_tensor=factor)
-        return RingReduction(ring_dtype, ring_op, premul=float(factor))
+            return AlgorithmReduction(chosen.name, name, op, premul_ptr=factor.data_ptr(), premul_tensor=factor)
+        return AlgorithmReduction(chosen.name, name, op, premul=float(factor))
     fp8_available = dtype in _FP8_DTYPES and fp8_supported()
     red = for_group_size(reduction(dtype, reduce_op, fp8_available), dtype, group_size)
     _premul_checked(red.premul_factor, tensor)
     return red
 
 
-def factor_tensor(plan: Union[Reduction, RingReduction]) -> Optional[torch.Tensor]:
-    """The PREMUL_SUM factor tensor NCCL or the ring reads on the device (None: no factor, or
-    a number). A call's keepalive must hold it: the ReduceOp may be a temporary, its tensor
-    freed and reused before an async call's kernel reads it."""
-    factor = plan.premul_tensor if isinstance(plan, RingReduction) else plan.premul_factor
+def factor_tensor(plan: Union[Reduction, AlgorithmReduction]) -> Optional[torch.Tensor]:
+    """The PREMUL_SUM factor tensor NCCL or the algorithm reads on the device (None: no
+    factor, or a number). A call's keepalive must hold it: the ReduceOp may be a temporary,
+    its tensor freed and reused before an async call's kernel reads it."""
+    factor = plan.premul_tensor if isinstance(plan, AlgorithmReduction) else plan.premul_factor
     return factor if isinstance(factor, torch.Tensor) else None
 
 

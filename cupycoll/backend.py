@@ -23,7 +23,8 @@ A :class:`CudaBackend` owns everything a group needs to run NCCL:
   CommunicatorAbortedError. :meth:`~CudaBackend.abort` works from any thread, also while a
   communicator is being created (store waits poll; nonblocking communicators can be
   aborted mid-init); :meth:`~CudaBackend.shutdown` finalizes when healthy, aborts when not;
-* **rings**: cupycoll's ring algorithm (:mod:`cupycoll.ring.algorithm`), one per communicator.
+* **runners**: of cupycoll's algorithms (:mod:`cupycoll.algorithms`, such as the ring), one per
+  algorithm and communicator, made on first use.
 
 The backend knows its group only through callbacks it holds weakly (``name`` for messages,
 ``on_abort`` to shut the group's gloo half down, ``on_bind`` to set its ``bound_device_id``),
@@ -44,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import compat, config
+from . import algorithms, compat, config
 from .faults import lifecycle
 from .nccl.bootstrap import StoreBootstrap
 from .nccl.communicator import Communicator
@@ -79,7 +80,7 @@ def split_color(ranks: Sequence[int]) -> int:
 
 
 class CudaBackend:
-    """Communicators, queue, streams and rings of one group; its state and ending are its lifetime's."""
+    """Communicators, queue, streams and algorithm runners of one group; its state and ending are its lifetime's."""
 
     supports_coalescing = False
     supports_time_estimate = False
@@ -101,7 +102,7 @@ class CudaBackend:
         self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
         self._p2p_on_group = False  # the group's communicator was made at init: P2P uses it
         self._pending_comms: List[Communicator] = []  # being created: abort() must reach them
-        self._rings: Dict[int, object] = {}  # id(communicator) -> cupycoll.ring.algorithm.Ring
+        self._runners: Dict[tuple, object] = {}  # (algorithm, id(communicator)) -> its runner
         self.trace = None  # the group's flight recorder (cupycoll.trace.group), if any
         self._submitting: Optional[list] = None  # its entry for the call being submitted
         timeout = settings.timeout.total_seconds()
@@ -304,29 +305,30 @@ class CudaBackend:
         """Those being created too: what an abort must reach."""
         return list(self._pending_comms) + self.communicators()
 
-    def ring(self, comm: Communicator):
-        """The ring (scratch memory, side stream) of ``comm``, made on first use."""
-        ring = self._rings.get(id(comm))
-        if ring is None:
-            from .ring.algorithm import Ring  # CuPy and numpy: only the ring path pays for them
-
-            ring = self._rings[id(comm)] = Ring(comm, self.settings.ring_scratch_bytes)
-        return ring
+    def runner(self, algorithm: str, comm: Communicator):
+        """The runner of ``algorithm`` on ``comm`` (its scratch memory, side stream...), made
+        on first use."""
+        runner = self._runners.get((algorithm, id(comm)))
+        if runner is None:
+            runner = self._runners[algorithm, id(comm)] = algorithms.get(algorithm).make_runner(comm, self.settings)
+        return runner
 
     # -- issuing -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-               peer=None, blocking_wait=False, own_group=False, prepare=None) -> CudaWork:
+               peer=None, blocking_wait=False, algorithm=None, prepare=None) -> CudaWork:
         """Issue (or queue) one CUDA call and return its Work. Everything is validated.
         ``launch(comm, stream_ptr)`` (``launch(comm, stream_ptr, comm_peer)`` for a
         point-to-point call) makes the NCCL calls; ``prepare(comm)`` precedes its NCCL group,
-        ``finish()`` follows it."""
+        ``finish()`` follows it. ``algorithm``: the name of the algorithm the call runs
+        (NCCL groups of its own: never inside a batch's), recorded as its route."""
+        own_group = algorithm is not None
         # One issuer at a time: NCCL forbids concurrent calls on one communicator.
         with self.calls.lock:
             if self.device is None:
                 self._adopt_device(device)  # the first CUDA call picks the group's device
             entry = self.trace.take() if self.trace is not None else None  # the group recorded it
             if entry is not None and own_group:
-                entry[E_ROUTE] = "ring"
+                entry[E_ROUTE] = algorithm
             self._submitting = entry  # _enqueue gives it to this call's Work if it launches now
             try:
                 work, now = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op,
@@ -394,7 +396,7 @@ class CudaBackend:
             issue = issues[0]
             if issue.prepare is not None:
                 issue.prepare(self.comm if issue.peer is None else comms[issue.peer])
-            if issue.own_group:  # the ring: several steps, any of them may fail
+            if issue.own_group:  # an algorithm: several steps, any of them may fail
                 launched.append(issue)
             if issue.peer is None:  # the hot path: one collective on the group's communicator
                 issue.launch(self.comm, stream_ptr)
@@ -411,7 +413,7 @@ class CudaBackend:
                 for issue in issues:
                     if not issue.own_group:
                         self._launch(issue, comms, stream_ptr)
-            # Ring calls follow the group on the same stream, in the same order on every rank.
+            # Algorithms' calls follow the group on the same stream, in the same order on every rank.
             for issue in issues:
                 if issue.own_group:
                     self._launch(issue, comms, stream_ptr)
@@ -452,11 +454,12 @@ class CudaBackend:
         """The abort has ended the kernels: the group's CPU half shuts down too."""
         self._on_abort()
 
-    def close_rings(self) -> None:
-        rings, self._rings = list(self._rings.values()), {}
-        for ring in rings:
+    def close_runners(self) -> None:
+        runners, self._runners = list(self._runners.items()), {}
+        for (algorithm, _), runner in runners:
             try:
-                ring.close()
+                runner.close()
             except BaseException as exc:  # noqa: BLE001 - teardown goes on
-                warnings.warn(f"cupycoll: closing a ring failed: {exc}", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"cupycoll: closing the {algorithm} algorithm's runner failed: {exc}",
+                              RuntimeWarning, stacklevel=3)
 

@@ -1,4 +1,5 @@
-"""Each collective's CUDA body: check the arguments, choose NCCL or the ring, build the
+"""Each collective's CUDA body: check the arguments, choose NCCL or one of cupycoll's
+algorithms (:mod:`cupycoll.algorithms`, the choice made once, in the plan), build the
 ``launch(comm, stream)`` that makes the NCCL calls (and the ``prepare(comm)`` that does the
 fallible Python steps before the NCCL group opens), and submit it to the backend.
 
@@ -21,7 +22,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import _args, compat, config
-from ._args import NCCL_BYTE, RingReduction, nbytes
+from ._args import NCCL_BYTE, AlgorithmReduction, nbytes
 from .errors import CupycollValueError
 from .work import CudaWork
 
@@ -29,22 +30,26 @@ _async_requested = compat.async_requested
 
 
 def _plan(backend, tensor: torch.Tensor, reduce_op):
-    """NCCL or the ring for this reduction (the per-call override beats the group's option)."""
+    """NCCL or an algorithm for this reduction (the per-call override beats the group's option)."""
     algorithm = config.algorithm_override() or backend.settings.algorithm
     return _args.reduction_plan(tensor, reduce_op, algorithm, backend.size)
 
 
-def _ring_launch(backend, plan: RingReduction, method: str, send_ptr, recv_ptr, count) -> Callable:
+def _algorithm_launch(backend, plan: AlgorithmReduction, method: str, send_ptr, recv_ptr, count,
+                      staged=None) -> Callable:
+    """The launch(comm, stream) of an algorithm's call; ``staged``: a one-item list whose
+    tensor is the send buffer, made by the call's prepare (then ``send_ptr`` is unused)."""
     def launch(comm, stream):
-        getattr(backend.ring(comm), method)(send_ptr, recv_ptr, count, plan.dtype, plan.op, stream,
-                                         premul=plan.premul, premul_ptr=plan.premul_ptr)
+        send = staged[0].data_ptr() if staged is not None else send_ptr
+        getattr(backend.runner(plan.algorithm, comm), method)(
+            send, recv_ptr, count, plan.dtype, plan.op, stream, premul=plan.premul, premul_ptr=plan.premul_ptr)
     return launch
 
 
-def _ring_prepare(backend, plan: RingReduction, method: str, count) -> Callable:
-    """The prepare(comm) of a ring call: the ring's scratch and kernels, before any launch
+def _algorithm_prepare(backend, plan: AlgorithmReduction, method: str, count) -> Callable:
+    """The prepare(comm) of an algorithm's call: its scratch and kernels, before any launch
     (once a launch has begun, a failure faults the group)."""
-    return lambda comm: backend.ring(comm).prepare(method, count, plan.dtype, plan.op)
+    return lambda comm: backend.runner(plan.algorithm, comm).prepare(method, count, plan.dtype, plan.op)
 
 
 def _reduce_launch(red: _args.Reduction, dtype: torch.dtype,
@@ -108,11 +113,12 @@ def all_reduce(backend, tensors, opts) -> CudaWork:
     device = backend.check_device(tensor, "all_reduce tensor")
     plan = _plan(backend, tensor, opts.reduceOp)
     ptr = tensor.data_ptr()
-    if isinstance(plan, RingReduction):
+    if isinstance(plan, AlgorithmReduction):
         return backend.submit("all_reduce", device, [tensor],
-                           _ring_launch(backend, plan, "all_reduce", ptr, ptr, tensor.numel()),
+                           _algorithm_launch(backend, plan, "all_reduce", ptr, ptr, tensor.numel()),
                            keepalive=(tensor, _args.factor_tensor(plan)), async_op=_async_requested(opts),
-                           own_group=True, prepare=_ring_prepare(backend, plan, "all_reduce", tensor.numel()))
+                           algorithm=plan.algorithm,
+                           prepare=_algorithm_prepare(backend, plan, "all_reduce", tensor.numel()))
     count = tensor.numel() * plan.count_scale
     if plan.premul_factor is None:  # the hot path: one NCCL call, no op to make first
         dtype, op = plan.dtype, plan.op
@@ -139,7 +145,7 @@ def reduce(backend, tensors, opts) -> CudaWork:
     tensor = _args.single(tensors, "reduce")
     device = backend.check_device(tensor, "reduce tensor")
     root = _args.check_root(opts.rootRank, backend.size)
-    red = _args.reduction_plan(tensor, opts.reduceOp, "nccl", backend.size)  # the ring has no reduce
+    red = _args.reduction_plan(tensor, opts.reduceOp, "nccl", backend.size)  # no algorithm has a reduce
     ptr, count = tensor.data_ptr(), tensor.numel() * red.count_scale
     launch, prepare = _reduce_launch(red, tensor.dtype,
                                      lambda comm, op, s: comm.reduce(ptr, ptr, count, red.dtype, op, root, s))
@@ -208,13 +214,13 @@ def reduce_scatter(backend, output_tensors, input_tensors, opts) -> CudaWork:
         staged[0] = torch.cat([t.reshape(-1) for t in inputs])
 
     out_ptr, keep = output.data_ptr(), (output, inputs, staged, _args.factor_tensor(plan))
-    if isinstance(plan, RingReduction):
-        def launch(comm, s):
-            backend.ring(comm).reduce_scatter(staged[0].data_ptr(), out_ptr, output.numel(), plan.dtype, plan.op,
-                                           s, premul=plan.premul, premul_ptr=plan.premul_ptr)
-        return backend.submit("reduce_scatter", device, [output], launch, keepalive=keep,
-                           async_op=_async_requested(opts), own_group=True,
-                           prepare=_both(stage, _ring_prepare(backend, plan, "reduce_scatter", output.numel())))
+    if isinstance(plan, AlgorithmReduction):
+        return backend.submit("reduce_scatter", device, [output],
+                           _algorithm_launch(backend, plan, "reduce_scatter", None, out_ptr, output.numel(),
+                                             staged=staged),
+                           keepalive=keep, async_op=_async_requested(opts), algorithm=plan.algorithm,
+                           prepare=_both(stage, _algorithm_prepare(backend, plan, "reduce_scatter",
+                                                                   output.numel())))
     count = output.numel() * plan.count_scale
     launch, premul = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
         staged[0].data_ptr(), out_ptr, count, plan.dtype, op, s))
@@ -228,11 +234,11 @@ def reduce_scatter_tensor(backend, output, input, opts) -> CudaWork:
     plan = _plan(backend, output, opts.reduceOp)
     in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
     keep = (input, output, _args.factor_tensor(plan))
-    if isinstance(plan, RingReduction):
+    if isinstance(plan, AlgorithmReduction):
         return backend.submit(what, device, [output],
-                           _ring_launch(backend, plan, "reduce_scatter", in_ptr, out_ptr, output.numel()),
-                           keepalive=keep, async_op=_async_requested(opts), own_group=True,
-                           prepare=_ring_prepare(backend, plan, "reduce_scatter", output.numel()))
+                           _algorithm_launch(backend, plan, "reduce_scatter", in_ptr, out_ptr, output.numel()),
+                           keepalive=keep, async_op=_async_requested(opts), algorithm=plan.algorithm,
+                           prepare=_algorithm_prepare(backend, plan, "reduce_scatter", output.numel()))
     count = output.numel() * plan.count_scale
     launch, prepare = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
         in_ptr, out_ptr, count, plan.dtype, op, s))

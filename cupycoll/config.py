@@ -94,6 +94,7 @@ from typing import Callable, Mapping, Optional, Union
 from ._parsers import (MAX_TIMEOUT_SECONDS, MAX_WATCHDOG_INTERVAL, parse_bool,  # noqa: F401
                        parse_choice, parse_directory, parse_interval, parse_nonnegative_int,
                        parse_positive_int, parse_seconds, torch_debug_detail, torch_error_handling)
+from . import algorithms
 from .errors import CupycollTypeError, CupycollValueError  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
@@ -123,7 +124,13 @@ ENVIRONMENT = {
     "TORCH_DISTRIBUTED_DEBUG": "DETAIL: as CUPYCOLL_CHECK_COLLECTIVES=1, when that is not set",
 }
 
-ALGORITHMS = ("auto", "nccl", "ring")
+
+
+def _parse_algorithm(name: str, value) -> str:
+    """An algorithm option's value: one of :func:`cupycoll.algorithms.names` at the time."""
+    return parse_choice(algorithms.names())(name, value)
+
+
 TIMEOUT_POLICIES = ("raise", "terminate")
 DEFAULT_RING_SCRATCH_BYTES = 4 << 20
 DEFAULT_WATCHDOG_INTERVAL = 0.1
@@ -152,7 +159,7 @@ _FIELDS = {
                          "TORCH_NCCL_ASYNC_ERROR_HANDLING", torch_error_handling),
     "watchdog_interval": _Field(parse_interval, DEFAULT_WATCHDOG_INTERVAL,
                                 "CUPYCOLL_WATCHDOG_INTERVAL"),
-    "algorithm": _Field(parse_choice(ALGORITHMS), "auto", "CUPYCOLL_ALGORITHM"),
+    "algorithm": _Field(_parse_algorithm, "auto", "CUPYCOLL_ALGORITHM"),
     "ring_scratch_bytes": _Field(parse_positive_int, DEFAULT_RING_SCRATCH_BYTES,
                                  "CUPYCOLL_RING_SCRATCH_BYTES"),
     "trace_buffer": _Field(parse_nonnegative_int, DEFAULT_TRACE_BUFFER, "CUPYCOLL_TRACE_BUFFER",
@@ -185,7 +192,8 @@ class Options:
         blocking_wait: ``Work.wait()`` blocks the CPU until the collective is done.
         on_timeout: ``"raise"`` or ``"terminate"``.
         watchdog_interval: seconds between watchdog polls.
-        algorithm: ``"auto"``, ``"nccl"`` or ``"ring"``.
+        algorithm: ``"auto"``, ``"nccl"``, ``"ring"`` or a registered algorithm's name
+            (:mod:`cupycoll.algorithms`).
         ring_scratch_bytes: the ring's scratch memory per communicator.
         trace_buffer: flight-recorder entries kept per group (0: none).
         trace_dir: folder for the per-rank flight-recorder dumps written on a timeout.
@@ -342,7 +350,7 @@ def algorithm(name: str):
     """Run the CUDA all-reduces and reduce-scatters issued in the body with ``name``
     (``"nccl"``, ``"ring"`` or ``"auto"``), whatever the groups' ``Options.algorithm``.
     Nests; applies to every thread of the process while the body runs."""
-    choice = parse_choice(ALGORITHMS)("algorithm", name)
+    choice = _parse_algorithm("algorithm", name)
     _algorithm_override.append(choice)
     try:
         yield

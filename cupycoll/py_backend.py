@@ -138,6 +138,22 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
                                    global_ranks=[self._global_ranks[r] for r in survivors],
                                    group_id=f"{self._group_name}:shrunk")
 
+    @staticmethod
+    def register_shrunk(group: ProcessGroup) -> ProcessGroup:
+        """Register the survivors' backend in the ProcessGroup ``dist.shrink_group`` built for
+        them as :func:`create` registers one: for CUDA as a custom backend (the group's
+        default), its :class:`CpuView` for the CPU. torch (2.14.1, 2.15) registers it under
+        the one device it finds (the bound one, else the CPU) with its own type for that
+        device (NCCL, GLOO): the other device then has no backend, and torch code that trusts
+        the type crashes (DDP's logger takes a "gloo" group's backend for torch's
+        ProcessGroupGloo)."""
+        bound = getattr(group, "bound_device_id", None)
+        backend = group._get_backend(bound if bound is not None else _CPU)
+        group._register_backend(torch.device("cuda"), _CUSTOM, backend)
+        group._register_backend(_CPU, _GLOO, CpuView(backend))
+        group._set_default_backend(_CUSTOM)
+        return group
+
     def eager_connect_single_device(self, device) -> None:
         self._cuda.eager_connect_single_device(device)
 
@@ -219,21 +235,6 @@ for _name in CALLS:
 
 compat.run_eagerly_under_compile(CupycollBackend, c10d.Backend)
 compat.run_eagerly_under_compile(CpuView, c10d.Backend)
-
-
-def register_shrunk(group: ProcessGroup) -> ProcessGroup:
-    """Register the survivors' backend in the ProcessGroup ``dist.shrink_group`` built for
-    them as :func:`create` registers one: for CUDA as a custom backend (the group's default),
-    its :class:`CpuView` for the CPU. torch (2.14.1, 2.15) registers it under the one device
-    it finds (the bound one, else the CPU) with its own type for that device (NCCL, GLOO):
-    the other device then has no backend, and torch code that trusts the type crashes
-    (DDP's logger takes a "gloo" group's backend for torch's ProcessGroupGloo)."""
-    bound = getattr(group, "bound_device_id", None)
-    backend = group._get_backend(bound if bound is not None else _CPU)
-    group._register_backend(torch.device("cuda"), _CUSTOM, backend)
-    group._register_backend(_CPU, _GLOO, CpuView(backend))
-    group._set_default_backend(_CUSTOM)
-    return group
 
 
 def create(dist_backend_opts, pg_options, cls: type = None) -> CupycollBackend:

@@ -139,9 +139,7 @@ def shrink_group(ranks_to_exclude: List[int], group=None, shrink_flags: int = SH
     if shell._cuda.state is GroupState.SHUT_DOWN:
         raise ValueError(f"process group {name!r} was shut down; nothing to shrink")
     if shell is not group:  # the c10d Backend shape: torch's own shrink reaches its backend
-        from .py_backend import register_shrunk
-
-        return register_shrunk(dist.shrink_group(ranks_to_exclude, group, shrink_flags, pg_options))
+        return shell.register_shrunk(dist.shrink_group(ranks_to_exclude, group, shrink_flags, pg_options))
 
     survivors = [r for r in range(group.size()) if r not in exclude]
     new_rank = survivors.index(group.rank())

@@ -81,7 +81,7 @@ def test_a_single_ring_call_failing_mid_way_faults_the_group(cuda_standins):
         raise RuntimeError("NVRTC: compile failed at step 3")
 
     with pytest.raises(RuntimeError, match="step 3"):
-        cuda.submit("all_reduce", CUDA, [torch.ones(2)], ring, keepalive=torch.ones(2), own_group=True,
+        cuda.submit("all_reduce", CUDA, [torch.ones(2)], ring, keepalive=torch.ones(2), algorithm="ring",
                     async_op=False)
     assert cuda.state == "aborted" and cuda.comm.aborted.is_set()
 

@@ -56,7 +56,7 @@ class RecordingBackend(CudaBackend):
     once on a recording communicator instead of being issued."""
 
     def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-               peer=None, blocking_wait=False, own_group=False, prepare=None):
+               peer=None, blocking_wait=False, algorithm=None, prepare=None):
         comm = RecordingComm()
         self.phase = "prepare"
         if prepare is not None:  # before the NCCL group, as _launch_all runs it
@@ -294,7 +294,7 @@ class RecordingRing:
 @pytest.fixture
 def ring_group(group):
     group.ring_calls, group.ring_prepared = [], []
-    group._cuda.ring = lambda comm: RecordingRing(group.ring_calls, group.ring_prepared, group._cuda)
+    group._cuda.runner = lambda algorithm, comm: RecordingRing(group.ring_calls, group.ring_prepared, group._cuda)
     return group
 
 
@@ -314,7 +314,7 @@ def test_a_ring_whose_kernels_fail_to_compile_launches_nothing(ring_group):
     def fail(kind, count, dtype, op):
         raise CupycollError(f"NVRTC could not compile the {dtype} {op} ring kernels")
 
-    ring_group._cuda.ring = lambda comm: types.SimpleNamespace(prepare=fail, all_reduce=ring_group.ring_calls.append)
+    ring_group._cuda.runner = lambda algorithm, comm: types.SimpleNamespace(prepare=fail, all_reduce=ring_group.ring_calls.append)
     with cupycoll.algorithm("ring"), pytest.raises(CupycollError, match="could not compile"):
         ring_group.allreduce([t(2, dtype=torch.int32)], ar_opts(R.BXOR))
     assert ring_group.ring_calls == [] and ring_group.submitted == []
@@ -493,7 +493,7 @@ def keep_group(request):
     group = KeepaliveGroup(None, 0, 2, datetime.timedelta(seconds=5))
     group.submitted = group._cuda.submitted = []
     group._cuda.prepared, group._cuda.keepalives, group.ring_calls = [], [], []
-    group._cuda.ring = lambda comm: RecordingRing(group.ring_calls, [], group._cuda)
+    group._cuda.runner = lambda algorithm, comm: RecordingRing(group.ring_calls, [], group._cuda)
     group._cuda.settings = dataclasses.replace(group._cuda.settings, algorithm=request.param)
     return group
 

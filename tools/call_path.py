@@ -50,7 +50,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("backend",),
     ("faults.lifecycle", "call_queue", "nccl.bootstrap"),
     ("nccl.communicator", "nccl.call_guard", "nccl.group"),
-    ("nccl.bindings", "_cuda", "compat", "config", "errors", "work", "faults.watchdog",
+    ("nccl.bindings", "_cuda", "compat", "config", "algorithms", "errors", "work", "faults.watchdog",
      "faults.watchdog_cuda", "faults.heartbeat", "trace.group", "trace.recorder", "trace.diagnosis",
      "trace.mismatch"),
 )

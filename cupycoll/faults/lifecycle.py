@@ -16,7 +16,7 @@ guarantees docs/design.md states):
   at the first tracked Work, and again whenever the watchdog has no thread.
 * **abort** (``CudaBackend.abort``; the watchdog's fault path; ``abort_all``) first marks
   the group ``aborted`` and every Work in flight failed, *then* calls ``ncclCommAbort``
-  on each communicator, and releases the Works' tensors and ring scratch only after the
+  on each communicator, and releases the Works' tensors and the algorithms' scratch only after the
   aborts returned: a caller woken by the ended kernel already sees the fault, and no
   buffer is freed under a kernel that still runs. Every step and every communicator is
   attempted whatever an earlier one raised; nothing is retried. ``ncclCommAbort`` and the
@@ -44,7 +44,8 @@ guarantees docs/design.md states):
   its parent alone (their communicators are the parent's).
 
 The lifetime reaches its backend weakly, for the parts only the backend has: its
-communicators (also those being created), its queue of calls, its rings and its CPU half.
+communicators (also those being created), its queue of calls, its algorithms' runners and
+its CPU half.
 
 Deliberately left out: anything in ``__del__`` (a collective teardown at garbage
 collection runs in whatever thread collects, possibly the watchdog's), and retries.
@@ -291,7 +292,7 @@ class GroupLifetime:
                 interrupts.append(_step("failing the Works tracked late", mark))
                 interrupts.append(_step("releasing the Works' tensors", watch.release, failed))
                 if backend is not None:
-                    interrupts.append(_step("closing the rings", backend.close_rings))
+                    interrupts.append(_step("closing the algorithms' runners", backend.close_runners))
                     interrupts.append(_step("shutting down the group's CPU half", backend.on_abort))
                 _ABORTING.discard(self)
                 self._held = None
@@ -363,7 +364,7 @@ class GroupLifetime:
                 return
             self.state = GroupState.SHUT_DOWN
         _step("stopping the watchdog's tracking", self.stop_watching)
-        _step("closing the rings", backend.close_rings)
+        _step("closing the algorithms' runners", backend.close_runners)
         for comm in backend.communicators():
             if _step(f"shutting down {comm}", comm.shutdown, timeout) is not None:
                 _step(f"aborting {comm} after its shutdown failed", comm.abort)

@@ -6,6 +6,19 @@ fp16/bf16, bitwise ops and results independent of timing.
 * :mod:`.kernels`: which (dtype, op) pairs exist and the CUDA source each compiles from
   (``cuda/``, package data).
 
-Importing this package imports neither CuPy nor numpy; :mod:`.algorithm` loads them when a
-ring is first made.
+:data:`ALGORITHM` is what the seam (:mod:`cupycoll.algorithms`) knows of it: under ``auto``
+it takes over the bitwise ops, which NCCL lacks. Importing this package imports neither
+CuPy nor numpy; :mod:`.algorithm` loads them when a ring is first made.
 """
+
+from ..algorithms import Algorithm
+from .kernels import check
+
+
+def _ring(communicator, settings):
+    from .algorithm import Ring  # CuPy and numpy: only a group that runs the ring pays for them
+
+    return Ring(communicator, settings.ring_scratch_bytes)
+
+
+ALGORITHM = Algorithm("ring", check=check, takes_over=frozenset({"band", "bor", "bxor"}), make_runner=_ring)
