@@ -231,9 +231,20 @@ def start_ranks(
                  expect_success if fail_fast is None else fail_fast)
 
 
+# What rank 0's store says when its port was taken between the draw and its bind: another
+# process's doing, which says nothing of the code under test.
+PORT_TAKEN = "EADDRINUSE"
+
+
 def run_ranks(script: str, world: int, *args, **kwargs) -> List[RankResult]:
     """Start ``world`` ranks of ``tests/workers/<script>`` (:func:`start_ranks`'s arguments)
-    and wait for all of them."""
+    and wait for all of them; a launch that failed because its port was taken
+    (:data:`PORT_TAKEN`) runs once more, on a port drawn anew."""
+    try:
+        return start_ranks(script, world, *args, **kwargs).wait()
+    except WorkersFailed as failure:
+        if PORT_TAKEN not in str(failure):
+            raise
     return start_ranks(script, world, *args, **kwargs).wait()
 
 

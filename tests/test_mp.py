@@ -1,0 +1,51 @@
+"""The multi-process harness (tests/mp.py): what it does with a launch that failed. Each test
+is named after the rule it pins."""
+
+from __future__ import annotations
+
+import pytest
+
+import mp
+
+
+class _Launch:
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    def wait(self):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+
+def _launches(monkeypatch, *outcomes):
+    started = []
+    pending = list(outcomes)
+
+    def start(script, world, *args, **kwargs):
+        started.append((script, world))
+        return _Launch(pending.pop(0))
+    monkeypatch.setattr(mp, "start_ranks", start)
+    return started
+
+
+def test_a_launch_whose_port_was_taken_runs_once_more(monkeypatch):
+    taken = mp.WorkersFailed("--- rank 0: exit 1 ---\\nDistNetworkError: ... code: -98, name: EADDRINUSE, ...")
+    started = _launches(monkeypatch, taken, ["the ranks' results"])
+    assert mp.run_ranks("api_worker.py", 2) == ["the ranks' results"]
+    assert started == [("api_worker.py", 2)] * 2
+
+
+def test_any_other_failure_is_raised_at_once(monkeypatch):
+    started = _launches(monkeypatch, mp.WorkersFailed("--- rank 1: exit 1 ---\\nAssertionError"))
+    with pytest.raises(mp.WorkersFailed, match="AssertionError"):
+        mp.run_ranks("api_worker.py", 2)
+    assert len(started) == 1
+
+
+def test_a_port_taken_twice_is_a_failure(monkeypatch):
+    taken = mp.WorkersFailed("EADDRINUSE")
+    started = _launches(monkeypatch, taken, taken)
+    with pytest.raises(mp.WorkersFailed, match="EADDRINUSE"):
+        mp.run_ranks("api_worker.py", 2)
+    assert len(started) == 2
