@@ -136,3 +136,21 @@ def test_abort_reaches_the_backend_and_get_error_reports_it(group):
     assert backend.get_error() == torch._C._distributed_c10d.ErrorType.COMM_ERROR
     with pytest.raises(Exception, match="abort"):
         dist.all_reduce(torch.ones(2))
+
+
+def test_ddps_calls_reach_cupycolls_backend_through_torchs_process_group(monkeypatch):
+    """DDP on the real Backend shape (CPU tensors): its parameter broadcast and its gradient
+    all_reduce travel through torch's C++ ProcessGroup into cupycoll's Backend, whose flight
+    recorder holds them (torch's own gloo would not)."""
+    monkeypatch.setenv("CUPYCOLL_SHAPE", "backend")
+    dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+        assert isinstance(backend, py_backend.CupycollBackend)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        model(torch.ones(3, 4)).sum().backward()
+        ops = [entry["op"] for entry in backend._trace.recorder.snapshot()]
+        assert "broadcast" in ops and ops[-1] == "all_reduce", ops
+        assert torch.equal(model.module.weight.grad, torch.full((2, 4), 3.0))  # one rank: the sum is its own
+    finally:
+        dist.destroy_process_group()
