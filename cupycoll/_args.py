@@ -228,23 +228,10 @@ def op_type(reduce_op) -> RedOpType:
     raise CupycollTypeError(f"reduce op {reduce_op!r} is not a torch.distributed.ReduceOp")
 
 
-# (dtype, RedOpType value, fp8 available) -> Reduction, for every op but PREMUL_SUM (whose
-# factor is per call). Hashing pybind enums and comparing them costs a microsecond each;
-# the hot path pays one int and one dict lookup instead.
-_CACHE: dict = {}
-
-
 def reduction(dtype: torch.dtype, reduce_op, fp8_available: bool) -> Reduction:
-    """Map (dtype, op) to NCCL, or raise naming both when NCCL cannot do it."""
-    kind = op_type(reduce_op)
-    key = (dtype, kind.value, fp8_available)
-    cached = _CACHE.get(key)
-    if cached is not None:
-        return cached
-    red = _reduction(dtype, kind, reduce_op, fp8_available)
-    if red.premul_factor is None:
-        _CACHE[key] = red
-    return red
+    """Map (dtype, op) to NCCL, or raise naming both when NCCL cannot do it (the hot path
+    reaches it once per dtype and op: :func:`reduction_plan` keeps the plans)."""
+    return _reduction(dtype, op_type(reduce_op), reduce_op, fp8_available)
 
 
 def _reduction(dtype: torch.dtype, kind: RedOpType, reduce_op, fp8_available: bool) -> Reduction:
@@ -332,9 +319,11 @@ def fp8_supported() -> bool:
     return nb.fp8_supported(_cuda.nccl_module().get_version())
 
 
-# (dtype, RedOpType value, algorithm, one rank) -> the plan, for every op but PREMUL_SUM:
-# what the hot path looks up instead of deciding again.
+# (dtype, RedOpType value, algorithm, one rank) -> the plan, for every op but PREMUL_SUM
+# (whose factor is per call): what the hot path looks up instead of deciding again. Hashing
+# pybind enums and comparing them costs a microsecond each; the key holds the op's int.
 _PLANS: dict = {}
+_PREMUL_SUM = RedOpType.PREMUL_SUM.value
 
 
 def reduction_plan(tensor: torch.Tensor, reduce_op, algorithm: str,
@@ -386,9 +375,6 @@ def factor_tensor(plan: Union[Reduction, AlgorithmReduction]) -> Optional[torch.
     its tensor freed and reused before an async call's kernel reads it."""
     factor = plan.premul_tensor if isinstance(plan, AlgorithmReduction) else plan.premul_factor
     return factor if isinstance(factor, torch.Tensor) else None
-
-
-_PREMUL_SUM = RedOpType.PREMUL_SUM.value
 
 
 def _premul_checked(factor, tensor: torch.Tensor):

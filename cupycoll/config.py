@@ -124,13 +124,6 @@ ENVIRONMENT = {
     "TORCH_DISTRIBUTED_DEBUG": "DETAIL: as CUPYCOLL_CHECK_COLLECTIVES=1, when that is not set",
 }
 
-
-
-def _parse_algorithm(name: str, value) -> str:
-    """An algorithm option's value: one of :func:`cupycoll.algorithms.names` at the time."""
-    return parse_choice(algorithms.names())(name, value)
-
-
 TIMEOUT_POLICIES = ("raise", "terminate")
 DEFAULT_RING_SCRATCH_BYTES = 4 << 20
 DEFAULT_WATCHDOG_INTERVAL = 0.1
@@ -145,6 +138,11 @@ class _Field:
     env: str
     torch_env: Optional[str] = None
     torch_parse: Optional[Callable] = None
+
+
+def _parse_algorithm(name: str, value) -> str:
+    """An algorithm option's value: one of :func:`cupycoll.algorithms.names` at the time."""
+    return parse_choice(algorithms.names())(name, value)
 
 
 # Everything but the timeout (whose precedence involves torch's argument), the trace folder
