@@ -349,9 +349,12 @@ def cycles(ctx, count=50, warm=5):
 def recover(ctx):
     """Three times: train, a peer skips a collective (fault: the others' time out), every
     rank aborts and builds a new group on a new store prefix, and training goes on from the
-    same model. The skipping rank keeps its communicator until the others have their error:
-    a peer whose communicator is already gone is the cold case, where a blocking
-    communicator's call can hang in the host while NCCL connects (cold_skip)."""
+    same model. The skipped collective is one every rank has run on this communicator
+    before, and the skipping rank keeps its communicator until the others have their error:
+    otherwise it is the cold case (cold_skip), where a blocking communicator's call hangs in
+    the host while NCCL connects what that collective needs, and no timeout can end it.
+    DDP's bucket all_reduce does not warm a smaller one: NCCL may pick another algorithm or
+    protocol for it, with connections of its own."""
     model = torch.nn.Linear(64, 64).to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     result = {"faults": [], "steps_after_recovery": []}
@@ -365,6 +368,8 @@ def recover(ctx):
         torch.cuda.synchronize()
         result["steps_after_recovery"].append(5)
         x = torch.ones(4, device=ctx.device)
+        dist.all_reduce(x)  # the collective the fault skips, once by every rank: connected
+        torch.cuda.synchronize()
         if ctx.rank == ctx.world - 1:
             ctx.wait_for(f"faulted-{round_}")  # this rank "fails": it skips the collective
             dist.group.WORLD.abort()
