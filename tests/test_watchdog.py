@@ -511,6 +511,22 @@ def test_an_uncancelled_handle_still_times_out():
     assert faults and isinstance(work.exception(), CollectiveTimeoutError)
 
 
+def test_a_fault_leaves_a_work_that_showed_its_completion_a_success():
+    # An async Work stuck on one stream, then a Work on another stream that ended before it:
+    # the caller saw the second complete, and the first one's timeout must not fail it.
+    faults = []
+    watch, stuck = _tracked_with(NeverDoneEvent(), timeout=0.05)
+    watch._on_fault = faults.append
+    finished, _ = issued_work()
+    finished._issued(None, CountedEvent(), keepalive=finished._outputs[0])
+    finished.watch_handle = watch.track(finished)
+    assert finished.is_completed()  # cancels its handle; it stays behind the stuck head
+    assert watch.works() == [stuck, finished]
+    assert isinstance(watch.poll(now=stuck.watch_handle.issued_at + 10), CollectiveTimeoutError)
+    assert faults and isinstance(stuck.exception(), CollectiveTimeoutError)
+    assert finished.exception() is None and finished.is_success() and watch.works() == []
+
+
 def test_a_work_done_only_because_it_failed_late_keeps_its_tensors_for_the_abort():
     watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
     watch.close(CommunicatorAbortedError("the group is being aborted"))

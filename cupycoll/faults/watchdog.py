@@ -304,17 +304,20 @@ class Watch:
 
     def mark_failed(self, error: BaseException) -> List[Watched]:
         """Take every Work out of flight and mark it failed with ``error``; its tensors stay
-        referenced until :meth:`release` (the kernels may still run until the abort)."""
-        failed = []
+        referenced until :meth:`release` (the kernels may still run until the abort). A Work
+        whose handle was cancelled has shown its caller that it completed: it stays a
+        success (works on another stream can end out of issue order, behind a stuck one)."""
+        taken = []
         while True:
             with self._lock:
                 if not self.inflight:
-                    return failed
-                work = self.inflight.popleft().work
+                    return taken
+                handle = self.inflight.popleft()
             try:
-                work.mark_failed(error)
+                if not handle.cancelled:
+                    handle.work.mark_failed(error)
             finally:
-                failed.append(work)
+                taken.append(handle.work)
 
     @staticmethod
     def release(works: List[Watched]) -> None:
