@@ -9,6 +9,8 @@ Run it with torchrun, one process per rank:
 ``--compare nccl`` (or ``--compare gloo`` on CPU) then trains the same model again, from the
 same initial weights on the same data, with that backend, and checks that both runs end with
 the same parameters. ``--compile [BACKEND]`` runs both under ``torch.compile``.
+``--params-out FILE`` saves the first run's final parameters (rank 0, ``torch.save``), to
+compare runs made in separate processes.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", metavar="BACKEND", nargs="?", const="inductor", default=None,
                    help="torch.compile the DDP model with this torch.compile backend (inductor "
                         "when none is named; aot_eager compiles fast), in both runs of --compare")
+    p.add_argument("--params-out", metavar="FILE",
+                   help="save the first run's final parameters and loss to FILE (rank 0, torch.save)")
     p.add_argument("--lazy-init", action="store_true",
                    help="do not pass device_id: communicators are created at the first collective")
     return p.parse_args()
@@ -183,6 +187,8 @@ def main() -> int:
     try:
         params, loss = train(args, args.backend, dist.PrefixStore("run1/", store),
                              device, initial_state, data)
+        if args.params_out and int(os.environ["RANK"]) == 0:
+            torch.save({"backend": args.backend, "params": params, "loss": loss}, args.params_out)
         if not args.compare:
             return 0
         ref_params, ref_loss = train(args, args.compare, dist.PrefixStore("run2/", store),

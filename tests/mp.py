@@ -291,6 +291,56 @@ def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@dataclasses.dataclass
+class TrainedRun:
+    """One launch of examples/train_ddp.py: how it ended, and rank 0's final parameters."""
+    backend: str
+    proc: subprocess.CompletedProcess
+    params: Optional[list]
+
+    def explain(self) -> str:
+        return (f"train_ddp.py on {self.backend}: exit {self.proc.returncode}\n"
+                f"stdout:\n{self.proc.stdout[-4000:]}\nstderr:\n{self.proc.stderr[-8000:]}")
+
+    def crash_signal(self) -> Optional[int]:
+        """The signal that killed a rank, as torchrun reports it (``exitcode: -11``), or None."""
+        found = re.search(r"exitcode\s*:\s*-(\d+)", self.proc.stderr)
+        return int(found.group(1)) if found and self.proc.returncode != 0 else None
+
+
+def train_ddp_side_by_side(timeout: float, backends: Sequence[str], out_dir: Path,
+                           *train_args: str) -> Dict[str, TrainedRun]:
+    """examples/train_ddp.py once per backend, each under its own torchrun (two ranks,
+    sharing the GPU when there is one; ``--device cpu`` in ``train_args`` for none), the
+    launches side by side: no process trains on more than one backend."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def launch(backend: str) -> TrainedRun:
+        params_file = out_dir / f"{backend}-params.pt"
+        cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "examples" / "train_ddp.py"), "--backend", backend, *train_args,
+               "--params-out", str(params_file)]
+        if "cpu" not in train_args and gpu_count() < 2:
+            cmd.append("--share-gpu")
+        env = {k: v for k, v in shared_gpu_env(0).items() if k != "NCCL_HOSTID"}
+        proc = run_python(*cmd, timeout=timeout, env=env)
+        params = None
+        if proc.returncode == 0 and params_file.exists():
+            import torch
+
+            params = torch.load(params_file)["params"]
+        return TrainedRun(backend, proc, params)
+
+    with ThreadPoolExecutor(len(backends)) as pool:
+        return dict(zip(backends, pool.map(launch, backends)))
+
+
+def largest_difference(params: list, reference: list) -> float:
+    """The largest absolute difference between two runs' parameters (the same model)."""
+    assert len(params) == len(reference), (len(params), len(reference))
+    return max((a - b).abs().max().item() for a, b in zip(params, reference))
+
+
 def ddp_parity_with_torch_nccl(timeout: float, *train_args: str) -> float:
     """examples/train_ddp.py --compare nccl under torchrun, two ranks (sharing the GPU when
     there is one): the largest parameter difference between cupycoll and torch's nccl.

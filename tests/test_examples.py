@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mp import largest_difference, train_ddp_side_by_side
 from mp import run_python as _run_python
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +91,18 @@ def test_shrink_ddp_survivors_of_a_killed_rank_end_as_a_job_of_two_from_the_chec
         expected = json.loads((reference / f"rank{rank}.json").read_text())
         assert expected["recovered"] is None and expected["world_size"] == 2
         assert got["params"] == expected["params"], rank
+
+
+@pytest.mark.any_stack  # the launches and the saved parameters; the training is tested above
+def test_train_ddp_in_processes_of_its_own_per_backend_ends_with_gloos_parameters(tmp_path):
+    # What the GPU tier's compile part runs (cupycoll against torch's nccl there): one launch
+    # per backend, side by side, each saving rank 0's final parameters with --params-out.
+    runs = train_ddp_side_by_side(TIMEOUT, ("cupycoll", "gloo"), tmp_path, "--device", "cpu", "--steps", "5")
+    for run in runs.values():
+        assert run.proc.returncode == 0 and run.params is not None, run.explain()
+        assert {name for name, _step, _loss in LOSS.findall(run.proc.stdout)} == {run.backend}, run.explain()
+    assert [p.shape for p in runs["cupycoll"].params] == [p.shape for p in _load(TRAIN).make_model().parameters()]
+    assert largest_difference(runs["cupycoll"].params, runs["gloo"].params) == 0
 
 
 @pytest.mark.any_stack  # train_ddp.py's own comparison; the training itself is tested above

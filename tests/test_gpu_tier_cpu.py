@@ -358,8 +358,8 @@ RUN_STAGES = {
     # the `launched` fixture starts the suites and every gpu_hang_worker launch at once; after
     # the CUDA hang's launch, `python -m cupycoll.trace` reads its dumps (timeout=60)
     "faults": [["suite launch", "cold skip", "kill mid-DDP", "cycles", "CUDA hang"], [60]],
-    # one torchrun (test_compiled_ddp_parity_with_torch_nccl)
-    "compile": [["compiled ddp parity"]],
+    # two torchruns side by side (one per backend), then one torchrun training on both
+    "compile": [["side by side"], ["one process"]],
 }
 
 

@@ -49,3 +49,25 @@ def test_a_port_taken_twice_is_a_failure(monkeypatch):
     with pytest.raises(mp.WorkersFailed, match="EADDRINUSE"):
         mp.run_ranks("api_worker.py", 2)
     assert len(started) == 2
+
+
+def _trained(returncode, stderr):
+    return mp.TrainedRun("nccl", mp.subprocess.CompletedProcess([], returncode, "", stderr), None)
+
+
+def test_a_rank_killed_by_a_signal_is_read_from_torchruns_report():
+    report = "Failures:\n  [1]:\n    rank      : 1 (local_rank: 1)\n    exitcode  : -11 (pid: 542)\n"
+    assert _trained(1, report).crash_signal() == 11
+    assert _trained(1, "exitcode  : 1 (pid: 542)").crash_signal() is None  # an error, not a signal
+    assert _trained(0, report).crash_signal() is None  # the launch succeeded
+
+
+def test_runs_differ_by_their_largest_parameter_difference():
+    import torch
+
+    a = [torch.zeros(2, 2), torch.ones(3)]
+    b = [torch.zeros(2, 2), torch.tensor([1.0, 1.25, 0.5])]
+    assert mp.largest_difference(a, b) == 0.5
+    assert mp.largest_difference(a, a) == 0
+    with pytest.raises(AssertionError):
+        mp.largest_difference(a, a[:1])

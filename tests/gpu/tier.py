@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 #   ring       15 + the three ring runs together 75
 #   faults     15 + every launch together 130 + the trace analysis after the CUDA hang 60
 #   bench      15 + six runs one after another, 255 (tests/gpu/test_gpu_bench.py)
-#   compile    15 + the compiled DDP parity run 90
+#   compile    15 + two runs side by side 55 + one run on both backends 50
 GPU_TIER: List[Tuple[str, str, int]] = [
     ("semantics", "tests/gpu/test_gpu_semantics.py", 90),
     ("api", "tests/gpu/test_gpu_api.py", 120),
@@ -71,7 +71,7 @@ GPU_TIER_BUDGETS_S = {name: budget for name, _path, budget in GPU_TIER}
 # semantics 16 without its DDP parity run (~25 s more), api 24, ring 31. Estimated: faults
 # (its one run lost 130 s to a hang; its launches run side by side, the longest ~80 s) and
 # bench (never run).
-GPU_TIER_ESTIMATES_S = {"semantics": 40, "api": 30, "ring": 35, "faults": 95, "bench": 140, "compile": 50}
+GPU_TIER_ESTIMATES_S = {"semantics": 40, "api": 30, "ring": 35, "faults": 95, "bench": 140, "compile": 70}
 
 # pytest's own start in a part's command, before its first subprocess: the interpreter,
 # torch and CuPy imported, test collection (more on a cold page cache).
