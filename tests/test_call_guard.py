@@ -1,8 +1,9 @@
 """NCCL calls counted while they run (cupycoll.nccl.call_guard), on CPU with a scripted NCCL
 library: an abort from another thread waits for a call, or an open NCCL group, under way on
 the communicator (at most ``call_guard.ENTER_WAIT_S``) before it frees it; a call it freed
-the communicator under says so; and an abort on the calling thread itself, also inside the
-communicator's lock, never waits for that thread."""
+the communicator under says so; an abort on the calling thread itself, also inside the
+communicator's lock, never waits for that thread; and the watchdog's ncclCommGetAsyncError
+never runs beside a call or an open group on the communicator."""
 
 from __future__ import annotations
 
@@ -142,3 +143,78 @@ def test_an_abort_waits_for_an_open_nccl_group_to_end(no_device, monkeypatch):
     aborter.join(5)
     assert events == ["start", "end", "abort"] and comm._callers == []
     assert len(raised) == 1
+
+
+class CountedQueryLibrary(SlowCallLibrary):
+    """SlowCallLibrary whose ncclCommGetAsyncError is recorded, and held while ``hold_query``
+    is set until ``release_query`` is."""
+
+    def __init__(self):
+        super().__init__()
+        self.hold_query, self.in_query, self.release_query = False, threading.Event(), threading.Event()
+
+    def ncclCommGetAsyncError(self, comm, status_ref):
+        self.events.append("query")
+        if self.hold_query:
+            self.in_query.set()
+            self.release_query.wait(10)
+        return super().ncclCommGetAsyncError(comm, status_ref)
+
+
+def test_the_async_error_query_skips_a_communicator_with_a_call_under_way(no_device):
+    comm = polling_comm([nb.ncclSuccess])
+    lib = comm._lib = CountedQueryLibrary()
+    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
+    caller.start()
+    assert lib.inside.wait(5)
+    assert comm.async_error() is None and "query" not in lib.events  # asked again next pass
+    lib.release.set()
+    caller.join(5)
+    assert comm.async_error() is None and lib.events[-1] == "query"
+
+
+def test_the_async_error_query_skips_a_communicator_in_an_open_group(no_device):
+    inside_end, release = threading.Event(), threading.Event()
+
+    def slow_group_end():
+        inside_end.set()
+        release.wait(10)
+    comm, events = grouping_comm(slow_group_end)
+    queries = []
+    comm._lib.ncclCommGetAsyncError = lambda handle, status: queries.append(handle) or 0
+
+    def grouped_send():
+        with comm.group():
+            comm._settle("ncclSend", nb.ncclSuccess)
+    caller = threading.Thread(target=grouped_send)
+    caller.start()
+    assert inside_end.wait(5)
+    assert comm.async_error() is None and queries == []
+    release.set()
+    caller.join(5)
+    assert comm._callers == [] and queries  # the group's own poll after its end
+
+
+def test_a_group_does_not_end_beside_an_async_error_query_under_way(no_device):
+    # The query holds the lock; a group joining the communicator waits for it, so the
+    # group's ncclGroupEnd (where its calls launch) cannot run beside the query.
+    comm, events = grouping_comm()
+    lib = CountedQueryLibrary()
+    lib.hold_query = True
+    comm._lib.ncclCommGetAsyncError = lib.ncclCommGetAsyncError
+    querier = threading.Thread(target=comm.async_error)
+    querier.start()
+    assert lib.in_query.wait(5)
+
+    def grouped_send():
+        with comm.group():
+            comm._settle("ncclSend", nb.ncclSuccess)
+    caller = threading.Thread(target=grouped_send)
+    caller.start()
+    caller.join(0.2)
+    assert caller.is_alive() and events == ["start"]  # waiting to join, before the end
+    lib.hold_query = False
+    lib.release_query.set()
+    querier.join(5)
+    caller.join(5)
+    assert not caller.is_alive() and events == ["start", "end"]

@@ -1,11 +1,15 @@
-"""NCCL calls counted while they run, so that an abort never frees a communicator under one.
+"""NCCL calls counted while they run, so that an abort never frees a communicator under one,
+and the watchdog's ncclCommGetAsyncError never runs beside one.
 
 :class:`GuardedCalls` is a part of :class:`cupycoll.nccl.communicator.Communicator`: each NCCL
 call on a communicator runs through :meth:`GuardedCalls._guarded` (refused once the
 communicator is aborted or shut down; the thread noted while NCCL has it), an NCCL group
 that used the communicator is noted until its ``ncclGroupEnd`` (where its calls really
 launch, and connect), and ``abort``/``shutdown`` first wait, at most :data:`ENTER_WAIT_S`,
-for the calls of other threads to return.
+for the calls of other threads to return. NCCL promises no thread safety between calls on
+one communicator, ``ncclCommGetAsyncError`` included (it may run NCCL's own clean-up), so a
+call or group enters under the lock the watchdog's query holds, and the query is skipped
+while one is under way (``busy``).
 
 What the class needs of its host: ``state``, ``_handle`` and ``device``.
 
@@ -68,14 +72,21 @@ class GuardedCalls:
 
     def _enter_group(self) -> None:
         """An NCCL group open on this thread uses this communicator until its ncclGroupEnd
-        (where the calls really launch, and connect): an abort waits for it as for a call."""
-        self._callers.append(threading.get_ident())
+        (where the calls really launch, and connect): an abort waits for it as for a call.
+        Under the lock, as a call's entry: a ncclCommGetAsyncError under way ends first."""
+        with self._lock:
+            self._callers.append(threading.get_ident())
 
     def _leave_group(self) -> None:
         self._callers.remove(threading.get_ident())
         if self._aborter_waiting:
             with self._lock:
                 self._idle.notify_all()
+
+    def busy(self) -> bool:
+        """A thread is inside an NCCL call or an open group on this communicator. Asked
+        under the lock: no call can enter until the asker lets the lock go."""
+        return bool(self._callers)
 
     def _wait_for_callers(self, on_behalf_of: Optional[int] = None) -> None:
         """Under the lock, with the state already changed: let the NCCL calls under way on

@@ -288,11 +288,12 @@ class Communicator(GuardedCalls):
             time.sleep(0 if spins < 64 else 0.0005)
 
     def async_error(self) -> Optional[NcclError]:
-        """ncclCommGetAsyncError as an exception (None while healthy or still working).
-        Safe from any thread; the watchdog calls it."""
+        """ncclCommGetAsyncError as an exception (None while healthy or still working, or
+        while another call on this communicator is under way: the watchdog asks again at
+        its next pass). Safe from any thread; the watchdog calls it."""
         status = ctypes.c_int()
         with self._lock:
-            if self.state != "ok":
+            if self.state != "ok" or self.busy():
                 return None
             ptr = self.comm_ptr
             if not ptr:
@@ -334,11 +335,11 @@ class Communicator(GuardedCalls):
                 if self.state == "initializing":
                     self.abort()
                     return
-                self._lib.ncclCommFinalize(self._handle)
+                self._guarded("ncclCommFinalize", self._lib.ncclCommFinalize)
                 self._poll("ncclCommFinalize", timeout)  # aborts on error or timeout
             else:
                 self._stream.synchronize()
-                self._lib.ncclCommFinalize(self._handle)
+                self._guarded("ncclCommFinalize", self._lib.ncclCommFinalize)
             with self._lock:
                 if self.state != "ok":
                     return
