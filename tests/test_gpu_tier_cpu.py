@@ -351,7 +351,7 @@ RUN_STAGES = {
     # one torchrun (test_ddp_parity_with_torch_nccl), then the no-context-on-cuda:0 check;
     # the other tests run in pytest's process
     "semantics": [["ddp parity"], ["no context on cuda:0"]],
-    # the `runs` fixture starts all four suite runs, then waits for them
+    # the `runs` fixture starts all five suite runs, then waits for them
     "api": [["suite runs"]],
     # test_ring_under_algorithm_context_and_options starts three runs, then wait_all
     "ring": [["ring run"]],

@@ -2,9 +2,9 @@
 
 Each case is checked against a reference computed with torch on the CPU (api_worker.py), and
 at 2 ranks every exact output must equal torch's own nccl backend's on the same case (torch's
-nccl skips what it cannot run; tests/workers/api_plan.py says which, and why). One rank, and
-eager init with subgroups split at 3 ranks, run the suite once more each; all four runs
-start together.
+nccl skips what it cannot run; tests/workers/api_plan.py says which, and why). One rank,
+eager init with subgroups split at 3 ranks, and nonblocking communicators at 2 ranks (also
+compared with torch's nccl) run the suite once more each; all five runs start together.
 
 Ranks beyond the number of GPUs share one with a distinct NCCL_HOSTID each (NCCL's socket
 transport). Every run has a hard limit below the part's budget (tests/gpu/tier.py).
@@ -25,26 +25,27 @@ pytestmark = pytest.mark.gpu
 
 BUDGET_S = GPU_TIER_BUDGETS_S["api"]
 # All runs at once: ~10 s to start the ranks, 1-3 s of NCCL init over sockets, ~1,100 cases
-# of a few milliseconds each (8 processes time-slicing one GPU), and the large (1M-element)
+# of a few milliseconds each (10 processes time-slicing one GPU), and the large (1M-element)
 # cases' CPU references.
 SUBPROCESS_LIMITS_S = {"suite runs": 100}
 
 
-def _start(tmp_path, backend, world, *extra):
-    out = tmp_path / f"{backend.replace(':', '_').replace(',', '+')}-{world}-{'-'.join(extra) or 'lazy'}"
+def _start(tmp_path, backend, world, *extra, env=None):
+    name = f"{backend.replace(':', '_').replace(',', '+')}-{world}-{'-'.join(extra) or 'lazy'}"
+    out = tmp_path / (name + "".join(f"-{k}={v}" for k, v in (env or {}).items()))
     # A rank with failed cases exits 1: the tests report its summary, which says more than
     # its exit code. A rank that crashes still ends the run early (fail_fast).
     job = start_ranks("api_worker.py", world, ["--backend", backend, "--device", "cuda", "--suite", "full",
                                                "--out", str(out), *extra],
-                      timeout=SUBPROCESS_LIMITS_S["suite runs"], share_gpu=world > gpu_count(),
+                      timeout=SUBPROCESS_LIMITS_S["suite runs"], share_gpu=world > gpu_count(), env=env,
                       expect_success=False, fail_fast=True, log_dir=str(out) + "-logs")
     return job, out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every run of the part, started together (8 processes on 16 cores and one GPU): the
-    wall time of the slowest, not the sum of four process starts and suites."""
+    """Every run of the part, started together (10 processes on 16 cores and one GPU): the
+    wall time of the slowest, not the sum of five process starts and suites."""
     tmp = tmp_path_factory.mktemp("api")
     started = {
         "ours": _start(tmp, "cupycoll", 2),
@@ -55,6 +56,8 @@ def runs(tmp_path_factory):
         # device_id: the communicator is made at init, subgroups with ncclCommSplit; an odd
         # world size gives uneven reduce-scatter and all-to-all splits
         "eager_split": _start(tmp, "cpu:gloo,cuda:cupycoll", 3, "--device-id"),
+        # every call may return ncclInProgress and is polled; made at init, so it is there
+        "nonblocking": _start(tmp, "cupycoll", 2, "--device-id", env={"CUPYCOLL_NONBLOCKING": "1"}),
     }
     runs = {}
     try:
@@ -92,7 +95,11 @@ def test_api_suite_at_two_ranks(runs):
 
 
 def test_api_suite_matches_torch_nccl(runs):
-    _, ours_out = runs["ours"]
+    _matches_torch_nccl(runs, "ours")
+
+
+def _matches_torch_nccl(runs, name):
+    _, ours_out = runs[name]
     _, ref_out = runs["reference"]
     ref = _summaries(runs["reference"])
     for rank in range(2):
@@ -115,3 +122,10 @@ def test_api_suite_on_one_rank(runs):
 def test_api_suite_eager_init_and_split(runs):
     for rank, summary in enumerate(_summaries(runs["eager_split"])):
         _assert_clean(summary, rank)
+
+
+def test_api_suite_with_nonblocking_communicators_matches_torch_nccl(runs):
+    for rank, summary in enumerate(_summaries(runs["nonblocking"])):
+        assert summary["communicator"] == "nonblocking", (rank, summary["communicator"])
+        _assert_clean(summary, rank)
+    _matches_torch_nccl(runs, "nonblocking")

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 # fails inside the part, with the ranks' output, before the part itself is killed
 # (tests/test_gpu_tier_cpu.py checks it against each file's SUBPROCESS_LIMITS_S).
 #   semantics  15 + DDP parity 50, and ~10 s of tests in process: 90 leaves room for a cold start
-#   api        15 + the four suite runs together 100
+#   api        15 + the five suite runs together 100
 #   ring       15 + the three ring runs together 75
 #   faults     15 + every launch together 130 + the trace analysis after the CUDA hang 60
 #   bench      15 + six runs one after another, 255 (tests/gpu/test_gpu_bench.py)

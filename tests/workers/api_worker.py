@@ -621,6 +621,17 @@ def connect(args) -> torch.device:
     return device
 
 
+def communicator_mode(backend: str):
+    """How the default group's NCCL communicator was made, "blocking" or "nonblocking" (None:
+    not cupycoll's group, or no communicator made yet)."""
+    if "cupycoll" not in backend:
+        return None
+    from shapes import shell_of
+
+    comm = shell_of(dist.group.WORLD)._cuda.comm
+    return None if comm is None else ("nonblocking" if comm.nonblocking else "blocking")
+
+
 FAMILIES = (check_all_reduce, check_broadcast_and_reduce, check_all_gather, check_reduce_scatter,
             check_all_to_all, check_gather_and_scatter, check_point_to_point, check_coalescing,
             check_barrier, check_object_collectives, check_subgroups)
@@ -645,7 +656,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     torch.save(s.results, os.path.join(args.out, f"rank{RANK}.pt"))
     return end_suite(args.out, RANK, {"cases": s.cases, "failures": s.failures, "errors": s.errors,
-                                      "skipped": s.skipped, "group_type": type(dist.group.WORLD).__name__})
+                                      "skipped": s.skipped, "group_type": type(dist.group.WORLD).__name__,
+                                      "communicator": communicator_mode(args.backend)})
 
 
 if __name__ == "__main__":
