@@ -97,8 +97,12 @@ def _end_with_parent() -> None:
     Each child leads its own session (so one killpg ends what it started), which puts it
     outside the process group a tier part's time limit kills; without this, a killed part
     would leave its ranks holding the GPU while the next part runs. SIGTERM, not SIGKILL:
-    torchrun ends its own workers on SIGTERM."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    torchrun ends its own workers on SIGTERM. ``prctl`` is looked up in the parent, once: a
+    dlopen in a child forked while another thread held the loader's lock would never return."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 
 
 def process_alive(pid: int) -> bool:
@@ -291,6 +295,9 @@ def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
+
+
 @dataclasses.dataclass
 class TrainedRun:
     """One launch of examples/train_ddp.py: how it ended, and rank 0's final parameters."""
@@ -302,17 +309,23 @@ class TrainedRun:
         return (f"train_ddp.py on {self.backend}: exit {self.proc.returncode}\n"
                 f"stdout:\n{self.proc.stdout[-4000:]}\nstderr:\n{self.proc.stderr[-8000:]}")
 
-    def crash_signal(self) -> Optional[int]:
-        """The signal that killed a rank, as torchrun reports it (``exitcode: -11``), or None."""
-        found = re.search(r"exitcode\s*:\s*-(\d+)", self.proc.stderr)
-        return int(found.group(1)) if found and self.proc.returncode != 0 else None
+    def crashed(self) -> Optional[str]:
+        """The name of the crash signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE) that ended a rank, as
+        torchrun reports it (``exitcode  : -11``), or None: an error exit, a kill (a timeout,
+        the OOM killer) or an abort (a watchdog) is not a crash."""
+        if self.proc.returncode == 0:
+            return None
+        for number in re.findall(r"exitcode\s*:\s*-(\d+)", self.proc.stderr):
+            if int(number) in CRASH_SIGNALS:
+                return signal.Signals(int(number)).name
+        return None
 
 
-def train_ddp_side_by_side(timeout: float, backends: Sequence[str], out_dir: Path,
-                           *train_args: str) -> Dict[str, TrainedRun]:
-    """examples/train_ddp.py once per backend, each under its own torchrun (two ranks,
-    sharing the GPU when there is one; ``--device cpu`` in ``train_args`` for none), the
-    launches side by side: no process trains on more than one backend."""
+def train_ddp_side_by_side(timeout: float, backends: Sequence[str], out_dir: Path, *train_args: str,
+                           share_gpu: bool = False) -> Dict[str, TrainedRun]:
+    """examples/train_ddp.py once per backend, each under its own torchrun (two ranks; with
+    ``share_gpu``, on one GPU), the launches side by side: no process trains on more than
+    one backend."""
     from concurrent.futures import ThreadPoolExecutor
 
     def launch(backend: str) -> TrainedRun:
@@ -320,7 +333,7 @@ def train_ddp_side_by_side(timeout: float, backends: Sequence[str], out_dir: Pat
         cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "examples" / "train_ddp.py"), "--backend", backend, *train_args,
                "--params-out", str(params_file)]
-        if "cpu" not in train_args and gpu_count() < 2:
+        if share_gpu:
             cmd.append("--share-gpu")
         env = {k: v for k, v in shared_gpu_env(0).items() if k != "NCCL_HOSTID"}
         proc = run_python(*cmd, timeout=timeout, env=env)

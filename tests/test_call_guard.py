@@ -145,7 +145,10 @@ def test_an_abort_waits_for_an_open_nccl_group_to_end(no_device, monkeypatch):
     assert len(raised) == 1
 
 
-class CountedQueryLibrary(SlowCallLibrary):
+REMOTE_ERROR = 6  # ncclRemoteError: a peer's process or network failed
+
+
+class RecordedQueryLibrary(SlowCallLibrary):
     """SlowCallLibrary whose ncclCommGetAsyncError is recorded, and held while ``hold_query``
     is set until ``release_query`` is."""
 
@@ -161,9 +164,10 @@ class CountedQueryLibrary(SlowCallLibrary):
         return super().ncclCommGetAsyncError(comm, status_ref)
 
 
-def test_the_async_error_query_skips_a_communicator_with_a_call_under_way(no_device):
+def test_the_async_error_query_skips_a_communicator_with_a_call_under_way(no_device, monkeypatch):
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # the call is an enqueue, not blocked
     comm = polling_comm([nb.ncclSuccess])
-    lib = comm._lib = CountedQueryLibrary()
+    lib = comm._lib = RecordedQueryLibrary()
     caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
     caller.start()
     assert lib.inside.wait(5)
@@ -173,7 +177,27 @@ def test_the_async_error_query_skips_a_communicator_with_a_call_under_way(no_dev
     assert comm.async_error() is None and lib.events[-1] == "query"
 
 
-def test_the_async_error_query_skips_a_communicator_in_an_open_group(no_device):
+def test_a_call_blocked_inside_nccl_does_not_hide_the_async_error(no_device, monkeypatch):
+    # past ENTER_WAIT_S a call is blocked (a connect, a full launch queue): NCCL's error may
+    # be the only news of the fault behind it, so the watchdog asks beside it
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)
+    comm = polling_comm([nb.ncclSuccess])
+    lib = comm._lib = RecordedQueryLibrary()
+    lib.states = [REMOTE_ERROR]
+    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
+    caller.start()
+    try:
+        assert lib.inside.wait(5)
+        time.sleep(0.1)
+        error = comm.async_error()
+        assert isinstance(error, NcclError) and error.status == REMOTE_ERROR and "query" in lib.events
+    finally:
+        lib.release.set()
+        caller.join(5)
+
+
+def test_the_async_error_query_skips_a_communicator_in_an_open_group(no_device, monkeypatch):
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)
     inside_end, release = threading.Event(), threading.Event()
 
     def slow_group_end():
@@ -199,7 +223,7 @@ def test_a_group_does_not_end_beside_an_async_error_query_under_way(no_device):
     # The query holds the lock; a group joining the communicator waits for it, so the
     # group's ncclGroupEnd (where its calls launch) cannot run beside the query.
     comm, events = grouping_comm()
-    lib = CountedQueryLibrary()
+    lib = RecordedQueryLibrary()
     lib.hold_query = True
     comm._lib.ncclCommGetAsyncError = lib.ncclCommGetAsyncError
     querier = threading.Thread(target=comm.async_error)
@@ -211,6 +235,9 @@ def test_a_group_does_not_end_beside_an_async_error_query_under_way(no_device):
             comm._settle("ncclSend", nb.ncclSuccess)
     caller = threading.Thread(target=grouped_send)
     caller.start()
+    deadline = time.monotonic() + 5
+    while "start" not in events and time.monotonic() < deadline:
+        time.sleep(0.01)
     caller.join(0.2)
     assert caller.is_alive() and events == ["start"]  # waiting to join, before the end
     lib.hold_query = False

@@ -55,11 +55,17 @@ def _trained(returncode, stderr):
     return mp.TrainedRun("nccl", mp.subprocess.CompletedProcess([], returncode, "", stderr), None)
 
 
-def test_a_rank_killed_by_a_signal_is_read_from_torchruns_report():
+def test_a_rank_that_crashed_is_read_from_torchruns_report():
     report = "Failures:\n  [1]:\n    rank      : 1 (local_rank: 1)\n    exitcode  : -11 (pid: 542)\n"
-    assert _trained(1, report).crash_signal() == 11
-    assert _trained(1, "exitcode  : 1 (pid: 542)").crash_signal() is None  # an error, not a signal
-    assert _trained(0, report).crash_signal() is None  # the launch succeeded
+    assert _trained(1, report).crashed() == "SIGSEGV"
+    assert _trained(1, report.replace("-11", "-7")).crashed() == "SIGBUS"
+    assert _trained(0, report).crashed() is None  # the launch succeeded
+
+
+@pytest.mark.parametrize("exitcode", ["1", "-9", "-6", "-15"])
+def test_an_error_a_kill_or_an_abort_is_not_a_crash(exitcode):
+    # an error exit; SIGKILL (a timeout, the OOM killer); SIGABRT (a watchdog); SIGTERM
+    assert _trained(1, f"exitcode  : {exitcode} (pid: 542)").crashed() is None
 
 
 def test_runs_differ_by_their_largest_parameter_difference():

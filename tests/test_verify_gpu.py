@@ -402,6 +402,9 @@ def test_lease_plan_proves_the_most_first_then_runs_every_other_step(tmp_path):
     assert set(keys) == full | {"tier.probe", "bench.row"} and len(keys) == len(set(keys))
     # by the times in the table, the proofs are in within about 5 minutes of the command
     assert sum(s.estimate_s for s in steps[:len(LEASE_PROOFS)]) <= 300
+    # then the tier parts the runs still owe, before the benchmark's further figures
+    owed = ["tier.semantics", "tier.faults", "tier.compile", "tier.ring"]
+    assert keys[len(LEASE_PROOFS):len(LEASE_PROOFS) + len(owed)] == owed
     assert verify_gpu.BUDGET_S["lease"] == 570
     row = steps[keys.index("bench.row")]
     assert {"all_reduce", "1M", "64M", verify_gpu.CANDIDATES} <= set(row.argv)

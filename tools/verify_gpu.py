@@ -238,9 +238,10 @@ def plan(mode: str, py: str, work: str, out: str, tier_module=None) -> List[Step
                              "64", "--iters", "3", "--warmup_iters", "1", "--check", "1", "--backends", CANDIDATES],
                             py, work))
         first = [env, probe, *[parts.pop(n) for n in ("api",) if n in parts], demo, faults, row]
-        # The faults part next: the proofs it owes outweigh the benchmark's further figures.
-        rest = [*[parts.pop(n) for n in ("semantics", "faults") if n in parts], scen1, large, scen2, small,
-                *parts.values()]
+        # Then what the runs still owe before further benchmark figures (earlier leases
+        # measured those): the faults part, the compile part, the ring bit for bit.
+        rest = [*[parts.pop(n) for n in ("semantics", "faults", "compile", "ring") if n in parts],
+                scen1, large, scen2, small, *parts.values()]
         steps = first + rest
         for step in steps:
             # Never start a step that could not finish: a step starts only with its whole limit left.

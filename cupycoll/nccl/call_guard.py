@@ -9,7 +9,7 @@ launch, and connect), and ``abort``/``shutdown`` first wait, at most :data:`ENTE
 for the calls of other threads to return. NCCL promises no thread safety between calls on
 one communicator, ``ncclCommGetAsyncError`` included (it may run NCCL's own clean-up), so a
 call or group enters under the lock the watchdog's query holds, and the query is skipped
-while one is under way (``busy``).
+while one entered less than ENTER_WAIT_S ago is under way (``busy``).
 
 What the class needs of its host: ``state``, ``_handle`` and ``device``.
 
@@ -21,12 +21,14 @@ itself (``abort_all`` from a signal handler that interrupted it).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Optional
 
 from ..errors import CommunicatorAbortedError
 
 # How long abort (or destroy) waits for NCCL calls under way on other threads before it
-# frees the communicator anyway: an enqueue takes microseconds.
+# frees the communicator anyway: an enqueue takes microseconds, so a call inside NCCL for
+# longer is blocked (also for the watchdog's query: ``busy``).
 ENTER_WAIT_S = 1.0
 _USABLE = frozenset(("ok", "initializing"))
 
@@ -39,7 +41,9 @@ class GuardedCalls:
         # interrupted inside one of this lock's blocks.
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
-        self._callers: list = []  # threads inside an NCCL call (or group) on this communicator
+        # (thread, when it entered) for each NCCL call or open group on this communicator
+        self._callers: list = []
+        self._group_entries: dict = {}  # thread -> its open group's entry in _callers
         self._aborter_waiting = False  # an abort or destroy waits in _wait_for_callers
 
     def _guarded(self, function: str, call: Callable[[Optional[int]], object]):
@@ -53,7 +57,8 @@ class GuardedCalls:
             if self.state not in _USABLE or not self._handle:
                 raise CommunicatorAbortedError(
                     f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
-            self._callers.append(me)
+            entry = (me, time.monotonic())
+            self._callers.append(entry)
             handle = self._handle
         try:
             return call(handle)
@@ -65,7 +70,7 @@ class GuardedCalls:
         finally:
             # No lock on the way out (list.remove is atomic): an aborter sets the flag before
             # it first checks ``_callers``, so either it sees this removal or this sees the flag.
-            self._callers.remove(me)
+            self._callers.remove(entry)
             if self._aborter_waiting:
                 with self._lock:
                     self._idle.notify_all()
@@ -74,19 +79,24 @@ class GuardedCalls:
         """An NCCL group open on this thread uses this communicator until its ncclGroupEnd
         (where the calls really launch, and connect): an abort waits for it as for a call.
         Under the lock, as a call's entry: a ncclCommGetAsyncError under way ends first."""
+        me = threading.get_ident()
         with self._lock:
-            self._callers.append(threading.get_ident())
+            self._group_entries[me] = entry = (me, time.monotonic())
+            self._callers.append(entry)
 
     def _leave_group(self) -> None:
-        self._callers.remove(threading.get_ident())
+        self._callers.remove(self._group_entries.pop(threading.get_ident()))
         if self._aborter_waiting:
             with self._lock:
                 self._idle.notify_all()
 
     def busy(self) -> bool:
-        """A thread is inside an NCCL call or an open group on this communicator. Asked
-        under the lock: no call can enter until the asker lets the lock go."""
-        return bool(self._callers)
+        """A thread entered an NCCL call or group on this communicator less than ENTER_WAIT_S
+        ago and is still in it. Asked under the lock: no call can enter until the asker lets
+        the lock go. One inside for longer is blocked (a connect, a full launch queue), and
+        NCCL's asynchronous error may be the only news of what blocks it: not counted."""
+        since = time.monotonic() - ENTER_WAIT_S
+        return any(entered > since for _thread, entered in list(self._callers))
 
     def _wait_for_callers(self, on_behalf_of: Optional[int] = None) -> None:
         """Under the lock, with the state already changed: let the NCCL calls under way on
@@ -98,6 +108,6 @@ class GuardedCalls:
         exempt = {threading.get_ident(), on_behalf_of}
         self._aborter_waiting = True
         try:
-            self._idle.wait_for(lambda: all(t in exempt for t in self._callers), ENTER_WAIT_S)
+            self._idle.wait_for(lambda: all(t in exempt for t, _entered in self._callers), ENTER_WAIT_S)
         finally:
             self._aborter_waiting = False

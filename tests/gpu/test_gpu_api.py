@@ -92,6 +92,8 @@ def _assert_clean(summary, rank):
 def test_api_suite_at_two_ranks(runs):
     for rank, summary in enumerate(_summaries(runs["ours"])):
         _assert_clean(summary, rank)
+        # lazy init: the communicator is made by the first collective, blocking by default
+        assert summary["communicator"] == "blocking", (rank, summary["communicator"])
 
 
 def test_api_suite_matches_torch_nccl(runs):

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 #   ring       15 + the three ring runs together 75
 #   faults     15 + every launch together 130 + the trace analysis after the CUDA hang 60
 #   bench      15 + six runs one after another, 255 (tests/gpu/test_gpu_bench.py)
-#   compile    15 + two runs side by side 55 + one run on both backends 50
+#   compile    15 + two runs side by side 50 + one run on both backends 50
 GPU_TIER: List[Tuple[str, str, int]] = [
     ("semantics", "tests/gpu/test_gpu_semantics.py", 90),
     ("api", "tests/gpu/test_gpu_api.py", 120),
