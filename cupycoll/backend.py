@@ -124,9 +124,11 @@ class CudaBackend:
         marked issued here, completed by the watchdog, and a timeout is explained by it."""
         self.trace = trace
         mark = trace.recorder.mark
+        this = weakref.ref(self)
         self._watch.on_done = lambda work: mark(work.trace_entry, "completed")
+        # No Work (a call stuck inside NCCL): the call being submitted is the one behind.
         self._watch.explain_timeout = lambda work, timeout_s: trace.explain_timeout(
-            work.trace_entry, timeout_s)
+            work.trace_entry if work is not None else getattr(this(), "_submitting", None), timeout_s)
 
     # The group's state, fault and watch are its lifetime's (cupycoll.faults.lifecycle).
     @property
@@ -189,6 +191,8 @@ class CudaBackend:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._watch.device = device  # its events are queried with it current (not cuda:0)
+        # Watched from now: a call can be stuck inside NCCL before its Work exists.
+        self.life.watching()
 
     # -- communicators -----------------------------------------------------------------
     def splits_children(self, bound_device) -> bool:
@@ -335,7 +339,13 @@ class CudaBackend:
                                               peer, blocking_wait or self.settings.blocking_wait, own_group,
                                               prepare)
                 if now is not None:
-                    self._enqueue([now])
+                    try:
+                        self._enqueue([now])
+                    except CommunicatorAbortedError as exc:
+                        timed_out = self.life.timeout_behind(exc)
+                        if timed_out is None:
+                            raise
+                        raise timed_out from exc
             finally:
                 self._submitting = None
             if entry is not None and work.trace_entry is None:

@@ -229,6 +229,7 @@ _FORK_SCRIPT = """
     class Comm:
         def __init__(self, who): self.who = who
         def async_error(self): return None
+        def stuck_call(self, after_s): return None
         def abort(self, on_behalf_of=None): print(f"{self.who} comm aborted in", os.getpid(), flush=True)
 
     def make(who):

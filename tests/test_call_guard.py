@@ -245,3 +245,42 @@ def test_a_group_does_not_end_beside_an_async_error_query_under_way(no_device):
     querier.join(5)
     caller.join(5)
     assert not caller.is_alive() and events == ["start", "end"]
+
+
+def test_a_call_inside_nccl_longer_than_asked_is_named_with_its_seconds(no_device):
+    comm = polling_comm([nb.ncclSuccess])
+    lib = comm._lib = SlowCallLibrary()
+    assert comm.stuck_call(0.0) is None  # nothing under way
+    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
+    caller.start()
+    try:
+        assert lib.inside.wait(5)
+        time.sleep(0.1)
+        function, seconds = comm.stuck_call(0.05)
+        assert function == "ncclAllReduce" and seconds >= 0.1
+        assert comm.stuck_call(30) is None  # not yet that long
+    finally:
+        lib.release.set()
+        caller.join(5)
+    assert comm.stuck_call(0.0) is None
+
+
+def test_an_open_group_is_named_by_the_call_that_launches_it(no_device):
+    inside_end, release = threading.Event(), threading.Event()
+
+    def slow_group_end():
+        inside_end.set()
+        release.wait(10)
+    comm, events = grouping_comm(slow_group_end)
+
+    def grouped_send():
+        with comm.group():
+            comm._settle("ncclSend", nb.ncclSuccess)
+    caller = threading.Thread(target=grouped_send)
+    caller.start()
+    try:
+        assert inside_end.wait(5)
+        assert comm.stuck_call(0.0)[0] == "ncclGroupEnd"
+    finally:
+        release.set()
+        caller.join(5)

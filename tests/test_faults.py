@@ -39,9 +39,13 @@ class FakeComm:
     def __init__(self):
         self.aborted = threading.Event()
         self.error = None
+        self.stuck = None  # (NCCL function, seconds) of a call stuck inside NCCL
 
     def async_error(self):
         return self.error
+
+    def stuck_call(self, after_s):
+        return self.stuck if self.stuck is not None and self.stuck[1] > after_s else None
 
     def abort(self, on_behalf_of=None):
         self.aborted.set()
@@ -124,6 +128,21 @@ def test_an_async_nccl_error_is_a_fault():
     assert "peer closed the connection" in str(fault) and faults == [fault]
     with pytest.raises(NcclError):
         work.wait()
+
+
+def test_a_call_inside_nccl_past_the_timeout_is_a_timeout_fault_naming_the_call():
+    comm = FakeComm()
+    faults, explained = [], []
+    watch = Watch("g", timeout=5, interval=0.01, communicators=lambda: [comm], on_fault=faults.append)
+    watch.explain_timeout = lambda work, timeout_s: explained.append(work) or "all_reduce #3 timed out; rank 1 is behind"
+    comm.stuck = ("ncclAllReduce", 4.0)  # not yet past the timeout
+    assert watch.poll() is None and faults == []
+    comm.stuck = ("ncclAllReduce", 7.2)
+    fault = watch.poll()
+    assert isinstance(fault, CollectiveTimeoutError) and faults == [fault]
+    assert explained == [None]  # no Work exists yet: the hook explains the call being issued
+    assert str(fault) == ("all_reduce #3 timed out; rank 1 is behind (ncclAllReduce has been inside NCCL for 7.2 s: "
+                          "a blocking communicator connects inside the call, to a peer that has not made it)")
 
 
 def test_the_watchdog_thread_finds_a_stuck_work_and_then_exits():
@@ -682,3 +701,45 @@ def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):
     cuda.calls.flush()  # the group is still usable
     assert events == [("prepare", comm), "start", ("send", comm), ("send", comm), "end"]
     group.abort()  # while CuPy is still the stand-in
+
+
+class StuckConnectLibrary(ScriptedLibrary):
+    """ncclAllReduce blocks, as a blocking communicator's connect to a peer that never makes
+    the call does, until ncclCommAbort ends it with an error."""
+
+    def __init__(self):
+        super().__init__([nb.ncclSuccess])
+        self.inside, self.abort_called = threading.Event(), threading.Event()
+
+    def ncclAllReduce(self, *args):
+        self.inside.set()
+        if not self.abort_called.wait(30):
+            return nb.ncclSuccess
+        raise NcclError(3, "ncclAllReduce", "internal error", "the connection was aborted")
+
+    def ncclCommAbort(self, comm):
+        self.abort_called.set()
+        return 0
+
+
+def test_a_call_stuck_inside_nccl_is_timed_out_and_aborted_and_its_caller_gets_the_timeout(
+        cuda_standins, no_device, monkeypatch):
+    from cupycoll.nccl import call_guard
+
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)  # the abort then goes ahead beside it
+    group = make_group(timeout=0.3)
+    cuda = group._cuda
+    comm = polling_comm([nb.ncclSuccess])
+    comm.nonblocking, comm.stream = False, 0
+    lib = comm._lib = StuckConnectLibrary()
+    cuda.comm = comm
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="ncclAllReduce has been inside NCCL") as raised:
+        group.allreduce([torch.ones(4)]).wait()
+    assert lib.inside.is_set() and lib.abort_called.is_set()
+    assert isinstance(raised.value.__cause__, CommunicatorAbortedError)  # what the abort cut short
+    assert cuda.state == "aborted" and isinstance(cuda.fault, CollectiveTimeoutError)
+    assert "all_reduce #1" in str(raised.value)  # the diagnosis names the call being issued
+    assert time.monotonic() - start < 0.3 + 4.0 + 2.0  # timeout + the diagnosis' wait + the abort
+    with pytest.raises(CommunicatorAbortedError):  # later calls are refused at once
+        group.allreduce([torch.ones(4)])

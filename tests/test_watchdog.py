@@ -330,6 +330,7 @@ _EXIT_SCRIPT = """
     lifecycle.EXIT_DEADLINE = 1.0 if {hang} else 10.0  # a quick abort must not race 1 s
     class Comm:
         def async_error(self): return None
+        def stuck_call(self, after_s): return None
         def abort(self, on_behalf_of=None):
             print("comm aborted", flush=True)
             if {hang}: threading.Event().wait()
@@ -348,6 +349,7 @@ _EXIT_WHILE_DIAGNOSING_SCRIPT = """
     from standins import CpuAsCudaGroup
     class Comm:
         def async_error(self): return None
+        def stuck_call(self, after_s): return None
         def abort(self, on_behalf_of=None): print("comm aborted", flush=True)
     group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
     group._cuda.comm = Comm()

@@ -67,7 +67,7 @@ import torch
 
 from .. import hooks
 from . import watchdog
-from ..errors import CommunicatorAbortedError
+from ..errors import CollectiveTimeoutError, CommunicatorAbortedError
 from .watchdog import WATCHDOG, Watch
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
@@ -177,6 +177,15 @@ class GroupLifetime:
                 self.state = GroupState.ABORTING
                 self._held = self._backend()  # until the abort ran, whatever torch drops
                 _ABORTING.add(self)
+
+    def timeout_behind(self, cut: BaseException) -> Optional[CollectiveTimeoutError]:
+        """For a call inside NCCL that the group's abort cut short (``cut``): the group's
+        timeout, when that was its fault (the call timed out in NCCL, or waited behind the
+        collective that did), to raise in its place; else None."""
+        fault = self.fault
+        if isinstance(fault, CollectiveTimeoutError) and fault is not cut:
+            return CollectiveTimeoutError(str(fault))
+        return None
 
     def fault_once(self, exc: BaseException) -> None:
         """A communicator (or its creation) failed: fault the group unless it already has."""

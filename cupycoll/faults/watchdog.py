@@ -9,6 +9,10 @@ polls every watch each interval:
 * Works whose completion event has fired are dropped, releasing their tensors (the caller's
   Work may live on);
 * a Work not done ``timeout`` after it was issued is a timeout fault;
+* a call (or NCCL group) inside NCCL on one of its communicators for longer than
+  ``timeout`` is a timeout fault too: a blocking communicator connects inside the first
+  call that needs a connection and waits there, in the host, for a peer that has not made
+  that call, before any Work exists (``Communicator.stuck_call``);
 * ``ncclCommGetAsyncError`` reporting an error on any communicator is an async fault;
 * any exception from querying an event or the async error (a sticky CUDA error) is a
   fault of that group too: it must not silence fault handling. Except a query refused
@@ -39,7 +43,8 @@ Hooks (default None, set by the group): ``on_done(work)`` runs for each Work fou
 completed (by the watchdog or a drain); ``on_claim(fault)`` when a fault is claimed, first
 (the group refuses calls from then on); ``explain_timeout(work, timeout_s)`` on the fault
 thread before a timed-out group is failed (it may block a few seconds): a string it
-returns is the CollectiveTimeoutError's message.
+returns is the CollectiveTimeoutError's message. ``work`` is None for a call stuck inside
+NCCL: the hook then explains the call being issued.
 
 Closing: from a claimed fault or the start of an abort, ``closed`` holds the reason, and a
 Work tracked later (its call passed the group's checks before) is failed by ``track``: it
@@ -90,6 +95,15 @@ class Watched(Protocol):
 
     def release(self) -> None:
         """Drop the tensors it kept for the GPU."""
+
+
+class StuckCall:
+    """What :meth:`Watch.check` gives in a Work's place for a call inside NCCL, in the host,
+    for longer than the group's timeout: no Work exists for it yet."""
+
+    def __init__(self, function: str, seconds: float):
+        self.where = (f"{function} has been inside NCCL for {seconds:.1f} s: a blocking communicator "
+                      f"connects inside the call, to a peer that has not made it")
 
 
 class WatchHandle:
@@ -240,7 +254,15 @@ class Watch:
                 return CollectiveTimeoutError(
                     f"process group {self.name!r}: {work.describe()} did not complete within "
                     f"{self.timeout:g} s; a peer may have hung, died or skipped it"), work
-        for comm in self._communicators():
+        communicators = self._communicators()
+        for comm in communicators:
+            stuck = comm.stuck_call(self.timeout)
+            if stuck is not None:
+                call = StuckCall(*stuck)
+                return CollectiveTimeoutError(
+                    f"process group {self.name!r}: the call being issued did not complete within "
+                    f"{self.timeout:g} s; {call.where}"), call
+        for comm in communicators:
             if self.closed is not None:  # aborted meanwhile: its comms are not ours to poll
                 return None, None
             error = comm.async_error()
@@ -292,13 +314,14 @@ class Watch:
     def _explain(self, fault: CupycollError, work) -> CupycollError:
         if self.explain_timeout is None or work is None or not isinstance(fault, CollectiveTimeoutError):
             return fault
+        stuck = isinstance(work, StuckCall)
         try:
-            message = self.explain_timeout(work, self.timeout)
+            message = self.explain_timeout(None if stuck else work, self.timeout)
         except Exception:  # noqa: BLE001 - the plain message still describes the fault
             logger.exception("explain_timeout of group %r failed", self.name)
             return fault
         if isinstance(message, str) and message:
-            fault = CollectiveTimeoutError(message)
+            fault = CollectiveTimeoutError(message + (f" ({work.where})" if stuck else ""))
             self.fault = self.closed = fault
         return fault
 

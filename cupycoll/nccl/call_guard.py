@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from ..errors import CommunicatorAbortedError
 
@@ -41,7 +41,7 @@ class GuardedCalls:
         # interrupted inside one of this lock's blocks.
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
-        # (thread, when it entered) for each NCCL call or open group on this communicator
+        # (thread, when it entered, the NCCL function) for each call or open group on it
         self._callers: list = []
         self._group_entries: dict = {}  # thread -> its open group's entry in _callers
         self._aborter_waiting = False  # an abort or destroy waits in _wait_for_callers
@@ -57,7 +57,7 @@ class GuardedCalls:
             if self.state not in _USABLE or not self._handle:
                 raise CommunicatorAbortedError(
                     f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
-            entry = (me, time.monotonic())
+            entry = (me, time.monotonic(), function)
             self._callers.append(entry)
             handle = self._handle
         try:
@@ -81,7 +81,8 @@ class GuardedCalls:
         Under the lock, as a call's entry: a ncclCommGetAsyncError under way ends first."""
         me = threading.get_ident()
         with self._lock:
-            self._group_entries[me] = entry = (me, time.monotonic())
+            # its calls launch (and connect) in the group's ncclGroupEnd
+            self._group_entries[me] = entry = (me, time.monotonic(), "ncclGroupEnd")
             self._callers.append(entry)
 
     def _leave_group(self) -> None:
@@ -96,7 +97,18 @@ class GuardedCalls:
         the lock go. One inside for longer is blocked (a connect, a full launch queue), and
         NCCL's asynchronous error may be the only news of what blocks it: not counted."""
         since = time.monotonic() - ENTER_WAIT_S
-        return any(entered > since for _thread, entered in list(self._callers))
+        return any(entered > since for _thread, entered, _function in list(self._callers))
+
+    def stuck_call(self, after_s: float) -> Optional[Tuple[str, float]]:
+        """(NCCL function, seconds inside) of the call or group that entered first, when that
+        was more than ``after_s`` ago; None otherwise. A blocking communicator connects inside
+        the first call that needs a connection, waiting there for a peer that has not made
+        that call: no Work exists yet for the watchdog to time out, this is what it sees."""
+        oldest = min(list(self._callers), key=lambda entry: entry[1], default=None)
+        if oldest is None:
+            return None
+        seconds = time.monotonic() - oldest[1]
+        return (oldest[2], seconds) if seconds > after_s else None
 
     def _wait_for_callers(self, on_behalf_of: Optional[int] = None) -> None:
         """Under the lock, with the state already changed: let the NCCL calls under way on
@@ -108,6 +120,6 @@ class GuardedCalls:
         exempt = {threading.get_ident(), on_behalf_of}
         self._aborter_waiting = True
         try:
-            self._idle.wait_for(lambda: all(t in exempt for t, _entered in self._callers), ENTER_WAIT_S)
+            self._idle.wait_for(lambda: all(entry[0] in exempt for entry in self._callers), ENTER_WAIT_S)
         finally:
             self._aborter_waiting = False

@@ -264,11 +264,13 @@ def test_a_peer_skipping_the_first_collective_of_a_cold_communicator(launched, m
     nonblocking: every NCCL call returns and is polled under the timeout, so rank 0 must get
     an error within timeout + 5 s, the Work saying failed right after synchronize() (Works
     are failed before the abort). blocking: NCCL may block the host inside ncclAllReduce
-    while it connects, before a Work exists for the watchdog to time out (docs/design.md,
-    "Decision: blocking communicators by default, for now"). An error in time passes as in
-    nonblocking mode; a hang is recorded (where it was stuck: the worker's deadline thread
-    after HANG_DEADLINE_S, or this launch's own limit when the thread could not run) and the
-    test xfails with it, as that known limit of blocking mode, instead of hanging the tier."""
+    while it connects, before a Work exists; the watchdog times out the call inside NCCL and
+    the group's abort runs ncclCommAbort beside it (docs/design.md, "Decision: blocking
+    communicators by default, for now"). An error in time passes as in nonblocking mode; a
+    hang is recorded (where it was stuck: the worker's deadline thread after HANG_DEADLINE_S,
+    or this launch's own limit when the thread could not run) and the test xfails with it,
+    as blocking mode's limit where NCCL's abort does not end a connect, instead of hanging
+    the tier."""
     results, reports, logs = _launch(launched, "cold_skip", mode)
     report = reports.get(0)
     if report is None and isinstance(results, WorkersFailed) and mode == "blocking":
@@ -281,7 +283,7 @@ def test_a_peer_skipping_the_first_collective_of_a_cold_communicator(launched, m
         figure(capsys, f"cold skip {mode}", f"hang: {report['seconds']:.1f} s, stuck in {report['stuck_in']}")
         if mode == "blocking":
             pytest.xfail(f"blocking mode hung in the host ({report['stuck_in']}) for {report['seconds']:.0f} s "
-                         "(its known limit)"
+                         "(the watchdog's abort did not end NCCL's connect)"
                          f"\n{report['stacks']}")
         pytest.fail(f"nonblocking mode hung ({report['stuck_in']}) for {report['seconds']:.0f} s:\n"
                     f"{report['stacks']}\n{logs}", pytrace=False)
