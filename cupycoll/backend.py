@@ -105,6 +105,7 @@ class CudaBackend:
         self._runners: Dict[tuple, object] = {}  # (algorithm, id(communicator)) -> its runner
         self.trace = None  # the group's flight recorder (cupycoll.trace.group), if any
         self._submitting: Optional[list] = None  # its entry for the call being submitted
+        self._launching: Optional[list] = None  # the entry of the batch being launched
         timeout = settings.timeout.total_seconds()
         # Callbacks into this object are weak: a cycle would keep destroyed groups (and their
         # gloo threads) alive until interpreter exit, where tearing gloo down aborts the process.
@@ -126,9 +127,9 @@ class CudaBackend:
         mark = trace.recorder.mark
         this = weakref.ref(self)
         self._watch.on_done = lambda work: mark(work.trace_entry, "completed")
-        # No Work (a call stuck inside NCCL): the call being submitted is the one behind.
+        # No Work (a call stuck inside NCCL): the batch being launched is the one behind.
         self._watch.explain_timeout = lambda work, timeout_s: trace.explain_timeout(
-            work.trace_entry if work is not None else getattr(this(), "_submitting", None), timeout_s)
+            work.trace_entry if work is not None else getattr(this(), "_launching", None), timeout_s)
 
     # The group's state, fault and watch are its lifetime's (cupycoll.faults.lifecycle).
     @property
@@ -339,13 +340,7 @@ class CudaBackend:
                                               peer, blocking_wait or self.settings.blocking_wait, own_group,
                                               prepare)
                 if now is not None:
-                    try:
-                        self._enqueue([now])
-                    except CommunicatorAbortedError as exc:
-                        timed_out = self.life.timeout_behind(exc)
-                        if timed_out is None:
-                            raise
-                        raise timed_out from exc
+                    self._enqueue([now])
             finally:
                 self._submitting = None
             if entry is not None and work.trace_entry is None:
@@ -376,6 +371,8 @@ class CudaBackend:
         else:
             stream = current
         launched = []  # not empty once part of the batch may be on the stream
+        first = issues[0].work.trace_entry  # a queued batch's; None: the call submitted now
+        self._launching = first if first is not None else self._submitting
         try:
             if async_op or current.device_index != torch.cuda.current_device():
                 # Make ``stream`` (and its device) current for what launch/finish allocate.
@@ -390,7 +387,12 @@ class CudaBackend:
                 except Exception:  # noqa: BLE001 - untracked, the queue fails them after the abort
                     pass
                 self.life.fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
+            timed_out = self.life.timeout_that_cut(exc)
+            if timed_out is not None:
+                raise timed_out from exc
             raise
+        finally:
+            self._launching = None
         self._track(issues, stream, async_op)
 
     def _track(self, issues: List[Issue], stream, async_op: bool) -> None:

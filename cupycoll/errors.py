@@ -79,6 +79,9 @@ class NcclError(CupycollError, DistBackendError):
 class CommunicatorAbortedError(CupycollError, DistBackendError):
     """The communicator (or the whole group) was aborted or shut down; it cannot be used."""
 
+    #: True when the abort ended an NCCL call under way, rather than refusing a new one.
+    during_call = False
+
 
 class CollectiveTimeoutError(CupycollError, DistBackendError, TimeoutError):
     """Peers or the GPU did not finish within the timeout: a collective (the watchdog or

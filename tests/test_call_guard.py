@@ -265,6 +265,53 @@ def test_a_call_inside_nccl_longer_than_asked_is_named_with_its_seconds(no_devic
     assert comm.stuck_call(0.0) is None
 
 
+def test_an_aborted_communicator_reports_no_stuck_call(no_device, monkeypatch):
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)
+    comm = polling_comm([nb.ncclSuccess])
+    lib = comm._lib = SlowCallLibrary()
+    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
+    caller.start()
+    try:
+        assert lib.inside.wait(5)
+        comm.abort()  # past ENTER_WAIT_S it goes ahead beside the call
+        assert comm.stuck_call(0.0) is None  # the abort is ending it: not a new fault
+    finally:
+        lib.release.set()
+        caller.join(5)
+
+
+def test_a_group_whose_launch_an_abort_ended_says_so(no_device, monkeypatch):
+    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)
+    inside_end, aborted = threading.Event(), threading.Event()
+
+    def end_stuck_until_aborted():
+        inside_end.set()
+        aborted.wait(10)
+        raise NcclError(3, "ncclGroupEnd", "internal error", "the connection was aborted")
+    comm, events = grouping_comm(end_stuck_until_aborted)
+    original_abort = comm._lib.ncclCommAbort
+
+    def abort(handle):
+        aborted.set()
+        return original_abort(handle)
+    comm._lib.ncclCommAbort = abort
+    raised = []
+
+    def grouped_send():
+        try:
+            with comm.group():
+                comm._settle("ncclSend", nb.ncclSuccess)
+        except CommunicatorAbortedError as exc:
+            raised.append(exc)
+    caller = threading.Thread(target=grouped_send)
+    caller.start()
+    assert inside_end.wait(5)
+    comm.abort()
+    caller.join(5)
+    assert len(raised) == 1 and raised[0].during_call and "ncclGroupEnd" in str(raised[0])
+    assert isinstance(raised[0].__cause__, NcclError) and comm._callers == []
+
+
 def test_an_open_group_is_named_by_the_call_that_launches_it(no_device):
     inside_end, release = threading.Event(), threading.Event()
 

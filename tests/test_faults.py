@@ -142,7 +142,8 @@ def test_a_call_inside_nccl_past_the_timeout_is_a_timeout_fault_naming_the_call(
     assert isinstance(fault, CollectiveTimeoutError) and faults == [fault]
     assert explained == [None]  # no Work exists yet: the hook explains the call being issued
     assert str(fault) == ("all_reduce #3 timed out; rank 1 is behind (ncclAllReduce has been inside NCCL for 7.2 s: "
-                          "a blocking communicator connects inside the call, to a peer that has not made it)")
+                          "a peer has not made this call (a blocking communicator connects inside it, and a split "
+                          "waits there for every rank), or the GPU's launch queue is full behind a stuck kernel)")
 
 
 def test_the_watchdog_thread_finds_a_stuck_work_and_then_exits():
@@ -740,6 +741,23 @@ def test_a_call_stuck_inside_nccl_is_timed_out_and_aborted_and_its_caller_gets_t
     assert isinstance(raised.value.__cause__, CommunicatorAbortedError)  # what the abort cut short
     assert cuda.state == "aborted" and isinstance(cuda.fault, CollectiveTimeoutError)
     assert "all_reduce #1" in str(raised.value)  # the diagnosis names the call being issued
-    assert time.monotonic() - start < 0.3 + 4.0 + 2.0  # timeout + the diagnosis' wait + the abort
-    with pytest.raises(CommunicatorAbortedError):  # later calls are refused at once
+    assert time.monotonic() - start < 0.3 + 4.0 + 5.0  # timeout + the diagnosis' wait + the abort
+    with pytest.raises(CommunicatorAbortedError) as refused:  # later calls are refused at once
         group.allreduce([torch.ones(4)])
+    assert not refused.value.during_call
+
+
+def test_only_a_call_the_abort_ended_inside_nccl_takes_the_groups_timeout():
+    group = make_group()
+    life = group._cuda.life
+    ended = CommunicatorAbortedError("ncclAllReduce: the NCCL communicator on cuda:0 was aborted during the call")
+    ended.during_call = True
+    assert life.timeout_that_cut(ended) is None  # no fault: a user's abort keeps its own words
+    life.fault = CollectiveTimeoutError("all_reduce #3 timed out; rank 1 is behind")
+    timed_out = life.timeout_that_cut(ended)
+    assert isinstance(timed_out, CollectiveTimeoutError) and str(timed_out) == str(life.fault)
+    assert timed_out is not life.fault  # each caller raises its own
+    refused = CommunicatorAbortedError("process group '' was aborted")  # never entered NCCL
+    assert life.timeout_that_cut(refused) is None
+    assert life.timeout_that_cut(RuntimeError("a launch's own error")) is None
+    life.fault = None

@@ -178,12 +178,14 @@ class GroupLifetime:
                 self._held = self._backend()  # until the abort ran, whatever torch drops
                 _ABORTING.add(self)
 
-    def timeout_behind(self, cut: BaseException) -> Optional[CollectiveTimeoutError]:
-        """For a call inside NCCL that the group's abort cut short (``cut``): the group's
-        timeout, when that was its fault (the call timed out in NCCL, or waited behind the
-        collective that did), to raise in its place; else None."""
+    def timeout_that_cut(self, error: BaseException) -> Optional[CollectiveTimeoutError]:
+        """For ``error``, a call's: when it is a call inside NCCL that the group's abort ended
+        and the group's fault is a timeout (the call timed out in NCCL, or waited behind the
+        collective that did), that timeout, to raise in its place; else None. A call refused
+        because the group was aborted keeps its CommunicatorAbortedError."""
         fault = self.fault
-        if isinstance(fault, CollectiveTimeoutError) and fault is not cut:
+        if (isinstance(error, CommunicatorAbortedError) and error.during_call
+                and isinstance(fault, CollectiveTimeoutError)):
             return CollectiveTimeoutError(str(fault))
         return None
 

@@ -44,7 +44,7 @@ completed (by the watchdog or a drain); ``on_claim(fault)`` when a fault is clai
 (the group refuses calls from then on); ``explain_timeout(work, timeout_s)`` on the fault
 thread before a timed-out group is failed (it may block a few seconds): a string it
 returns is the CollectiveTimeoutError's message. ``work`` is None for a call stuck inside
-NCCL: the hook then explains the call being issued.
+NCCL: the hook then explains the batch being launched.
 
 Closing: from a claimed fault or the start of an abort, ``closed`` holds the reason, and a
 Work tracked later (its call passed the group's checks before) is failed by ``track``: it
@@ -102,8 +102,9 @@ class StuckCall:
     for longer than the group's timeout: no Work exists for it yet."""
 
     def __init__(self, function: str, seconds: float):
-        self.where = (f"{function} has been inside NCCL for {seconds:.1f} s: a blocking communicator "
-                      f"connects inside the call, to a peer that has not made it")
+        self.where = (f"{function} has been inside NCCL for {seconds:.1f} s: a peer has not made this "
+                      f"call (a blocking communicator connects inside it, and a split waits there for "
+                      f"every rank), or the GPU's launch queue is full behind a stuck kernel")
 
 
 class WatchHandle:
@@ -232,7 +233,7 @@ class Watch:
 
     # -- detecting a fault ---------------------------------------------------------------
     def check(self, now: Optional[float] = None) -> Tuple[Optional[CupycollError], object]:
-        """Detect (never handle) a fault: ``(fault, the stalled Work or None)``."""
+        """Detect (never handle) a fault: ``(fault, the stalled Work, a StuckCall or None)``."""
         if self.fault is not None or self.closed is not None:
             return None, None
         now = time.monotonic() if now is None else now
@@ -256,6 +257,8 @@ class Watch:
                     f"{self.timeout:g} s; a peer may have hung, died or skipped it"), work
         communicators = self._communicators()
         for comm in communicators:
+            if self.closed is not None:  # aborted meanwhile: the abort ends its calls
+                return None, None
             stuck = comm.stuck_call(self.timeout)
             if stuck is not None:
                 call = StuckCall(*stuck)

@@ -64,8 +64,7 @@ class GuardedCalls:
             return call(handle)
         except Exception as exc:
             if self.state in ("aborted", "shut down"):  # terminal states: no lock needed to read
-                raise CommunicatorAbortedError(f"{function}: the NCCL communicator on cuda:"
-                                               f"{self.device} was {self.state} during the call") from exc
+                raise self.cut_short(function) from exc
             raise
         finally:
             # No lock on the way out (list.remove is atomic): an aborter sets the flag before
@@ -99,11 +98,20 @@ class GuardedCalls:
         since = time.monotonic() - ENTER_WAIT_S
         return any(entered > since for _thread, entered, _function in list(self._callers))
 
+    def cut_short(self, function: str) -> CommunicatorAbortedError:
+        """The error of ``function``, a call this communicator's abort (or shutdown) ended."""
+        error = CommunicatorAbortedError(
+            f"{function}: the NCCL communicator on cuda:{self.device} was {self.state} during the call")
+        error.during_call = True
+        return error
+
     def stuck_call(self, after_s: float) -> Optional[Tuple[str, float]]:
         """(NCCL function, seconds inside) of the call or group that entered first, when that
         was more than ``after_s`` ago; None otherwise. A blocking communicator connects inside
         the first call that needs a connection, waiting there for a peer that has not made
         that call: no Work exists yet for the watchdog to time out, this is what it sees."""
+        if self.state not in _USABLE:  # aborted: its calls are being ended already
+            return None
         oldest = min(list(self._callers), key=lambda entry: entry[1], default=None)
         if oldest is None:
             return None

@@ -266,9 +266,8 @@ class Communicator(GuardedCalls):
         spins = 0
         while True:
             with self._lock:
-                if self.state in ("aborted", "shut down"):
-                    raise CommunicatorAbortedError(
-                        f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
+                if self.state in ("aborted", "shut down"):  # the call was still settling
+                    raise self.cut_short(function)
                 self._lib.ncclCommGetAsyncError(self._handle, ctypes.byref(status))
             if status.value == nccl_bindings.ncclSuccess:
                 return

@@ -55,13 +55,24 @@ def nccl_group(lib: "nccl_bindings.NcclLibrary"):
             state["members"], raised = [], state.pop("raised", None) or raised
         elif raised is not None:
             state["raised"] = raised  # the outermost group ends the partial batch
+        cut = False  # an abort of a member ended the launch (it failed the group's Works)
         try:
-            lib.ncclGroupEnd()
+            try:
+                lib.ncclGroupEnd()
+            except Exception as exc:
+                gone = next((c for c in members if c.state in ("aborted", "shut down")), None)
+                if gone is None:
+                    raise
+                cut = True
+                raise gone.cut_short("ncclGroupEnd") from exc
         finally:
             for comm in members:
                 comm._leave_group()
             for comm in members:
-                comm._abort_for(raised) if raised is not None else comm._poll("ncclGroupEnd")
+                if raised is not None:
+                    comm._abort_for(raised)
+                elif not cut:
+                    comm._poll("ncclGroupEnd")
 
 
 def join(comm) -> bool:
