@@ -37,6 +37,8 @@ from bench.launch import free_port  # noqa: E402  (standard library only)
 # Seconds the other ranks get to finish once one rank has failed (when all must succeed):
 # a rank that died leaves its peers waiting in a collective until their own timeout.
 FAIL_GRACE_S = 15.0
+# How long a rank still running at its limit gets to print its stacks before it is killed.
+STACK_DUMP_WAIT_S = 3.0
 
 
 def gpu_count() -> int:
@@ -145,6 +147,19 @@ class Ranks:
         return [RankResult(rank, proc.returncode, self._read(rank, "out"), self._read(rank, "err"), self.log_dir)
                 for rank, proc in enumerate(self.procs)]
 
+    def _dump_stacks(self) -> None:
+        """Ask each rank still running for its threads' Python stacks (SIGABRT, which the
+        fault handler prints before the process ends): where a hang was, in its stderr."""
+        running = [p for p in self.procs if p.poll() is None]
+        for proc in running:
+            try:
+                os.kill(proc.pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        while any(p.poll() is None for p in running) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def kill(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -172,6 +187,8 @@ class Ranks:
                             f"{FAIL_GRACE_S:g} s after it")
                 break
             time.sleep(0.05)
+        if headline is not None:
+            self._dump_stacks()
         self.kill()
         self.results = results = self._collect()
         if headline is not None:
@@ -209,6 +226,9 @@ def start_ranks(
             # Several ranks, each building CPU references: torch's default of one intra-op
             # thread per core oversubscribes the machine world-fold.
             child_env.setdefault("OMP_NUM_THREADS", "2")
+            # A rank still running at the limit is sent SIGABRT first (Ranks.wait): with the
+            # fault handler on, it prints every thread's Python stack to its stderr.
+            child_env.setdefault("PYTHONFAULTHANDLER", "1")
             # The checkout, and tests/ for the helpers workers share with the tests
             # (ring_simulator), imported by name as the tests import them.
             child_env.update(

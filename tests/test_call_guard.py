@@ -7,6 +7,7 @@ never runs beside a call or an open group on the communicator."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -38,6 +39,38 @@ class SlowCallLibrary(ScriptedLibrary):
     def ncclCommAbort(self, comm):
         self.events.append("ncclCommAbort")
         return 0
+
+
+def send_in_a_group(comm) -> None:
+    """One send in an NCCL group on ``comm``: the group's ncclGroupEnd is its library's."""
+    with comm.group():
+        comm._settle("ncclSend", nb.ncclSuccess)
+
+
+def comm_with_a_slow_group_end():
+    """A communicator whose ncclGroupEnd waits until released: (communicator, its recorded
+    events, set once inside ncclGroupEnd, the release)."""
+    inside_end, release = threading.Event(), threading.Event()
+
+    def slow_group_end():
+        inside_end.set()
+        release.wait(10)
+    comm, events = grouping_comm(slow_group_end)
+    return comm, events, inside_end, release
+
+
+@contextlib.contextmanager
+def all_reduce_under_way(comm, lib):
+    """``comm.all_reduce`` on another thread, inside ``lib``'s ncclAllReduce (a
+    SlowCallLibrary) for the body; released and joined after it."""
+    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
+    caller.start()
+    try:
+        assert lib.inside.wait(5)
+        yield caller
+    finally:
+        lib.release.set()
+        caller.join(5)
 
 
 def test_abort_waits_for_an_nccl_call_under_way(no_device, monkeypatch):
@@ -168,12 +201,8 @@ def test_the_async_error_query_skips_a_communicator_with_a_call_under_way(no_dev
     monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # the call is an enqueue, not blocked
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = RecordedQueryLibrary()
-    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
-    caller.start()
-    assert lib.inside.wait(5)
-    assert comm.async_error() is None and "query" not in lib.events  # asked again next pass
-    lib.release.set()
-    caller.join(5)
+    with all_reduce_under_way(comm, lib):
+        assert comm.async_error() is None and "query" not in lib.events  # asked again next pass
     assert comm.async_error() is None and lib.events[-1] == "query"
 
 
@@ -184,33 +213,19 @@ def test_a_call_blocked_inside_nccl_does_not_hide_the_async_error(no_device, mon
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = RecordedQueryLibrary()
     lib.states = [REMOTE_ERROR]
-    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
-    caller.start()
-    try:
-        assert lib.inside.wait(5)
+    with all_reduce_under_way(comm, lib):
         time.sleep(0.1)
         error = comm.async_error()
         assert isinstance(error, NcclError) and error.status == REMOTE_ERROR and "query" in lib.events
-    finally:
-        lib.release.set()
-        caller.join(5)
 
 
 def test_the_async_error_query_skips_a_communicator_in_an_open_group(no_device, monkeypatch):
     monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)
-    inside_end, release = threading.Event(), threading.Event()
-
-    def slow_group_end():
-        inside_end.set()
-        release.wait(10)
-    comm, events = grouping_comm(slow_group_end)
+    comm, events, inside_end, release = comm_with_a_slow_group_end()
     queries = []
     comm._lib.ncclCommGetAsyncError = lambda handle, status: queries.append(handle) or 0
 
-    def grouped_send():
-        with comm.group():
-            comm._settle("ncclSend", nb.ncclSuccess)
-    caller = threading.Thread(target=grouped_send)
+    caller = threading.Thread(target=send_in_a_group, args=(comm,))
     caller.start()
     assert inside_end.wait(5)
     assert comm.async_error() is None and queries == []
@@ -229,11 +244,7 @@ def test_a_group_does_not_end_beside_an_async_error_query_under_way(no_device):
     querier = threading.Thread(target=comm.async_error)
     querier.start()
     assert lib.in_query.wait(5)
-
-    def grouped_send():
-        with comm.group():
-            comm._settle("ncclSend", nb.ncclSuccess)
-    caller = threading.Thread(target=grouped_send)
+    caller = threading.Thread(target=send_in_a_group, args=(comm,))
     caller.start()
     deadline = time.monotonic() + 5
     while "start" not in events and time.monotonic() < deadline:
@@ -251,17 +262,11 @@ def test_a_call_inside_nccl_longer_than_asked_is_named_with_its_seconds(no_devic
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
     assert comm.stuck_call(0.0) is None  # nothing under way
-    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
-    caller.start()
-    try:
-        assert lib.inside.wait(5)
+    with all_reduce_under_way(comm, lib):
         time.sleep(0.1)
         function, seconds = comm.stuck_call(0.05)
         assert function == "ncclAllReduce" and seconds >= 0.1
         assert comm.stuck_call(30) is None  # not yet that long
-    finally:
-        lib.release.set()
-        caller.join(5)
     assert comm.stuck_call(0.0) is None
 
 
@@ -269,15 +274,9 @@ def test_an_aborted_communicator_reports_no_stuck_call(no_device, monkeypatch):
     monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
-    caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
-    caller.start()
-    try:
-        assert lib.inside.wait(5)
+    with all_reduce_under_way(comm, lib):
         comm.abort()  # past ENTER_WAIT_S it goes ahead beside the call
         assert comm.stuck_call(0.0) is None  # the abort is ending it: not a new fault
-    finally:
-        lib.release.set()
-        caller.join(5)
 
 
 def test_a_group_whose_launch_an_abort_ended_says_so(no_device, monkeypatch):
@@ -299,8 +298,7 @@ def test_a_group_whose_launch_an_abort_ended_says_so(no_device, monkeypatch):
 
     def grouped_send():
         try:
-            with comm.group():
-                comm._settle("ncclSend", nb.ncclSuccess)
+            send_in_a_group(comm)
         except CommunicatorAbortedError as exc:
             raised.append(exc)
     caller = threading.Thread(target=grouped_send)
@@ -313,17 +311,8 @@ def test_a_group_whose_launch_an_abort_ended_says_so(no_device, monkeypatch):
 
 
 def test_an_open_group_is_named_by_the_call_that_launches_it(no_device):
-    inside_end, release = threading.Event(), threading.Event()
-
-    def slow_group_end():
-        inside_end.set()
-        release.wait(10)
-    comm, events = grouping_comm(slow_group_end)
-
-    def grouped_send():
-        with comm.group():
-            comm._settle("ncclSend", nb.ncclSuccess)
-    caller = threading.Thread(target=grouped_send)
+    comm, events, inside_end, release = comm_with_a_slow_group_end()
+    caller = threading.Thread(target=send_in_a_group, args=(comm,))
     caller.start()
     try:
         assert inside_end.wait(5)

@@ -77,3 +77,13 @@ def test_runs_differ_by_their_largest_parameter_difference():
     assert mp.largest_difference(a, a) == 0
     with pytest.raises(AssertionError):
         mp.largest_difference(a, a[:1])
+
+
+def test_a_rank_still_running_at_the_limit_shows_where_it_was(tmp_path):
+    script = tmp_path / "stuck_worker.py"
+    script.write_text("import time\n\ndef stuck_in_a_call():\n    time.sleep(120)\n\nstuck_in_a_call()\n")
+    job = mp.start_ranks(str(script), 1, timeout=3)
+    with pytest.raises(mp.WorkersFailed) as failed:
+        job.wait()
+    assert "did not finish within 3 s" in str(failed.value)
+    assert "stuck_in_a_call" in str(failed.value)  # its Python stack, from its stderr
