@@ -315,6 +315,18 @@ def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def run_train_ddp(timeout: float, *train_args: str, share_gpu: bool) -> subprocess.CompletedProcess:
+    """examples/train_ddp.py with ``train_args`` under torchrun, two ranks (with ``share_gpu``,
+    on one GPU). run_python kills torchrun and its ranks together on a timeout."""
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "train_ddp.py"), *train_args]
+    if share_gpu:
+        cmd.append("--share-gpu")
+    # train_ddp.py sets each rank's NCCL_HOSTID; IB and the gloo interface are the same for all.
+    env = {k: v for k, v in shared_gpu_env(0).items() if k != "NCCL_HOSTID"}
+    return run_python(*cmd, timeout=timeout, env=env)
+
+
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 
 
@@ -350,13 +362,8 @@ def train_ddp_side_by_side(timeout: float, backends: Sequence[str], out_dir: Pat
 
     def launch(backend: str) -> TrainedRun:
         params_file = out_dir / f"{backend}-params.pt"
-        cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "examples" / "train_ddp.py"), "--backend", backend, *train_args,
-               "--params-out", str(params_file)]
-        if share_gpu:
-            cmd.append("--share-gpu")
-        env = {k: v for k, v in shared_gpu_env(0).items() if k != "NCCL_HOSTID"}
-        proc = run_python(*cmd, timeout=timeout, env=env)
+        proc = run_train_ddp(timeout, "--backend", backend, *train_args, "--params-out", str(params_file),
+                             share_gpu=share_gpu)
         params = None
         if proc.returncode == 0 and params_file.exists():
             import torch
@@ -378,14 +385,7 @@ def ddp_parity_with_torch_nccl(timeout: float, *train_args: str) -> float:
     """examples/train_ddp.py --compare nccl under torchrun, two ranks (sharing the GPU when
     there is one): the largest parameter difference between cupycoll and torch's nccl.
     ``train_args``: more of train_ddp.py's flags."""
-    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "train_ddp.py"), *train_args, "--compare", "nccl"]
-    if gpu_count() < 2:
-        cmd.append("--share-gpu")
-    # train_ddp.py sets each rank's NCCL_HOSTID; IB and the gloo interface are the same for all.
-    # run_python kills torchrun and its ranks together on a timeout, showing their output.
-    env = {k: v for k, v in shared_gpu_env(0).items() if k != "NCCL_HOSTID"}
-    result = run_python(*cmd, timeout=timeout, env=env)
+    result = run_train_ddp(timeout, *train_args, "--compare", "nccl", share_gpu=gpu_count() < 2)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     found = re.search(r"max \|param difference\| cupycoll vs nccl: ([0-9.eE+-]+)", result.stdout)
     assert found, result.stdout[-4000:]

@@ -31,6 +31,7 @@ from ..errors import CommunicatorAbortedError
 # longer is blocked (also for the watchdog's query: ``busy``).
 ENTER_WAIT_S = 1.0
 _USABLE = frozenset(("ok", "initializing"))
+_ENDED = frozenset(("aborted", "shut down"))  # terminal: no lock needed to read
 
 
 class GuardedCalls:
@@ -63,7 +64,7 @@ class GuardedCalls:
         try:
             return call(handle)
         except Exception as exc:
-            if self.state in ("aborted", "shut down"):  # terminal states: no lock needed to read
+            if self.ended:
                 raise self.cut_short(function) from exc
             raise
         finally:
@@ -97,6 +98,11 @@ class GuardedCalls:
         NCCL's asynchronous error may be the only news of what blocks it: not counted."""
         since = time.monotonic() - ENTER_WAIT_S
         return any(entered > since for _thread, entered, _function in list(self._callers))
+
+    @property
+    def ended(self) -> bool:
+        """Aborted or shut down, for good."""
+        return self.state in _ENDED
 
     def cut_short(self, function: str) -> CommunicatorAbortedError:
         """The error of ``function``, a call this communicator's abort (or shutdown) ended."""

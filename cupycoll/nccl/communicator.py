@@ -266,7 +266,7 @@ class Communicator(GuardedCalls):
         spins = 0
         while True:
             with self._lock:
-                if self.state in ("aborted", "shut down"):  # the call was still settling
+                if self.ended:  # the call was still settling
                     raise self.cut_short(function)
                 self._lib.ncclCommGetAsyncError(self._handle, ctypes.byref(status))
             if status.value == nccl_bindings.ncclSuccess:
@@ -358,7 +358,7 @@ class Communicator(GuardedCalls):
         # hangs (NCCL has known hangs there) must not stall the watchdog's async_error() on the
         # lock. Every holder of the lock re-checks the state, so none touches the comm after.
         with self._lock:
-            if self.state in ("aborted", "shut down"):
+            if self.ended:
                 return None
             self.state = "aborted"  # from now on _guarded refuses new calls
             handle, self._handle = self._handle, None

@@ -60,7 +60,7 @@ def nccl_group(lib: "nccl_bindings.NcclLibrary"):
             try:
                 lib.ncclGroupEnd()
             except Exception as exc:
-                gone = next((c for c in members if c.state in ("aborted", "shut down")), None)
+                gone = next((c for c in members if c.ended), None)
                 if gone is None:
                     raise
                 cut = True
