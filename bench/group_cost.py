@@ -60,7 +60,7 @@ def _communicator(nccl_library: Optional[str]):
     real = _cuda.cupy_module
     _cuda.cupy_module = cupy_without_device
     try:
-        return communicator.Communicator(0, 0, 1, nccl_library, handle=0)
+        return communicator.Communicator(0, 0, 1, nccl_library, handle=0, timeout=60.0)
     finally:
         _cuda.cupy_module = real
 

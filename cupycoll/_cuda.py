@@ -1,8 +1,13 @@
-"""Lazy access to CuPy and its NCCL module, with errors that say what to install.
+"""Lazy access to CuPy and its NCCL module, with errors that say what to install, and the
+few raw CUDA calls the hot path makes through CuPy's runtime: pooled events
+(:class:`Event`) and the capture test of a stream (:func:`capturing`).
 
 Nothing here runs at ``import cupycoll``: CuPy is imported the first time a CUDA
 collective (or an eager ``device_id`` init) needs it, so CPU-only users and the
-``torch.backends`` entry point never pay for it.
+``torch.backends`` entry point never pay for it. CPU tests put stand-ins in place of
+:func:`new_event` and :func:`capturing` (tests/standins.py).
+
+Deliberately left out: streams (torch's: :func:`cupycoll.compat.current_raw_stream`).
 """
 
 from __future__ import annotations
@@ -130,3 +135,55 @@ def require_device(index: int) -> None:
         raise NoCudaDeviceError(f"no CUDA device is usable: {exc}") from exc
     if not 0 <= index < count:
         raise NoCudaDeviceError(f"CUDA device {index} does not exist ({count} visible)")
+
+
+# cudaEventQuery's "not yet" (cudaErrorNotReady); 0 is done, anything else an error.
+_NOT_READY = 600
+
+
+class Event:
+    """One CUDA event made once (timing off) and recorded again and again: the watchdog's
+    pooled completion events (cupycoll.faults.watchdog). Each method is one CuPy runtime
+    call; record, synchronize and the stream wait release the GIL there."""
+
+    __slots__ = ("handle", "_runtime")
+
+    def __init__(self):
+        runtime = cupy_module().cuda.runtime
+        self._runtime = runtime
+        self.handle = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+
+    def record(self, stream: int) -> None:
+        self._runtime.eventRecord(self.handle, stream)
+
+    def query(self) -> bool:
+        """Has the GPU passed the last record? Raises a sticky CUDA error (CuPy's
+        CUDARuntimeError, with its ``status``)."""
+        status = self._runtime.eventQuery(self.handle)
+        if status == 0:
+            return True
+        if status == _NOT_READY:
+            return False
+        raise self._runtime.CUDARuntimeError(status)
+
+    def synchronize(self) -> None:
+        self._runtime.eventSynchronize(self.handle)
+
+    def wait_on(self, stream: int) -> None:
+        """Make ``stream`` wait for the last record (cudaStreamWaitEvent)."""
+        self._runtime.streamWaitEvent(stream, self.handle)
+
+    def destroy(self) -> None:
+        """Free the event (never on the watchdog's thread: it can wait behind a stuck kernel)."""
+        handle, self.handle = self.handle, 0
+        if handle:
+            self._runtime.eventDestroy(handle)
+
+
+def new_event() -> Event:
+    return Event()
+
+
+def capturing(stream: int) -> bool:
+    """Is ``stream`` (a raw pointer) capturing a CUDA graph?"""
+    return cupy_module().cuda.runtime.streamIsCapturing(stream)

@@ -1,59 +1,68 @@
 """The CUDA half of a cupycoll group: what ``pg._get_backend(torch.device("cuda"))`` returns.
 
-A :class:`CudaBackend` owns everything a group needs to run NCCL:
+A :class:`CudaBackend` issues a group's CUDA calls:
 
-* **communicators**: one per group on one device, created lazily at the first CUDA call
+* **communicators** (:class:`~cupycoll.nccl.communicator.Communicators`, shared with the
+  group's lifetime): one per group on one device, created lazily at the first CUDA call
   (or eagerly, when torch calls :meth:`~CudaBackend.eager_connect_single_device` for
   ``init_process_group(device_id=...)``), from a unique id shared through the store
-  (:mod:`cupycoll.nccl.bootstrap`) or split from a bound parent's; two-rank pair communicators
-  for point-to-point calls, unless the group's own was made at init (see :meth:`~CudaBackend.p2p_comm`);
+  (:mod:`cupycoll.nccl.bootstrap`) or split from a bound parent's; two-rank pair
+  communicators for point-to-point calls, unless the group's own was made at init (see
+  :meth:`~CudaBackend.p2p_comm`);
 * **the queue**: point-to-point calls wait in it and are issued together, as one NCCL
-  group, when one of their Works is touched or any other CUDA call is made. torch
-  hands a Python group the ops of ``batch_isend_irecv`` one by one, and issued one by one
-  NCCL send/recv deadlock in patterns like a ring exchange. An open coalescing block queues
-  every CUDA call until it closes, the same way;
+  group, when one of their Works is touched or any other CUDA call is made. torch hands a
+  Python group the ops of ``batch_isend_irecv`` one by one, and issued one by one NCCL
+  send/recv deadlock in patterns like a ring exchange. An open coalescing block queues every
+  CUDA call until it closes, the same way;
 * **streams**, as recent ProcessGroupNCCL: a synchronous call (``async_op=False``) runs on
-  the caller's current stream with no side stream and no event; an asynchronous one on the
-  communicator's internal stream after it waits for the current stream, and its tensors
-  stay referenced until the GPU is done with them;
-* **faults**: every issued Work is tracked by the process's watchdog
-  (:mod:`cupycoll.faults.watchdog`), through the group's lifetime (:mod:`cupycoll.faults.lifecycle`, which
-  also owns the group's state, abort and shutdown). A collective that outlives the timeout, or an NCCL async
-  error, aborts the communicators and fails the Works; every later call raises
-  CommunicatorAbortedError. :meth:`~CudaBackend.abort` works from any thread, also while a
-  communicator is being created (store waits poll; nonblocking communicators can be
-  aborted mid-init); :meth:`~CudaBackend.shutdown` finalizes when healthy, aborts when not;
-* **runners**: of cupycoll's algorithms (:mod:`cupycoll.algorithms`, such as the ring), one per
-  algorithm and communicator, made on first use.
+  the caller's current stream; an asynchronous one on the communicator's internal stream
+  after it waits for the current stream, and its tensors stay held until the GPU is done;
+* **the watch**: every issued batch is put in flight in the group's watch
+  (:mod:`cupycoll.faults.watchdog`) with a pooled CUDA event, unless the stream is capturing a
+  CUDA graph; its Works ask the watch how it went. How the group ends is its lifetime's
+  (:mod:`cupycoll.faults.lifecycle`);
+* **the fast path**: a synchronous all_reduce of one tensor on a healthy group with nothing
+  queued goes from the group's method to NCCL in one frame (:meth:`~CudaBackend.all_reduce_fast`);
+  everything else takes the general path (:meth:`~CudaBackend.submit`);
+* **runners**: of cupycoll's algorithms (:mod:`cupycoll.algorithms`, such as the ring), one
+  per algorithm and communicator, made on first use.
 
 The backend knows its group only through callbacks it holds weakly (``name`` for messages,
 ``on_abort`` to shut the group's gloo half down, ``on_bind`` to set its ``bound_device_id``),
 so torch may keep this object without keeping the group alive, and no reference cycle forms.
 
 Deliberately left out: torch's routing and its coalescing-manager protocol (the group's,
-:mod:`cupycoll.process_group`), what each collective launches (:mod:`cupycoll.collectives`),
-and recovery (a faulted group stays dead; build a new one, see docs/design.md).
+:mod:`cupycoll.shell`), what each collective launches (:mod:`cupycoll.collectives`), and the
+group's state and end (its lifetime's; a faulted group is replaced by a shrink or a new one,
+see docs/design.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import warnings
 import weakref
 import zlib
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from . import algorithms, compat, config
-from .faults import lifecycle
-from .nccl.bootstrap import StoreBootstrap
-from .nccl.communicator import Communicator
-from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
+from . import _cuda, algorithms, compat, config
 from .call_queue import CallQueue, Issue
-from .faults.watchdog import Watch
-from .trace.recorder import E_ROUTE
+from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
+from .faults import lifecycle
+from .faults.lifecycle import GroupState
+from .faults.watchdog import Watch, entries
+from .nccl.bootstrap import StoreBootstrap
+from .nccl.communicator import Communicator, Communicators
+from .trace.recorder import E_ROUTE, describe_entry
 from .work import CudaWork
+
+_OK = GroupState.OK
+# The algorithm override in force (config.algorithm(), process-wide): a non-empty list
+# sends every reduction to the general path, which reads it.
+_OVERRIDES = config._algorithm_override
+_async_requested = compat.async_requested
 
 
 def _nothing() -> None:
@@ -79,8 +88,17 @@ def split_color(ranks: Sequence[int]) -> int:
     return zlib.crc32(",".join(map(str, sorted(ranks))).encode()) & 0x7FFFFFFF
 
 
+def describe_batch(records) -> str:
+    """What a timeout message names a batch by: its first call, and how many more it had."""
+    found = entries(records)
+    if not found:
+        return "a collective"
+    text = describe_entry(found[0])
+    return text if len(found) == 1 else f"{text} (and {len(found) - 1} more calls of its batch)"
+
+
 class CudaBackend:
-    """Communicators, queue, streams and algorithm runners of one group; its state and ending are its lifetime's."""
+    """Communicators, queue, streams and algorithm runners of one group; its state and end are its lifetime's."""
 
     supports_coalescing = False
     supports_time_estimate = False
@@ -88,64 +106,72 @@ class CudaBackend:
     def __init__(self, store, rank: int, size: int, settings: config.Settings,
                  global_ranks: Optional[Sequence[int]] = None, group_id: str = "",
                  name: Callable[[], str] = lambda: "", on_abort: Callable[[], None] = _nothing,
-                 on_bind: Callable[[torch.device], None] = lambda device: None):
+                 on_bind: Callable[[torch.device], None] = lambda device: None, trace=None):
         self.rank = rank
         self.size = size
         self.settings = settings
         self.global_ranks = list(global_ranks or range(size))
         self._name = _weak(name)
-        self._on_abort = _weak(on_abort)
         self._on_bind = _weak(on_bind)
         self.device: Optional[torch.device] = None
-        self.comm: Optional[Communicator] = None
+        self._device_index = -1  # the device's index once chosen (-1: none; a CPU tensor's)
+        self.comms = Communicators()
         self._comm_stream = None  # torch view of the communicator's internal stream
-        self._p2p_comms: Dict[int, Communicator] = {}  # peer -> two-rank communicator
+        self._order_event = None  # a pooled event that orders the internal stream after the caller's
         self._p2p_on_group = False  # the group's communicator was made at init: P2P uses it
-        self._pending_comms: List[Communicator] = []  # being created: abort() must reach them
-        self._runners: Dict[tuple, object] = {}  # (algorithm, id(communicator)) -> its runner
-        self.trace = None  # the group's flight recorder (cupycoll.trace.group), if any
-        self._submitting: Optional[list] = None  # its entry for the call being submitted
-        self._launching: Optional[list] = None  # the entry of the batch being launched
+        # The group's flight recorder (cupycoll.trace.group.GroupTrace), if any.
+        self.trace = trace
+        recorder = trace.recorder if trace is not None else None
+        self._recorder = recorder
         timeout = settings.timeout.total_seconds()
+        self._bootstrap = StoreBootstrap(store, rank, timeout, self._name, _weak(self.check_usable))
+        self.watch = Watch(group_id or "default", timeout, self.comms, recorder, describe=describe_batch)
+        self.life = lifecycle.GroupLifetime(
+            self._name, self.watch, self.comms, settings.watchdog_interval, settings.on_timeout,
+            explain=trace.explain_timeout if trace is not None else None, close_cpu=_weak(on_abort))
         # Callbacks into this object are weak: a cycle would keep destroyed groups (and their
         # gloo threads) alive until interpreter exit, where tearing gloo down aborts the process.
         this = weakref.ref(self)
-        self._bootstrap = StoreBootstrap(store, rank, timeout, self._name, _weak(self.check_usable))
-        watch = Watch(group_id or "default", timeout, settings.watchdog_interval,
-                      lambda: this().communicators() if this() is not None else [],
-                      lambda fault: this() is not None and this().life.on_fault(fault),
-                      settings.on_timeout)
-        self.life = lifecycle.GroupLifetime(self, watch)
-        self.calls = CallQueue(lambda issues: this()._enqueue(issues), _weak(self.check_usable),
-                               self.life.track_work, self._name, self.global_ranks,
-                               settings.blocking_wait)
+        self.calls = CallQueue(lambda issues: this()._enqueue(issues), _weak(self.check_usable), self.watch,
+                               self._name, self.global_ranks, settings.blocking_wait)
+        # The fast path's plans: (dtype, RedOpType) -> (NCCL datatype, NCCL op, count scale),
+        # learnt from the general path's first call of each pair (learn_plan).
+        self._plans: dict = {}
+        # Whether a call may take the fast path at all (what changes rarely: see _refresh_fast).
+        self.fast = False
 
-    def use_trace(self, trace) -> None:
-        """Keep ``trace`` (the group's :class:`~cupycoll.trace.group.GroupTrace`): calls are
-        marked issued here, completed by the watchdog, and a timeout is explained by it."""
-        self.trace = trace
-        mark = trace.recorder.mark
-        this = weakref.ref(self)
-        self._watch.on_done = lambda work: mark(work.trace_entry, "completed")
-        # No Work (a call stuck inside NCCL): the batch being launched is the one behind.
-        self._watch.explain_timeout = lambda work, timeout_s: trace.explain_timeout(
-            work.trace_entry if work is not None else getattr(this(), "_launching", None), timeout_s)
-
-    # The group's state, fault and watch are its lifetime's (cupycoll.faults.lifecycle).
+    # The group's state and fault are its lifetime's (cupycoll.faults.lifecycle).
     @property
-    def state(self) -> lifecycle.GroupState:
+    def state(self) -> GroupState:
         return self.life.state
 
     @property
     def fault(self) -> Optional[BaseException]:
         return self.life.fault
 
-    @property
-    def _watch(self) -> Watch:
-        return self.life.watch
-
     def check_usable(self) -> None:
         self.life.check_usable()
+
+    @property
+    def comm(self) -> Optional[Communicator]:
+        """The group's own communicator (None until made)."""
+        return self.comms.group
+
+    @comm.setter
+    def comm(self, comm: Optional[Communicator]) -> None:
+        self.comms.group = comm
+        self._refresh_fast()
+
+    def _refresh_fast(self) -> None:
+        """The fast path's flag, from what changes rarely: a blocking communicator made, and
+        settings that need the general path (the mismatch check, blocking wait, an algorithm
+        besides NCCL for every call). What changes per call (the group's state, queued calls,
+        an algorithm override, a capture, the tensor) is read at each call."""
+        comm = self.comms.group
+        settings = self.settings
+        self.fast = (comm is not None and not getattr(comm, "nonblocking", True)
+                     and self._recorder is not None and not settings.check_collectives
+                     and not settings.blocking_wait and settings.algorithm != "ring")
 
     # -- torch's Backend face ----------------------------------------------------------
     @property
@@ -191,8 +217,9 @@ class CudaBackend:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._watch.device = device  # its events are queried with it current (not cuda:0)
-        # Watched from now: a call can be stuck inside NCCL before its Work exists.
+        self._device_index = device.index
+        self.watch.device = device.index  # its events are queried with it current (not cuda:0)
+        # Watched from now: a call can be stuck inside NCCL before any event exists.
         self.life.watching()
 
     # -- communicators -----------------------------------------------------------------
@@ -203,8 +230,15 @@ class CudaBackend:
                 and self.comm.can_split())
 
     def split_from(self, parent: "CudaBackend") -> None:
-        """This group's communicator, split from ``parent``'s (collective over the parent)."""
-        self.comm = parent.comm.split(split_color(self.global_ranks), self.rank, self.life.fault_once)
+        """This group's communicator, split from ``parent``'s (collective over the parent).
+        The split is this group's call: its watch times it out, not the parent's."""
+        self.comms.parent = parent.comm
+        self.life.watching()
+        try:
+            self.comm = parent.comm.split(split_color(self.global_ranks), self.rank, self.life.fault_once,
+                                          child=self.comms, timeout=self.settings.timeout.total_seconds())
+        finally:
+            self.comms.parent = None
         self._adopt_device(parent.device)
         self._p2p_on_group = self.comm is not None  # made at construction on every member
 
@@ -215,9 +249,11 @@ class CudaBackend:
         was made: ``"ncclCommShrink"`` when every survivor's parent communicator is healthy
         and its NCCL has it (``NCCL_SHRINK_ABORT`` when ``abort_first`` or work is in
         flight), else ``"new"``: made anew on this group's store, at once when the parent
-        had a device, on first use when it had none."""
+        had a device, on first use when it had none. The shrink is this group's call: its
+        watch times it out."""
         comm = parent.comm
-        live = (comm is not None and parent.life.usable and comm.state == "ok" and comm.can_shrink())
+        live = (comm is not None and parent.life.state in (GroupState.OK, GroupState.HANDED_OVER)
+                and comm.state == "ok" and comm.can_shrink())
         reason = CommunicatorAbortedError(
             f"process group {parent._name()!r} was shrunk (ranks {sorted(exclude)} left out); "
             "use the group shrink_group returned")
@@ -229,8 +265,14 @@ class CudaBackend:
             return "new"
         abort_first = abort_first or parent.life.work_in_flight()
         made: List[Communicator] = []
-        parent.life.replace(reason, before_kernels_end=lambda: made.append(
-            comm.shrink(exclude, abort_first, self.life.fault_once)))
+        self.comms.parent = comm
+        self.life.watching()
+        try:
+            parent.life.replace(reason, before_kernels_end=lambda: made.append(comm.shrink(
+                exclude, abort_first, self.life.fault_once, child=self.comms,
+                timeout=self.settings.timeout.total_seconds())))
+        finally:
+            self.comms.parent = None
         self.comm = made[0]
         self._adopt_device(parent.device)
         self._p2p_on_group = True
@@ -245,8 +287,10 @@ class CudaBackend:
         if self.comm is None:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            self.comm = self._connect("comm", self.rank == 0, self.size, self.rank, device.index)
-            self._recheck(self.comm)
+            self.life.watching()  # a blocking creation waits for every peer inside NCCL
+            comm = self._connect("comm", self.rank == 0, self.size, self.rank, device.index)
+            self.comm = comm
+            self._recheck(comm)
             self._adopt_device(device)
         return self.comm
 
@@ -259,12 +303,12 @@ class CudaBackend:
         before its own), and both ends of a send/recv must use the same communicator."""
         if self._p2p_on_group:
             return self.comm
-        comm = self._p2p_comms.get(peer)
+        comm = self.comms.pairs.get(peer)
         if comm is None:
             low, high = sorted((self.rank, peer))
             comm = self._connect(f"p2p/{low}-{high}", self.rank == low, 2, int(self.rank == high),
                                  self.device.index)
-            self._p2p_comms[peer] = comm
+            self.comms.pairs[peer] = comm
             self._recheck(comm)
         return comm
 
@@ -279,72 +323,106 @@ class CudaBackend:
             raise
 
     def _recheck(self, comm: Communicator) -> None:
-        # abort() marks the state before it collects the communicators: one attached after
+        # An abort marks the state before it collects the communicators: one attached after
         # that collection is seen here, and aborted.
         if not self.life.usable:
             comm.abort()
             self.check_usable()
 
     def _create_comm(self, unique_id: bytes, rank: int, size: int, device: int) -> Communicator:
-        """Create a communicator where abort() can reach it while it connects."""
-        comm = Communicator.begin(unique_id, rank, size, device, self.settings.nccl_library,
-                                  self.settings.nonblocking, self.settings.timeout.total_seconds(),
-                                  self.life.fault_once)
-        self._pending_comms.append(comm)
+        """Create a communicator where an abort can reach it while it connects (nonblocking),
+        or where the watchdog sees the creation waiting inside NCCL (blocking)."""
+        settings = self.settings
+        with self.comms.creation("ncclCommInitRankConfig") if not settings.nonblocking else contextlib.nullcontext():
+            comm = Communicator.begin(unique_id, rank, size, device, settings.nccl_library, settings.nonblocking,
+                                      timeout=settings.timeout.total_seconds(), on_abort=self.life.fault_once)
+        self.comms.pending.append(comm)
         try:
             if not self.life.usable:  # aborted while NCCL was starting
                 comm.abort()
             self.check_usable()
             comm.wait_ready()
         finally:
-            self._pending_comms.remove(comm)
+            self.comms.pending.remove(comm)
         return comm
 
     def communicators(self) -> List[Communicator]:
-        comms = list(self._p2p_comms.values())
-        if self.comm is not None:
-            comms.append(self.comm)
-        return comms
-
-    def all_communicators(self) -> List[Communicator]:
-        """Those being created too: what an abort must reach."""
-        return list(self._pending_comms) + self.communicators()
+        return self.comms.all()
 
     def runner(self, algorithm: str, comm: Communicator):
         """The runner of ``algorithm`` on ``comm`` (its scratch memory, side stream...), made
         on first use."""
-        runner = self._runners.get((algorithm, id(comm)))
+        runner = self.comms.runners.get((algorithm, id(comm)))
         if runner is None:
-            runner = self._runners[algorithm, id(comm)] = algorithms.get(algorithm).make_runner(comm, self.settings)
+            runner = self.comms.runners[algorithm, id(comm)] = algorithms.get(algorithm).make_runner(
+                comm, self.settings)
         return runner
+
+    # -- the fast path -----------------------------------------------------------------
+    def learn_plan(self, dtype: torch.dtype, op, plan) -> None:
+        """Keep ``plan`` (a NCCL reduction without a PREMUL factor, chosen under the group's
+        own algorithm setting) for the fast path's calls of (``dtype``, ``op``)."""
+        if plan.premul_factor is None:
+            self._plans[dtype, op] = (plan.dtype, plan.op, plan.count_scale)
+
+    def all_reduce_fast(self, tensor: torch.Tensor, opts) -> Optional[CudaWork]:
+        """A synchronous all_reduce of ``tensor`` on NCCL in one frame, or None when the call
+        needs the general path: the fast flag is off (see :meth:`_refresh_fast`); the call is
+        asynchronous, the tensor not contiguous or on another device; no plan is learnt for
+        its dtype and op, or an algorithm override is in force; the current stream captures
+        a CUDA graph; the group is not ``ok``, or calls are queued or a coalescing block is
+        open. What it does is what the general path would do (tests/test_fast_path.py)."""
+        index = self._device_index
+        if tensor.get_device() != index or _async_requested(opts) or not tensor.is_contiguous():
+            return None
+        plan = self._plans.get((tensor.dtype, opts.reduceOp.op))
+        if plan is None or _OVERRIDES:
+            return None
+        stream = compat.current_raw_stream(index)
+        if _cuda.capturing(stream):
+            return None
+        calls = self.calls
+        with calls.lock:
+            if self.life.state is not _OK or calls.block is not None or calls.pending:
+                return None
+            dtype, op, scale = plan
+            entry = self._recorder.record("all_reduce", (tensor.shape,), (tensor.dtype,), None, "nccl", "issued")
+            ptr = tensor.data_ptr()
+            try:
+                self.comms.group.all_reduce_now(ptr, ptr, tensor.numel() * scale, dtype, op, stream)
+            except BaseException as exc:
+                self._recorder.mark(entry, "failed")
+                timed_out = self.life.timeout_that_cut(exc)
+                if timed_out is not None:
+                    raise timed_out from exc
+                raise
+            slot = self.watch.issued(stream, entry)
+            calls._seq += 1
+            work = CudaWork("all_reduce", self.device, [tensor], self.watch, seq=calls._seq)
+            work._issued(slot, stream, False)
+        return work
 
     # -- issuing -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-               peer=None, blocking_wait=False, algorithm=None, prepare=None) -> CudaWork:
+               peer=None, blocking_wait=False, algorithm=None, prepare=None, entry=None) -> CudaWork:
         """Issue (or queue) one CUDA call and return its Work. Everything is validated.
         ``launch(comm, stream_ptr)`` (``launch(comm, stream_ptr, comm_peer)`` for a
         point-to-point call) makes the NCCL calls; ``prepare(comm)`` precedes its NCCL group,
         ``finish()`` follows it. ``algorithm``: the name of the algorithm the call runs
-        (NCCL groups of its own: never inside a batch's), recorded as its route."""
+        (NCCL groups of its own: never inside a batch's), recorded as its route. ``entry``:
+        the call's flight-recorder entry (the group recorded it)."""
         own_group = algorithm is not None
+        if entry is not None and own_group:
+            entry[E_ROUTE] = algorithm
         # One issuer at a time: NCCL forbids concurrent calls on one communicator.
         with self.calls.lock:
             if self.device is None:
                 self._adopt_device(device)  # the first CUDA call picks the group's device
-            entry = self.trace.take() if self.trace is not None else None  # the group recorded it
-            if entry is not None and own_group:
-                entry[E_ROUTE] = algorithm
-            self._submitting = entry  # _enqueue gives it to this call's Work if it launches now
-            try:
-                work, now = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op,
-                                              peer, blocking_wait or self.settings.blocking_wait, own_group,
-                                              prepare)
-                if now is not None:
-                    self._enqueue([now])
-            finally:
-                self._submitting = None
-            if entry is not None and work.trace_entry is None:
-                work.trace_entry = entry  # queued: marked issued when its batch launches
+            work, now = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op,
+                                          peer, blocking_wait or self.settings.blocking_wait, own_group,
+                                          prepare, entry)
+            if now is not None:
+                self._enqueue([now])
         return work
 
     def flush(self) -> None:
@@ -353,7 +431,7 @@ class CudaBackend:
 
     def _enqueue(self, issues: List[Issue]) -> None:
         device = self.device
-        if len(issues) == 1 and issues[0].peer is None:  # the hot path: one collective
+        if len(issues) == 1 and issues[0].peer is None:  # one collective
             comms = None
             if self.comm is None:
                 self.comm_for(device)
@@ -363,41 +441,68 @@ class CudaBackend:
             # Pair communicators are created in one global order (by peer), so creating
             # them can never wait in a cycle.
             comms = {peer: self.p2p_comm(peer) for peer in sorted({i.peer for i in issues} - {None})}
-        current = torch.cuda.current_stream(device)
+        current = compat.current_raw_stream(device.index)
         async_op = issues[0].async_op if len(issues) == 1 else any(i.async_op for i in issues)
         if async_op:
-            stream = self._internal_stream(self.comm or comms[min(comms)])
-            stream.wait_stream(current)
+            stream_object = self._internal_stream(self.comm or comms[min(comms)])
+            stream = stream_object.cuda_stream
+            self._order_after(current, stream)
         else:
-            stream = current
+            stream_object, stream = None, current
+        # Marked issued before the launch: a launch stuck inside NCCL (a blocking connect) is
+        # then the call the flight recorder and the diagnosis name.
+        recorder = self._recorder
+        if recorder is not None:
+            for issue in issues:
+                recorder.mark(issue.entry, "issued")
         launched = []  # not empty once part of the batch may be on the stream
-        first = issues[0].work.trace_entry  # a queued batch's; None: the call submitted now
-        self._launching = first if first is not None else self._submitting
         try:
-            if async_op or current.device_index != torch.cuda.current_device():
-                # Make ``stream`` (and its device) current for what launch/finish allocate.
-                with torch.cuda.stream(stream):
-                    self._launch_all(issues, comms, stream.cuda_stream, launched)
+            if async_op:
+                # Make the internal stream (and its device) current for what launch/finish allocate.
+                with torch.cuda.stream(stream_object):
+                    self._launch_all(issues, comms, stream, launched)
+            elif device.index != torch.cuda.current_device():
+                with torch.cuda.device(device.index):
+                    self._launch_all(issues, comms, stream, launched)
             else:
-                self._launch_all(issues, comms, stream.cuda_stream, launched)
+                self._launch_all(issues, comms, stream, launched)
         except BaseException as exc:
             if launched:  # it runs (its tensors stay kept) and the peers wait for the rest
                 try:
                     self._track(issues, stream, async_op)
-                except Exception:  # noqa: BLE001 - untracked, the queue fails them after the abort
+                except Exception:  # noqa: BLE001 - untracked: the queue fails them
                     pass
                 self.life.fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
+            elif recorder is not None:
+                for issue in issues:
+                    recorder.mark(issue.entry, "failed")
             timed_out = self.life.timeout_that_cut(exc)
             if timed_out is not None:
                 raise timed_out from exc
             raise
-        finally:
-            self._launching = None
         self._track(issues, stream, async_op)
 
-    def _track(self, issues: List[Issue], stream, async_op: bool) -> None:
-        recorder = self.trace.recorder if self.trace is not None else None
-        self.life.track(issues, stream, async_op, recorder, self._submitting)
+    def _order_after(self, current: int, stream: int) -> None:
+        """Make ``stream`` wait for what the caller enqueued on ``current`` so far."""
+        event = self._order_event
+        if event is None:
+            event = self._order_event = _cuda.new_event()
+        event.record(current)
+        event.wait_on(stream)
+
+    def _track(self, issues: List[Issue], stream: int, async_op: bool) -> None:
+        """Put the launched batch in flight in the watch (not a call captured into a CUDA
+        graph, as ProcessGroupNCCL: it runs nothing until replayed, and the watchdog's event
+        queries would invalidate the capture), and tell its Works where it is."""
+        if _cuda.capturing(stream):
+            slot = None
+        else:
+            records = [issue.entry for issue in issues if issue.entry is not None]
+            keepalive = [issue.keepalive for issue in issues] if async_op else None
+            slot = self.watch.issued(stream, records[0] if len(records) == 1 else tuple(records), keepalive)
+        for issue in issues:
+            issue.work._issued(slot, stream, async_op)
+            issue.tracked = True
 
     def _launch_all(self, issues: List[Issue], comms, stream_ptr: int, launched=None) -> None:
         # Every prepare of the batch runs before its NCCL group opens, as ncclGroupEnd
@@ -410,7 +515,7 @@ class CudaBackend:
                 issue.prepare(self.comm if issue.peer is None else comms[issue.peer])
             if issue.own_group:  # an algorithm: several steps, any of them may fail
                 launched.append(issue)
-            if issue.peer is None:  # the hot path: one collective on the group's communicator
+            if issue.peer is None:  # one collective on the group's communicator
                 issue.launch(self.comm, stream_ptr)
             else:
                 self._launch(issue, comms, stream_ptr)
@@ -446,32 +551,23 @@ class CudaBackend:
             self._comm_stream = torch.cuda.ExternalStream(comm.stream, device=self.device)
         return self._comm_stream
 
-    # -- lifetime (the rules and their order: cupycoll.faults.lifecycle) ---------------------
+    # -- its end (the rules and their order: cupycoll.faults.lifecycle) ----------------------
     def shutdown(self) -> None:
         """Finalize and destroy the communicators once their work is done (healthy), or
         abort them when the group has faulted, its work does not finish within
-        ``lifecycle.SHUTDOWN_GRACE`` seconds, or anything fails. Never raises; unusable
+        ``bounds.SHUTDOWN_GRACE`` seconds, or anything fails. Never raises; unusable
         afterwards."""
+        try:
+            self.calls.flush()
+        except Exception:  # noqa: BLE001 - the Works of that batch carry the error
+            pass
         self.life.shutdown(self.settings.timeout.total_seconds())
 
     def abort(self, reason: Optional[BaseException] = None) -> None:
         """Abort the communicators at once, without waiting for peers or the GPU: a
         collective stuck on the GPU is ended, and so is a communicator still connecting.
-        The group's state and every Work in flight are failed with ``reason`` *before*
-        ncclCommAbort, their tensors released after it; then the group's ``on_abort``.
-        Callable from any thread; never waits on peers; every step runs whatever fails."""
+        Every Work in flight fails with ``reason`` *before* ncclCommAbort, its tensors are
+        released after it; then the group's CPU half shuts down. Callable from any thread;
+        never waits on peers; every step runs whatever fails."""
         self.life.abort(reason)
-
-    def on_abort(self) -> None:
-        """The abort has ended the kernels: the group's CPU half shuts down too."""
-        self._on_abort()
-
-    def close_runners(self) -> None:
-        runners, self._runners = list(self._runners.items()), {}
-        for (algorithm, _), runner in runners:
-            try:
-                runner.close()
-            except BaseException as exc:  # noqa: BLE001 - teardown goes on
-                warnings.warn(f"cupycoll: closing the {algorithm} algorithm's runner failed: {exc}",
-                              RuntimeWarning, stacklevel=3)
 

@@ -51,10 +51,12 @@ class Issue:
     """One NCCL call (or a few, e.g. an all-to-all) waiting to be enqueued."""
 
     __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer", "own_group", "prepare",
-                 "tracked")
+                 "tracked", "entry")
 
-    def __init__(self, work, launch, finish, keepalive, async_op, peer=None, own_group=False, prepare=None):
+    def __init__(self, work, launch, finish, keepalive, async_op, peer=None, own_group=False, prepare=None,
+                 entry=None):
         self.work = work
+        self.entry = entry  # its flight-recorder entry (None when the group records nothing)
         self.launch = launch  # launch(comm_for_peer, stream_ptr): the NCCL calls
         # prepare(comm_for_peer), or None: the call's fallible Python steps (allocations,
         # staging, op creation), run for the whole batch before its NCCL group opens.
@@ -73,11 +75,10 @@ class CallQueue:
     """Queued calls and the open coalescing block of one group."""
 
     def __init__(self, enqueue: Callable[[List[Issue]], None], check_usable: Callable[[], None],
-                 track: Callable[[CudaWork], None], name: Callable[[], str],
-                 global_ranks: Sequence[int], blocking_wait: bool = False):
+                 watch, name: Callable[[], str], global_ranks: Sequence[int], blocking_wait: bool = False):
         self._enqueue = enqueue  # issue a batch as one NCCL group
         self._check_usable = check_usable
-        self._track = track  # hand a Work to the watchdog
+        self._watch = watch  # the group's: its Works ask it how their batch went
         self._name = name
         self._global_ranks = list(global_ranks)
         self._blocking_wait = blocking_wait
@@ -93,18 +94,18 @@ class CallQueue:
 
     # -- calls -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish, keepalive, async_op, peer,
-               blocking_wait, own_group, prepare=None) -> Tuple[CudaWork, Optional[Issue]]:
+               blocking_wait, own_group, prepare=None, entry=None) -> Tuple[CudaWork, Optional[Issue]]:
         """Queue one call, or, for a collective outside a block, issue what is queued and
         hand the call back: ``(its Work, the Issue to enqueue now or None)``. The caller
-        holds :attr:`lock` (CudaBackend.submit does) and enqueues that Issue itself."""
+        holds :attr:`lock` (CudaBackend.submit does) and enqueues that Issue itself.
+        ``entry``: the call's flight-recorder entry."""
         if _open_block_owner.__dict__.get("queue") is not None:
             self.check_block_scope(op_name)
         self._seq += 1
         queued = self.block is not None or peer is not None
-        work = CudaWork(op_name, device, outputs, flush=self.flush if queued else None,
-                        seq=self._seq, blocking_wait=blocking_wait,
-                        peers=None if peer is None else [self._global_ranks[peer]])
-        issue = Issue(work, launch, finish, keepalive, async_op, peer, own_group, prepare)
+        work = CudaWork(op_name, device, outputs, self._watch, flush=self.flush if queued else None,
+                        seq=self._seq, blocking_wait=blocking_wait)
+        issue = Issue(work, launch, finish, keepalive, async_op, peer, own_group, prepare, entry)
         if queued:
             self.pending.append(issue)
             if self.block is not None:
@@ -132,6 +133,10 @@ class CallQueue:
             self._flush()
 
     def _flush(self) -> None:  # the caller holds the lock
+        closed = self._watch.closed
+        if closed is not None:  # the group ended: nothing queued will ever be issued
+            self.drop(closed)
+            return
         if self.block is not None:
             self.drop_stale_block()
         if not self.pending or self.block is not None:
@@ -152,9 +157,9 @@ class CallQueue:
             self._issuing -= 1
 
     def drop(self, reason: Optional[BaseException] = None) -> None:
-        """The group was aborted: every queued call is forgotten and its Work (and every
-        Work of the open block) fails with ``reason``, never issued. A Work left pending
-        would otherwise report success once touched, as nothing is left to issue it."""
+        """The group ended: every queued call is forgotten and its Work (and every Work of
+        the open block) fails with ``reason``, never issued. (A Work touched after the end
+        sees it failed before it flushes: see CudaWork; this lets go of the tensors.)"""
         if reason is None:
             reason = CommunicatorAbortedError(f"process group {self._name()!r} was aborted")
         queued = list(self.pending)
@@ -198,9 +203,7 @@ class CallQueue:
         if not works:
             return empty_work()
         self.flush()
-        work = CudaWork.covering(works, blocking_wait=self._blocking_wait)
-        self._track(work)
-        return work
+        return CudaWork.covering(works, blocking_wait=self._blocking_wait)
 
     def _release_block(self) -> None:
         self.block = None

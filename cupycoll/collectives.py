@@ -108,7 +108,7 @@ def _check_many(backend, tensors, reference: torch.Tensor, what: str) -> None:
     _args.check_same_dtype(tensors, reference, what)
 
 
-def all_reduce(backend, tensors, opts) -> CudaWork:
+def all_reduce(backend, tensors, opts, entry=None) -> CudaWork:
     tensor = _args.single(tensors, "all_reduce")
     device = backend.check_device(tensor, "all_reduce tensor")
     plan = _plan(backend, tensor, opts.reduceOp)
@@ -118,30 +118,32 @@ def all_reduce(backend, tensors, opts) -> CudaWork:
                            _algorithm_launch(backend, plan, "all_reduce", ptr, ptr, tensor.numel()),
                            keepalive=(tensor, _args.factor_tensor(plan)), async_op=_async_requested(opts),
                            algorithm=plan.algorithm,
-                           prepare=_algorithm_prepare(backend, plan, "all_reduce", tensor.numel()))
+                           prepare=_algorithm_prepare(backend, plan, "all_reduce", tensor.numel()), entry=entry)
     count = tensor.numel() * plan.count_scale
-    if plan.premul_factor is None:  # the hot path: one NCCL call, no op to make first
+    if plan.premul_factor is None:  # one NCCL call, no op to make first
+        if config.algorithm_override() is None:  # the group's own choice: the fast path may reuse it
+            backend.learn_plan(tensor.dtype, _args.op_type(opts.reduceOp), plan)
         dtype, op = plan.dtype, plan.op
         return backend.submit("all_reduce", device, [tensor],
                               lambda comm, s: comm.all_reduce(ptr, ptr, count, dtype, op, s),
-                              keepalive=tensor, async_op=_async_requested(opts))
+                              keepalive=tensor, async_op=_async_requested(opts), entry=entry)
     launch, prepare = _reduce_launch(plan, tensor.dtype,
                                      lambda comm, op, s: comm.all_reduce(ptr, ptr, count, plan.dtype, op, s))
     return backend.submit("all_reduce", device, [tensor], launch, keepalive=(tensor, _args.factor_tensor(plan)),
-                       async_op=_async_requested(opts), prepare=prepare)
+                       async_op=_async_requested(opts), prepare=prepare, entry=entry)
 
 
-def broadcast(backend, tensors, opts) -> CudaWork:
+def broadcast(backend, tensors, opts, entry=None) -> CudaWork:
     tensor = _args.single(tensors, "broadcast")
     device = backend.check_device(tensor, "broadcast tensor")
     root = _args.check_root(opts.rootRank, backend.size)
     ptr, size = tensor.data_ptr(), nbytes(tensor)
     return backend.submit("broadcast", device, [tensor],
                        lambda comm, s: comm.broadcast(ptr, ptr, size, NCCL_BYTE, root, s),
-                       keepalive=tensor, async_op=_async_requested(opts))
+                       keepalive=tensor, async_op=_async_requested(opts), entry=entry)
 
 
-def reduce(backend, tensors, opts) -> CudaWork:
+def reduce(backend, tensors, opts, entry=None) -> CudaWork:
     tensor = _args.single(tensors, "reduce")
     device = backend.check_device(tensor, "reduce tensor")
     root = _args.check_root(opts.rootRank, backend.size)
@@ -150,10 +152,10 @@ def reduce(backend, tensors, opts) -> CudaWork:
     launch, prepare = _reduce_launch(red, tensor.dtype,
                                      lambda comm, op, s: comm.reduce(ptr, ptr, count, red.dtype, op, root, s))
     return backend.submit("reduce", device, [tensor], launch, keepalive=(tensor, _args.factor_tensor(red)),
-                       async_op=_async_requested(opts), prepare=prepare)
+                       async_op=_async_requested(opts), prepare=prepare, entry=entry)
 
 
-def all_gather(backend, output_tensors, input_tensors, opts, op_name: str = "all_gather") -> CudaWork:
+def all_gather(backend, output_tensors, input_tensors, opts, entry=None, op_name: str = "all_gather") -> CudaWork:
     tensor = _args.single(input_tensors, f"{op_name} input")
     outputs = _args.check_list(_args.single_list(output_tensors, f"{op_name} output"), f"{op_name} output",
                                backend.size)
@@ -165,7 +167,7 @@ def all_gather(backend, output_tensors, input_tensors, opts, op_name: str = "all
         in_ptr, out_ptr = tensor.data_ptr(), outputs[0].data_ptr()
         return backend.submit(op_name, device, outputs,
                            lambda comm, s: comm.all_gather(in_ptr, out_ptr, size, NCCL_BYTE, s),
-                           keepalive=(tensor, outputs), async_op=_async_requested(opts))
+                           keepalive=(tensor, outputs), async_op=_async_requested(opts), entry=entry)
     staging = []
 
     def prepare(comm):  # before the NCCL group: an OOM here launches nothing
@@ -179,7 +181,7 @@ def all_gather(backend, output_tensors, input_tensors, opts, op_name: str = "all
         for index, out in enumerate(outputs):
             out.copy_(flat[index * numel:(index + 1) * numel].view_as(out))
     return backend.submit(op_name, device, outputs, launch, finish, keepalive=(tensor, outputs),
-                       async_op=_async_requested(opts), prepare=prepare)
+                       async_op=_async_requested(opts), prepare=prepare, entry=entry)
 
 
 def _check_flat_pair(backend, what: str, shard, shard_name: str, whole, whole_name: str):
@@ -192,16 +194,16 @@ def _check_flat_pair(backend, what: str, shard, shard_name: str, whole, whole_na
     return device
 
 
-def all_gather_into_tensor(backend, output, input, opts) -> CudaWork:
+def all_gather_into_tensor(backend, output, input, opts, entry=None) -> CudaWork:
     what = "all_gather_into_tensor"
     device = _check_flat_pair(backend, what, input, "input", output, "output")
     size, in_ptr, out_ptr = nbytes(input), input.data_ptr(), output.data_ptr()
     return backend.submit(what, device, [output],
                        lambda comm, s: comm.all_gather(in_ptr, out_ptr, size, NCCL_BYTE, s),
-                       keepalive=(input, output), async_op=_async_requested(opts))
+                       keepalive=(input, output), async_op=_async_requested(opts), entry=entry)
 
 
-def reduce_scatter(backend, output_tensors, input_tensors, opts) -> CudaWork:
+def reduce_scatter(backend, output_tensors, input_tensors, opts, entry=None) -> CudaWork:
     output = _args.single(output_tensors, "reduce_scatter output")
     inputs = _args.check_list(_args.single_list(input_tensors, "reduce_scatter input"),
                               "reduce_scatter input", backend.size)
@@ -220,15 +222,15 @@ def reduce_scatter(backend, output_tensors, input_tensors, opts) -> CudaWork:
                                              staged=staged),
                            keepalive=keep, async_op=_async_requested(opts), algorithm=plan.algorithm,
                            prepare=_both(stage, _algorithm_prepare(backend, plan, "reduce_scatter",
-                                                                   output.numel())))
+                                                                   output.numel())), entry=entry)
     count = output.numel() * plan.count_scale
     launch, premul = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
         staged[0].data_ptr(), out_ptr, count, plan.dtype, op, s))
     return backend.submit("reduce_scatter", device, [output], launch, keepalive=keep,
-                       async_op=_async_requested(opts), prepare=_both(stage, premul))
+                       async_op=_async_requested(opts), prepare=_both(stage, premul), entry=entry)
 
 
-def reduce_scatter_tensor(backend, output, input, opts) -> CudaWork:
+def reduce_scatter_tensor(backend, output, input, opts, entry=None) -> CudaWork:
     what = "reduce_scatter_tensor"
     device = _check_flat_pair(backend, what, output, "output", input, "input")
     plan = _plan(backend, output, opts.reduceOp)
@@ -238,15 +240,15 @@ def reduce_scatter_tensor(backend, output, input, opts) -> CudaWork:
         return backend.submit(what, device, [output],
                            _algorithm_launch(backend, plan, "reduce_scatter", in_ptr, out_ptr, output.numel()),
                            keepalive=keep, async_op=_async_requested(opts), algorithm=plan.algorithm,
-                           prepare=_algorithm_prepare(backend, plan, "reduce_scatter", output.numel()))
+                           prepare=_algorithm_prepare(backend, plan, "reduce_scatter", output.numel()), entry=entry)
     count = output.numel() * plan.count_scale
     launch, prepare = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
         in_ptr, out_ptr, count, plan.dtype, op, s))
     return backend.submit(what, device, [output], launch, keepalive=keep,
-                       async_op=_async_requested(opts), prepare=prepare)
+                       async_op=_async_requested(opts), prepare=prepare, entry=entry)
 
 
-def all_to_all(backend, output_tensors, input_tensors, opts) -> CudaWork:
+def all_to_all(backend, output_tensors, input_tensors, opts, entry=None) -> CudaWork:
     outputs = _args.check_list(output_tensors, "all_to_all output", backend.size)
     inputs = _args.check_list(input_tensors, "all_to_all input", backend.size)
     device = backend.check_device(inputs[0], "all_to_all input[0]")
@@ -257,10 +259,10 @@ def all_to_all(backend, output_tensors, input_tensors, opts) -> CudaWork:
     send = [(i.data_ptr(), nbytes(i)) for i in inputs]
     recv = [(o.data_ptr(), nbytes(o)) for o in outputs]
     return backend.submit("all_to_all", device, outputs, _exchange_with_all(send, recv),
-                       keepalive=(inputs, outputs), async_op=_async_requested(opts))
+                       keepalive=(inputs, outputs), async_op=_async_requested(opts), entry=entry)
 
 
-def all_to_all_single(backend, output, input, output_split_sizes, input_split_sizes, opts) -> CudaWork:
+def all_to_all_single(backend, output, input, output_split_sizes, input_split_sizes, opts, entry=None) -> CudaWork:
     device = backend.check_device(input, "all_to_all_single input")
     backend.check_device(output, "all_to_all_single output")
     _args.check_same_dtype([output], input, "all_to_all_single output")
@@ -270,7 +272,7 @@ def all_to_all_single(backend, output, input, output_split_sizes, input_split_si
     recv = [(out_ptr + offset, size)
             for offset, size in _args.split_bytes(output, output_split_sizes, backend.size, "output")]
     return backend.submit("all_to_all_single", device, [output], _exchange_with_all(send, recv),
-                       keepalive=(input, output), async_op=_async_requested(opts))
+                       keepalive=(input, output), async_op=_async_requested(opts), entry=entry)
 
 
 def _exchange_with_all(send, recv) -> Callable:
@@ -282,15 +284,15 @@ def _exchange_with_all(send, recv) -> Callable:
     return _grouped(launch)
 
 
-def gather(backend, output_tensors, input_tensors, opts) -> CudaWork:
-    return _rooted(backend, "gather", input_tensors, output_tensors, opts, to_root=True)
+def gather(backend, output_tensors, input_tensors, opts, entry=None) -> CudaWork:
+    return _rooted(backend, "gather", input_tensors, output_tensors, opts, to_root=True, entry=entry)
 
 
-def scatter(backend, output_tensors, input_tensors, opts) -> CudaWork:
-    return _rooted(backend, "scatter", output_tensors, input_tensors, opts, to_root=False)
+def scatter(backend, output_tensors, input_tensors, opts, entry=None) -> CudaWork:
+    return _rooted(backend, "scatter", output_tensors, input_tensors, opts, to_root=False, entry=entry)
 
 
-def _rooted(backend, op_name: str, own_tensors, root_lists, opts, to_root: bool) -> CudaWork:
+def _rooted(backend, op_name: str, own_tensors, root_lists, opts, to_root: bool, entry=None) -> CudaWork:
     """gather (``to_root``: every rank sends its tensor to the root, which receives one per
     rank) or scatter (the root sends one per rank, every rank receives its tensor)."""
     own, many = ("input", "output") if to_root else ("output", "input")
@@ -315,10 +317,10 @@ def _rooted(backend, op_name: str, own_tensors, root_lists, opts, to_root: bool)
         (comm.send if to_root else comm.recv)(ptr, size, NCCL_BYTE, root, s)
     outputs = tensors if to_root else [tensor]
     return backend.submit(op_name, device, outputs, _grouped(launch), keepalive=(tensor, tensors),
-                       async_op=_async_requested(opts))
+                       async_op=_async_requested(opts), entry=entry)
 
 
-def point_to_point(backend, op_name: str, tensors, peer: int) -> CudaWork:
+def point_to_point(backend, op_name: str, tensors, peer: int, entry=None) -> CudaWork:
     """send or recv: queued until the batch is issued (see cupycoll.call_queue)."""
     tensor = _args.single(tensors, op_name)
     device = backend.check_device(tensor, f"{op_name} tensor")
@@ -328,10 +330,10 @@ def point_to_point(backend, op_name: str, tensors, peer: int) -> CudaWork:
         launch = lambda comm, s, comm_peer: comm.send(ptr, size, NCCL_BYTE, comm_peer, s)
     else:
         launch = lambda comm, s, comm_peer: comm.recv(ptr, size, NCCL_BYTE, comm_peer, s)
-    return backend.submit(op_name, device, [tensor], launch, keepalive=tensor, peer=peer, async_op=True)
+    return backend.submit(op_name, device, [tensor], launch, keepalive=tensor, peer=peer, async_op=True, entry=entry)
 
 
-def barrier(backend, device: torch.device) -> CudaWork:
+def barrier(backend, device: torch.device, entry=None) -> CudaWork:
     """Like ProcessGroupNCCL: a one-byte all-reduce whose wait() blocks the CPU."""
     backend.check_usable()  # the group's routing checks are skipped for barrier(device_ids)
     device = backend.device or device
@@ -339,4 +341,4 @@ def barrier(backend, device: torch.device) -> CudaWork:
     ptr = token.data_ptr()
     return backend.submit("barrier", device, [token],
                        lambda comm, s: comm.all_reduce(ptr, ptr, 1, NCCL_BYTE, 0, s),
-                       keepalive=token, async_op=True, blocking_wait=True)
+                       keepalive=token, async_op=True, blocking_wait=True, entry=entry)

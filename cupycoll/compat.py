@@ -26,23 +26,25 @@ on itself, and the options classes of ``torch._C._distributed_c10d``, where
 ``AllgatherOptions`` has no public name), which torch itself drives; ``Backend._plugins``
 in :mod:`cupycoll._registration`, whose entry point runs during ``import torch`` and stays
 cheap by not importing this module; and ``_create_work_from_future`` in
-:mod:`cupycoll.work`, a module this one imports.
+:mod:`cupycoll.work`.
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib.abc
+import importlib.util
 import inspect
 import os
 import re
 import sys
+import threading
 import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
-
-from .work import FutureWork
 
 
 def _release(version: str) -> tuple:
@@ -99,12 +101,63 @@ def async_requested(opts) -> bool:
     return bool(getattr(opts, "asyncOp", True))
 
 
+# The current stream's raw pointer in one C call: torch._C._cuda_getCurrentRawStream (every
+# CUDA build from 1.10 to 2.15; what Inductor's generated code calls), about 0.2 µs where
+# torch.cuda.current_stream() builds a Python Stream (about 4 µs). A build without it (CPU
+# builds, and the stand-ins of the CPU tests) takes the public call.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The current CUDA stream of device ``device_index`` on this thread, as a raw pointer."""
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
 # torch 2.14 dispatches to a Python subclass of c10d's Backend: its PyBackend trampoline
 # (torch/csrc/distributed/c10d/py/PyBackend.hpp, present in 2.14.1's and 2.15.0's wheels)
 # forwards every collective, coalescing, split, abort and shutdown to the Python override.
 # Before it, a Python Backend's methods are never called from C++, so a Python group must be
 # a whole ProcessGroup (cupycoll.process_group). 2.14.0 is not run; 2.14.1 and 2.15 are.
 PY_BACKEND = TORCH >= (2, 14)
+
+
+# torch 2.7.1 - 2.15: the Work ``_create_work_from_future`` makes returns True from wait()
+# even when its future failed, so a gloo error computed through a future would read as success.
+class FutureWork(dist.Work):
+    """A CPU Work over a ``torch.futures.Future``, for results cupycoll computes from a gloo
+    call (the fallbacks below). Unlike ``_create_work_from_future``'s, ``wait()`` raises the
+    future's error, so a gloo timeout or a dead peer is not reported as success."""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self.exception() is None
+
+    def exception(self):
+        if not self._future.done():
+            return None
+        try:
+            self._future.wait()
+        except Exception as exc:  # noqa: BLE001 - the future's own error, handed back
+            return exc
+        return None
+
+    def result(self) -> List[torch.Tensor]:
+        return self._future.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
 
 
 def has_backend(group: ProcessGroup, device: torch.device) -> bool:
@@ -193,21 +246,76 @@ def set_default_backend(group: ProcessGroup, backend_type) -> None:
 
 def run_eagerly_under_compile(cls: type, base: type = ProcessGroup) -> type:
     """Wrap each method of ``cls`` that overrides one of ``base``'s (torch's ProcessGroup or
-    c10d Backend) in ``torch.compiler.disable``, so that it always runs eagerly.
+    c10d Backend) in ``torch.compiler.disable``, so that it always runs eagerly: now when
+    torch's Dynamo is imported already, else as soon as it is.
 
     Inside a ``torch.compile``d region Dynamo compiles every Python frame entered, one that
     torch's C++ enters too (DDP's reducer calling the group's ``broadcast`` to rebuild its
     buckets). From torch 2.13 Dynamo sees a process group as an opaque object whose
     unregistered members it refuses to read, so compiling the adapter's methods fails; on
     earlier releases it only wasted compile time. Applied on every release: a group's methods
-    launch communication and are never worth compiling. Costs about 1 µs a call."""
+    launch communication and are never worth compiling. Costs about 1 µs a call.
+
+    ``torch.compiler.disable`` imports Dynamo (seconds, on every supported release), which a
+    script that never compiles should not pay at ``init_process_group``: nothing can be
+    compiled before Dynamo is imported, so wrapping right after its import (a one-shot hook
+    on ``sys.meta_path``, :class:`_AfterDynamoImport`) is in time."""
+    with _UNWRAPPED_LOCK:
+        if "torch._dynamo" not in sys.modules:
+            _UNWRAPPED.append((cls, base))
+            _AfterDynamoImport.install()
+            return cls
+    _disable_overrides(cls, base)
+    return cls
+
+
+def _disable_overrides(cls: type, base: type) -> None:
     for name in dir(cls):  # the class's own methods and those it mixes in
         if name.startswith("__") or not hasattr(base, name):
             continue
         value = inspect.getattr_static(cls, name)
         if callable(value) and value is not inspect.getattr_static(base, name):
             setattr(cls, name, torch.compiler.disable(value))
-    return cls
+
+
+# The classes waiting for Dynamo's import to be wrapped, and the lock that orders their
+# registration against that import's hook.
+_UNWRAPPED: list = []
+_UNWRAPPED_LOCK = threading.RLock()
+
+
+class _AfterDynamoImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``torch._dynamo`` is imported it lets the other finders
+    find it, and wraps the waiting classes once the module has run."""
+
+    _installed: Optional["_AfterDynamoImport"] = None
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed is None:
+            cls._installed = cls()
+            sys.meta_path.insert(0, cls._installed)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)  # one-shot; and the search below must not find us again
+        type(self)._installed = None
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            with _UNWRAPPED_LOCK:
+                waiting = list(_UNWRAPPED)
+                _UNWRAPPED.clear()
+            for cls, base in waiting:
+                _disable_overrides(cls, base)
+        loader.exec_module = exec_module
+        return spec
 
 
 def shutdown(group: Optional[ProcessGroup]) -> None:

@@ -112,18 +112,14 @@ class GroupShell:
         self._group_name = group_id
         self._group_desc = ""
         self._cpu = self._build_cpu_group(store, rank, size, self.settings.timeout)
+        self._trace = GroupTrace(store, group_id, self._global_ranks, rank, self.settings)
         # The backend holds these callbacks weakly: torch may keep it, never the group through it.
         self._cuda = self.backend_class(store, rank, size, self.settings, self._global_ranks, group_id,
                                         name=self.getGroupName, on_abort=self._cpu_shutdown,
-                                        on_bind=self._bind)
-        self._trace = GroupTrace(store, group_id, self._global_ranks, rank, self.settings)
-        self._cuda.use_trace(self._trace)
+                                        on_bind=self._bind, trace=self._trace)
         # How this group's communicator was made from another's: "ncclCommShrink", "new"
         # (a shrink that made it anew) or None (a group of its own, or split).
         self.shrunk_by: Optional[str] = None
-        # Set on a default group being shrunk: torch destroys it before the survivors' group
-        # exists, and that group takes its communicator (ncclCommShrink), then ends it.
-        self._ended_by_shrink = False
 
         try:
             shrink = getattr(_SHRINKING, "source", None)
@@ -144,15 +140,15 @@ class GroupShell:
         raise NotImplementedError
 
     # -- routing ----------------------------------------------------------------------
-    def _is_cuda(self, tensors, op_name: str, opts=None, peer=None) -> bool:
-        """True when the call goes to NCCL, False for gloo. Records the call (see
-        :mod:`cupycoll.trace.group`): a CUDA call's entry goes to the backend, a CPU call's
-        to :meth:`_gloo`."""
+    def _route(self, tensors, op_name: str, opts=None, peer=None) -> Tuple[bool, Optional[list]]:
+        """(whether the call goes to NCCL (else gloo), its flight-recorder entry). Records the
+        call (see :mod:`cupycoll.trace.group`); a CUDA call's parts of a ``*_coalesced`` call
+        are recorded one by one, the whole not."""
         flat = _args.flat(tensors)
         if self._classify(flat, op_name):
-            if not op_name.endswith("_coalesced"):  # its parts are recorded one by one
-                self._record(tensors, flat, op_name, opts, peer, "nccl")
-            return True
+            if op_name.endswith("_coalesced"):
+                return True, None
+            return True, self._record(tensors, flat, op_name, opts, peer, "nccl")
         calls = self._cuda.calls
         if calls.block is not None and not calls.drop_stale_block():
             raise CupycollValueError(
@@ -160,22 +156,35 @@ class GroupShell:
                 f"{self._group_name!r}: a block coalesces one device's calls; use a separate "
                 "_coalescing_manager(device=torch.device('cpu')) for CPU tensors")
         calls.flush()  # a queued CUDA send/recv must not wait behind unrelated CPU work
-        self._record(tensors, flat, op_name, opts, peer, "gloo")
-        return False
+        return False, self._record(tensors, flat, op_name, opts, peer, "gloo")
 
-    def _record(self, tensors, flat, op_name, opts, peer, route) -> None:
-        """Record the call of ``tensors`` (``flat``: them as one list)."""
+    def _record(self, tensors, flat, op_name, opts, peer, route) -> Optional[list]:
+        """Record the call of ``tensors`` (``flat``: them as one list); its entry."""
         root = peer
         if op_name in _ROOTED:
             root = opts.rootRank
             # gather's outputs and scatter's inputs exist on the root only: record what all pass
             if op_name in _ROOT_ONLY:
                 flat = _args.flat(tensors[_ROOT_ONLY[op_name]])
-        self._trace.call(op_name, flat, root, opts, route, self._cpu)
+        return self._trace.call(op_name, flat, root, opts, route, self._cpu)
 
-    def _gloo(self, call, *args) -> dist.Work:
-        """``call(*args)`` on the gloo half, its Work traced."""
-        return self._trace.gloo(call(*args))
+    def _issue(self, entry: Optional[list], collective: Callable, *args) -> CudaWork:
+        """``collective(backend, *args, entry=entry)``: a CUDA call down to the backend. A call
+        that raises on the way (bad input, NCCL) is marked failed in the flight recorder."""
+        try:
+            return collective(self._cuda, *args, entry=entry)
+        except BaseException:
+            self._trace.recorder.mark(entry, "failed")
+            raise
+
+    def _gloo(self, entry: Optional[list], call, *args) -> dist.Work:
+        """``call(*args)`` on the gloo half, its Work traced with ``entry``."""
+        try:
+            work = call(*args)
+        except BaseException:
+            self._trace.recorder.mark(entry, "failed")
+            raise
+        return self._trace.gloo(work, entry)
 
     def _classify(self, flat, op_name: str) -> bool:
         """Is the call of the tensors ``flat`` a CUDA call? Rejects calls that mix device
@@ -204,39 +213,50 @@ class GroupShell:
 
     # -- collectives: CPU to gloo, CUDA to cupycoll.collectives ----------------------------
     def allreduce(self, tensors, opts=None):
+        cuda = self._cuda
+        if cuda.fast and opts is not None and type(tensors) is list and len(tensors) == 1:
+            work = cuda.all_reduce_fast(tensors[0], opts)
+            if work is not None:
+                return work
         opts = opts if opts is not None else c10d.AllreduceOptions()
-        if not self._is_cuda(tensors, "all_reduce", opts):
-            return self._gloo(self._cpu.allreduce, tensors, opts)
-        return collectives.all_reduce(self._cuda, tensors, opts)
+        cuda, entry = self._route(tensors, "all_reduce", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.allreduce, tensors, opts)
+        return self._issue(entry, collectives.all_reduce, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
-        if not self._is_cuda(tensors, "all_reduce_coalesced", opts):
-            return self._gloo(self._cpu.allreduce_coalesced, tensors, opts)
+        cuda, entry = self._route(tensors, "all_reduce_coalesced", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.allreduce_coalesced, tensors, opts)
         return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
 
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.BroadcastOptions()
-        if not self._is_cuda(tensors, "broadcast", opts):
-            return self._gloo(self._cpu.broadcast, tensors, opts)
-        return collectives.broadcast(self._cuda, tensors, opts)
+        cuda, entry = self._route(tensors, "broadcast", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.broadcast, tensors, opts)
+        return self._issue(entry, collectives.broadcast, tensors, opts)
 
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.ReduceOptions()
-        if not self._is_cuda(tensors, "reduce", opts):
-            return self._gloo(self._cpu.reduce, tensors, opts)
-        return collectives.reduce(self._cuda, tensors, opts)
+        cuda, entry = self._route(tensors, "reduce", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.reduce, tensors, opts)
+        return self._issue(entry, collectives.reduce, tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "all_gather", opts):
-            return self._gloo(self._cpu.allgather, output_tensors, input_tensors, opts)
-        return collectives.all_gather(self._cuda, output_tensors, input_tensors, opts)
+        cuda, entry = self._route([output_tensors, input_tensors], "all_gather", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.allgather, output_tensors, input_tensors, opts)
+        return self._issue(entry, collectives.all_gather, output_tensors, input_tensors, opts)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        if not self._is_cuda([output_lists, input_tensors], "all_gather_coalesced", opts):
-            return self._gloo(self._cpu.allgather_coalesced, output_lists, input_tensors, opts)
+        cuda, entry = self._route([output_lists, input_tensors], "all_gather_coalesced", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.allgather_coalesced, output_lists, input_tensors, opts)
         if len(output_lists) != len(input_tensors):
             raise CupycollValueError(
                 f"all_gather_coalesced: {len(output_lists)} output lists for {len(input_tensors)} inputs")
@@ -245,73 +265,86 @@ class GroupShell:
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        if not self._is_cuda([output, input], "all_gather_into_tensor", opts):
-            return self._gloo(self._cpu._allgather_base, output, input, opts)
-        return collectives.all_gather_into_tensor(self._cuda, output, input, opts)
+        cuda, entry = self._route([output, input], "all_gather_into_tensor", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu._allgather_base, output, input, opts)
+        return self._issue(entry, collectives.all_gather_into_tensor, output, input, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        if not self._is_cuda([outputs, inputs], "all_gather_into_tensor_coalesced", opts):
-            return self._gloo(self._cpu.allgather_into_tensor_coalesced, outputs, inputs, opts)
+        cuda, entry = self._route([outputs, inputs], "all_gather_into_tensor_coalesced", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.allgather_into_tensor_coalesced, outputs, inputs, opts)
         return self._coalesced(lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "reduce_scatter", opts):
-            return self._gloo(self._cpu.reduce_scatter, output_tensors, input_tensors, opts)
-        return collectives.reduce_scatter(self._cuda, output_tensors, input_tensors, opts)
+        cuda, entry = self._route([output_tensors, input_tensors], "reduce_scatter", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.reduce_scatter, output_tensors, input_tensors, opts)
+        return self._issue(entry, collectives.reduce_scatter, output_tensors, input_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        if not self._is_cuda([output, input], "reduce_scatter_tensor", opts):
-            return self._gloo(compat.gloo_reduce_scatter_tensor, self._cpu, output, input, opts)
-        return collectives.reduce_scatter_tensor(self._cuda, output, input, opts)
+        cuda, entry = self._route([output, input], "reduce_scatter_tensor", opts)
+        if not cuda:
+            return self._gloo(entry, compat.gloo_reduce_scatter_tensor, self._cpu, output, input, opts)
+        return self._issue(entry, collectives.reduce_scatter_tensor, output, input, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        if not self._is_cuda([outputs, inputs], "reduce_scatter_tensor_coalesced", opts):
-            return self._gloo(self._cpu.reduce_scatter_tensor_coalesced, outputs, inputs, opts)
+        cuda, entry = self._route([outputs, inputs], "reduce_scatter_tensor_coalesced", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.reduce_scatter_tensor_coalesced, outputs, inputs, opts)
         return self._coalesced(lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.AllToAllOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "all_to_all", opts):
-            return self._gloo(compat.gloo_alltoall, self._cpu, output_tensors, input_tensors, opts)
-        return collectives.all_to_all(self._cuda, output_tensors, input_tensors, opts)
+        cuda, entry = self._route([output_tensors, input_tensors], "all_to_all", opts)
+        if not cuda:
+            return self._gloo(entry, compat.gloo_alltoall, self._cpu, output_tensors, input_tensors, opts)
+        return self._issue(entry, collectives.all_to_all, output_tensors, input_tensors, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else c10d.AllToAllOptions()
-        if not self._is_cuda([output, input], "all_to_all_single", opts):
-            return self._gloo(self._cpu.alltoall_base, output, input, output_split_sizes,
+        cuda, entry = self._route([output, input], "all_to_all_single", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.alltoall_base, output, input, output_split_sizes,
                               input_split_sizes, opts)
-        return collectives.all_to_all_single(self._cuda, output, input, output_split_sizes,
-                                             input_split_sizes, opts)
+        return self._issue(entry, collectives.all_to_all_single, output, input, output_split_sizes,
+                           input_split_sizes, opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.GatherOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "gather", opts):
-            return self._gloo(self._cpu.gather, output_tensors, input_tensors, opts)
-        return collectives.gather(self._cuda, output_tensors, input_tensors, opts)
+        cuda, entry = self._route([output_tensors, input_tensors], "gather", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.gather, output_tensors, input_tensors, opts)
+        return self._issue(entry, collectives.gather, output_tensors, input_tensors, opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.ScatterOptions()
-        if not self._is_cuda([output_tensors, input_tensors], "scatter", opts):
-            return self._gloo(self._cpu.scatter, output_tensors, input_tensors, opts)
-        return collectives.scatter(self._cuda, output_tensors, input_tensors, opts)
+        cuda, entry = self._route([output_tensors, input_tensors], "scatter", opts)
+        if not cuda:
+            return self._gloo(entry, self._cpu.scatter, output_tensors, input_tensors, opts)
+        return self._issue(entry, collectives.scatter, output_tensors, input_tensors, opts)
 
     def send(self, tensors, dst_rank, tag=0):
-        if not self._is_cuda(tensors, "send", peer=dst_rank):
+        cuda, entry = self._route(tensors, "send", peer=dst_rank)
+        if not cuda:
             return self._cpu.send(tensors, dst_rank, tag)
-        return collectives.point_to_point(self._cuda, "send", tensors, dst_rank)
+        return self._issue(entry, collectives.point_to_point, "send", tensors, dst_rank)
 
     def recv(self, tensors, src_rank, tag=0):
-        if not self._is_cuda(tensors, "recv", peer=src_rank):
+        cuda, entry = self._route(tensors, "recv", peer=src_rank)
+        if not cuda:
             return self._cpu.recv(tensors, src_rank, tag)
-        return collectives.point_to_point(self._cuda, "recv", tensors, src_rank)
+        return self._issue(entry, collectives.point_to_point, "recv", tensors, src_rank)
 
     def recv_anysource(self, tensors, tag=0):
-        if not self._is_cuda(tensors, "recv_anysource"):
+        cuda, entry = self._route(tensors, "recv_anysource")
+        if not cuda:
             return self._cpu.recv_anysource(tensors, tag)
+        self._trace.recorder.mark(entry, "failed")
         raise CupycollValueError("recv from any source is not supported by NCCL; name the source rank")
 
     def barrier(self, opts=None):
@@ -319,13 +352,13 @@ class GroupShell:
         device = _args.barrier_device(opts)
         if device is None:
             self._cuda.check_usable()
-            self._trace.call("barrier", (), route="gloo", cpu_group=self._cpu)
-            return self._gloo(self._cpu.barrier, opts)
+            entry = self._trace.call("barrier", (), route="gloo", cpu_group=self._cpu)
+            return self._gloo(entry, self._cpu.barrier, opts)
         return self._cuda_barrier(device)
 
     def _cuda_barrier(self, device) -> CudaWork:
-        self._trace.call("barrier", (), cpu_group=self._cpu)
-        return collectives.barrier(self._cuda, device)
+        entry = self._trace.call("barrier", (), cpu_group=self._cpu)
+        return self._issue(entry, collectives.barrier, device)
 
     # -- torch's coalescing protocol ----------------------------------------------------
     def _coalesced(self, body: Callable[[], list]) -> Optional[CudaWork]:
@@ -371,10 +404,9 @@ class GroupShell:
     def shutdown(self) -> None:
         """Finalize and destroy the NCCL communicators once their work is done (healthy),
         or abort them when the group has faulted or its work does not finish within the
-        timeout; then shut the gloo half down. The group is unusable afterwards."""
+        timeout; then shut the gloo half down. The group is unusable afterwards. A group
+        handed over to a shrink is left to it (the survivors' group takes the communicator)."""
         if self._cuda.state not in (GroupState.OK, GroupState.ABORTING):  # aborting: the shutdown aborts now
-            return
-        if self._ended_by_shrink:  # the shrink under way ends it, after its survivors' group took the communicator
             return
         self._cuda.shutdown()  # an abort instead shuts gloo down through on_abort
         if self._cuda.state is GroupState.SHUT_DOWN:
@@ -384,7 +416,7 @@ class GroupShell:
         """Leave this group's end to the shrink of it under way (:mod:`cupycoll.shrink`):
         torch's ``destroy_process_group`` then shuts nothing down, so the survivors' group
         can still take the communicator; the shrink ends this group either way."""
-        self._ended_by_shrink = True
+        self._cuda.life.hand_over()
 
     def abort(self) -> None:
         """Abort the NCCL communicators at once, without waiting for peers or the GPU: a
@@ -393,9 +425,12 @@ class GroupShell:
         self._cuda.abort()
 
     def _cpu_shutdown(self) -> None:
-        # Both ends of the group come here: shutdown, and abort through the backend's on_abort.
-        self._trace.close(self._cuda.state)
-        compat.shutdown(self._cpu)
+        # Both ends of the group come here: shutdown, and abort through the backend's on_abort
+        # (also of a group a signal's abort_all caught half-built: what exists is closed).
+        trace, cuda = getattr(self, "_trace", None), getattr(self, "_cuda", None)
+        if trace is not None:
+            trace.close(cuda.state if cuda is not None else "aborted")
+        compat.shutdown(getattr(self, "_cpu", None))
 
     # -- torch method names that changed between versions ------------------------------
     _allgather_base = all_gather_single

@@ -3,19 +3,22 @@
 A :class:`CudaWork` is returned for every CUDA collective. It follows ProcessGroupNCCL:
 ``wait()`` makes the caller's current stream wait for the collective and does not block
 the CPU (unless the collective is a barrier or a CPU timeout is given), ``is_completed()``
-queries a CUDA event, and ``get_future()`` returns a CUDA-aware ``torch.futures.Future``
-holding the outputs, usable by DDP communication hooks.
+asks whether the GPU is done, and ``get_future()`` returns a CUDA-aware
+``torch.futures.Future`` holding the outputs, usable by DDP communication hooks.
+
+A Work holds no state of its own about how its collective went: it asks its group's watch
+(:mod:`cupycoll.faults.watchdog`) by its batch's number. The watch keeps what the GPU still
+uses (the batch's event and an asynchronous call's tensors) and fails every batch in flight
+when the group's lifetime closes it (a timeout, an NCCL error, an abort): ``wait()`` then
+raises that error, ``exception()`` returns it, ``is_completed()`` is True and a future not
+yet handed out carries it. A Work whose caller saw it complete before stays a success. A
+future obtained *before* a fault completes in stream order, as ProcessGroupNCCL's does.
+A synchronous Work dies with its caller's reference: nothing of it is kept for the watchdog.
 
 A Work may be *pending*: its NCCL call is queued (batched point-to-point, or inside a
-coalescing block) and not yet issued. Such a Work is built with ``flush``, the backend's
-way to issue its queue; touching the Work (wait, is_completed, get_future) calls it first,
-so a waited Work never hangs on an unissued call.
-
-Every issued Work carries a completion event and is tracked by its group's watchdog
-(:mod:`cupycoll.faults.watchdog`), which fails it with the fault (timeout, NCCL async error,
-abort) if one happens first: ``wait()`` then raises the fault, ``exception()`` returns it,
-``is_completed()`` is True and a future not yet handed out carries it. A future obtained
-*before* the fault completes in stream order, as ProcessGroupNCCL's does.
+coalescing block) and not yet issued. Such a Work is built with ``flush``, the queue's way
+to issue; touching the Work (wait, is_completed, get_future) calls it first, so a waited
+Work never hangs on an unissued call. A pending Work of a group that has ended has failed.
 
 Deliberately left out: the fault detection itself (the watchdog) and any retry.
 """
@@ -30,180 +33,190 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from . import compat
 from .errors import CollectiveTimeoutError, CupycollError
 
 
 class CudaWork(dist.Work):
     """The handle of one collective (or one coalesced batch) on a CUDA device."""
 
-    def __init__(self, op_name: str, device: torch.device, outputs: List[torch.Tensor],
-                 flush: Optional[Callable[[], None]] = None, blocking_wait: bool = False,
-                 seq: int = 0, peers: Optional[List[int]] = None):
+    __slots__ = ("op_name", "seq", "device", "_outputs", "_flush", "_blocking_wait", "_watch",
+                 "_slot", "_batch", "_stream", "_async", "_seen", "_error", "_future")
+
+    def __init__(self, op_name: str, device: torch.device, outputs: List[torch.Tensor], watch,
+                 flush: Optional[Callable[[], None]] = None, blocking_wait: bool = False, seq: int = 0):
         super().__init__()
         self.op_name = op_name
         self.seq = seq
-        self.peers = peers  # global ranks taking part (None: the whole group)
-        self.trace_entry = None  # its flight-recorder entry, when the group records
-        self.watch_handle = None  # its place in the group's watch, once tracked (a WatchHandle)
         self.device = device
         self._outputs = outputs
         self._flush = flush  # set while queued; issues the queue
         self._blocking_wait = blocking_wait
-        self._stream: Optional[torch.cuda.Stream] = None
-        self._event: Optional[torch.cuda.Event] = None
+        self._watch = watch  # the group's (cupycoll.faults.watchdog.Watch)
+        self._slot = None  # its batch's place in the watch (an InFlight), once issued
+        self._batch = 0  # its batch's number there (the slot is reused once it is retired)
+        self._stream = 0  # the raw stream it was issued on
+        self._async = True
+        self._seen = False  # its caller saw it complete while the group was healthy
+        self._error: Optional[BaseException] = None  # its own: it was never issued
         self._future: Optional[torch.futures.Future] = None
-        self._keepalive = None
-        self._error: Optional[BaseException] = None
 
     @classmethod
     def covering(cls, works: List["CudaWork"], blocking_wait: bool = False) -> "CudaWork":
         """One Work for the issued Works of a coalescing block (one NCCL group, one stream
-        and event): its outputs are theirs, in order, and it keeps their tensors."""
+        and event): its outputs are theirs, in order."""
         first = works[0]
-        work = cls("coalesced", first.device, [t for w in works for t in w.result()],
+        work = cls("coalesced", first.device, [t for w in works for t in w._outputs], first._watch,
                    seq=works[-1].seq, blocking_wait=blocking_wait)
-        work._issued(first._stream, first._event, [w._keepalive for w in works])
+        work._issued(first._slot, first._stream, first._async)
+        work._error = next((w._error for w in works if w._error is not None), None)
         return work
 
     # -- called by the backend -------------------------------------------------------
-    def _issued(self, stream, event, keepalive=None) -> None:
-        """The NCCL call was enqueued on ``stream``; ``event`` (may be None) follows it."""
+    def _issued(self, slot, stream: int, async_op: bool) -> None:
+        """The batch was enqueued on ``stream`` and is in flight in the watch as ``slot``
+        (None: not watched, as a call captured into a CUDA graph)."""
         self._flush = None
+        self._slot = slot
+        self._batch = slot.seq if slot is not None else 0
         self._stream = stream
-        self._event = event
-        self._keepalive = keepalive
+        self._async = async_op
 
     def _failed(self, error: BaseException) -> None:
         """Issuing the queue this Work was in raised: it will never run."""
         self._flush = None
-        self._fail(_never_issued(self.op_name, error), cause=error)
+        if self._error is None:
+            failure = _never_issued(self.op_name, error)
+            failure.__cause__ = error
+            self._error = failure
+            self._future = None
 
-    def _fail(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
-        """The watchdog (or a failed issue) ends this Work with ``error``; tensors are released."""
-        self.mark_failed(error, cause)
-        self.release()
+    def _fail(self, error: BaseException) -> None:
+        """This Work will never run (its queue was dropped): it has failed with ``error``."""
+        self._flush = None
+        if self._error is None:
+            self._error = error
+            self._future = None
 
-    # -- what the watch asks of it (cupycoll.faults.watchdog.Watched) ------------------
-    def mark_failed(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
-        """Record ``error`` (the first one wins) but keep the tensors: an abort marks its
-        Works failed *before* ncclCommAbort, so that a caller woken by the ended kernel
-        already sees the fault, and releases them only once the abort has returned."""
-        if self._error is not None:
-            return
-        if cause is not None:
-            error.__cause__ = cause
-        self._error = error
-        if self._future is None:
-            self._future = failed_future(error)
+    # -- its outcome, asked of the watch ---------------------------------------------
+    def _failure(self) -> Optional[BaseException]:
+        """The error this Work has failed with, or None (done, running, or queued)."""
+        error = self._error
+        if error is not None or self._seen:
+            return error
+        watch = self._watch
+        closed = watch.closed
+        if closed is None:
+            return None
+        if self._flush is not None:  # queued: the group ended before it was issued
+            return closed
+        return watch.failed(self._batch) if self._batch else None
 
-    def release(self) -> None:
-        """Drop the tensors this Work kept alive for the GPU (it is done with them)."""
-        self._keepalive = None
+    def _in_flight(self):
+        """Its batch's slot while the watch still holds it, else None (retired: done)."""
+        slot = self._slot
+        return slot if slot is not None and slot.seq == self._batch else None
 
-    def query_done(self) -> bool:
-        """Has the GPU finished this Work (or has it failed)? Never synchronises."""
-        if self._error is not None:
-            return True
-        event = self._event
-        return event is not None and event.query()
-
-    def _saw_completion(self) -> None:
-        """Its event fired, seen by the caller: the tensors are free, and the watch needs
-        no query of its own."""
-        self._keepalive = None
-        handle = self.watch_handle
-        if handle is not None:
-            handle.cancel()
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def _ensure_issued(self) -> None:
-        if self._flush is not None:
-            self._flush()
-        self._raise_if_failed()
-
-    def _completion_event(self) -> torch.cuda.Event:
-        if self._event is None:  # only a Work built by hand lacks one
-            self._event = torch.cuda.Event()
-            self._event.record(self._stream)
-        return self._event
+    def _done(self) -> bool:
+        """Has the GPU finished it? (Without the fault check: see is_completed.)"""
+        slot = self._in_flight()
+        return slot is None or slot.event.query()
 
     def describe(self) -> str:
-        """op, sequence number, shapes and dtypes, peers: what a timeout message names."""
+        """op, sequence number, shapes and dtypes: what a timeout message names."""
         shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
                            for t in self._outputs[:4])
         if len(self._outputs) > 4:
             shapes += f", ... ({len(self._outputs)} tensors)"
-        peers = "all ranks of the group" if self.peers is None else f"ranks {self.peers}"
-        return f"{self.op_name} #{self.seq} [{shapes}] on {self.device} with {peers}"
+        return f"{self.op_name} #{self.seq} [{shapes}] on {self.device}"
+
     # -- torch's Work interface -----------------------------------------------------
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        error = self._failure()
+        if error is not None:
+            raise error
         if self._flush is not None:
             self._flush()
-        if self._error is not None:
-            raise self._error
+        if timeout or self._blocking_wait:  # a timedelta of 0 is false: the usual call skips this
+            self._wait_on_host(timeout)
+        if self._flush is not None or timeout or self._blocking_wait:
+            error = self._failure()
+            if error is not None:
+                raise error
+        slot = self._in_flight()
+        if slot is not None:
+            current = compat.current_raw_stream(self.device.index)
+            # A synchronous call ran on the caller's stream: still current, it is ordered already.
+            if self._async or current != self._stream:
+                slot.event.wait_on(current)
+        return True
+
+    def _wait_on_host(self, timeout) -> None:
+        """Block the CPU: until done within ``timeout`` (raising CollectiveTimeoutError past
+        it), or, with blocking wait, until the GPU is done or an abort ends the kernel."""
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout or 0)
         if seconds > 0:
-            event = self._completion_event()
             deadline = time.monotonic() + seconds
-            while not event.query():
-                self._raise_if_failed()
+            while not self.is_completed():
                 if time.monotonic() > deadline:
-                    raise CollectiveTimeoutError(
-                        f"{self.describe()} did not finish within {seconds:g} s"
-                    )
+                    raise CollectiveTimeoutError(f"{self.describe()} did not finish within {seconds:g} s")
                 time.sleep(0.0005)
         elif self._blocking_wait:
-            # Returns when the GPU is done, or when an abort ends the stuck kernel.
-            self._completion_event().synchronize()
-            if self._error is None:
-                self._saw_completion()
-        if self._error is not None:
-            raise self._error
-        if self._event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._event)
-        elif self._stream is not None and self._stream != torch.cuda.current_stream(self.device):
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        return True
+            slot = self._in_flight()
+            if slot is not None:
+                slot.event.synchronize()
+            self._saw(True)
 
     def synchronize(self) -> None:
         self.wait()
 
-    def is_completed(self) -> bool:
-        if self._error is not None:
-            return True
-        self._ensure_issued()
-        done = self._completion_event().query()
-        if done:
-            self._saw_completion()
+    def _saw(self, done: bool) -> bool:
+        """The caller learnt the GPU is ``done``: a success from now on, unless the group's
+        watch had closed (an abort may have ended the kernel: the batch failed)."""
+        if done and self._watch.closed is None:
+            self._seen = True
         return done
 
+    def is_completed(self) -> bool:
+        if self._failure() is not None or self._seen:
+            return True
+        if self._flush is not None:
+            self._flush()
+            if self._failure() is not None:
+                return True
+        return self._saw(self._done())
+
     def is_success(self) -> bool:
-        return self.is_completed() and self._error is None
+        return self.is_completed() and self._failure() is None
 
     def exception(self):
-        return self._error
+        return self._failure()
 
     def source_rank(self) -> int:
         raise CupycollError(f"{self.op_name}: source_rank() is only defined for recv from any source")
 
     def result(self) -> List[torch.Tensor]:
-        self._raise_if_failed()
+        error = self._failure()
+        if error is not None:
+            raise error
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            self._ensure_issued()
+            error = self._failure()
+            if error is None and self._flush is not None:
+                self._flush()
+                error = self._failure()
+            if error is not None:
+                self._future = failed_future(error)
+                return self._future
             future = torch.futures.Future(devices=[self.device])
             # set_result records an event on the current stream: make that stream one
             # that is ordered right after this collective and nothing later.
-            if self._event is not None:
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_event(self._event)
-            else:
-                stream = self._stream
+            stream = torch.cuda.Stream(self.device)
+            slot = self._in_flight()
+            if slot is not None:
+                slot.event.wait_on(stream.cuda_stream)
             with torch.cuda.stream(stream):
                 future.set_result(self._outputs)
             self._future = future
@@ -255,39 +268,3 @@ def empty_work() -> dist.Work:
     future = torch.futures.Future()
     future.set_result([])
     return torch._C._distributed_c10d._create_work_from_future(future)
-
-
-class FutureWork(dist.Work):
-    """A CPU Work over a ``torch.futures.Future``, for results cupycoll computes from a gloo
-    call (see :mod:`cupycoll.compat`). Unlike ``_create_work_from_future``, whose ``wait()``
-    returns True even when the future failed (torch 2.7.1 to 2.15), ``wait()`` raises the
-    future's error, so a gloo timeout or a dead peer is not reported as success."""
-
-    def __init__(self, future: torch.futures.Future) -> None:
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        self._future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        return self.exception() is None
-
-    def exception(self):
-        if not self._future.done():
-            return None
-        try:
-            self._future.wait()
-        except Exception as exc:  # noqa: BLE001 - the future's own error, handed back
-            return exc
-        return None
-
-    def result(self) -> List[torch.Tensor]:
-        return self._future.wait()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future

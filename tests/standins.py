@@ -20,6 +20,7 @@ import threading
 
 import torch
 
+from cupycoll import _cuda
 from cupycoll.backend import CudaBackend
 from cupycoll.errors import CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
@@ -32,6 +33,10 @@ class CpuAsCudaBackend(CudaBackend):
         if not tensor.is_contiguous():
             raise CupycollValueError(f"{what} is not contiguous")
         return CUDA
+
+    def _adopt_device(self, device):
+        super()._adopt_device(device)
+        self._device_index = -1  # what a CPU tensor's get_device() says: the fast path's test
 
 
 class CpuAsCudaGroup(ProcessGroupCupycoll):
@@ -46,20 +51,39 @@ class CpuAsCudaGroup(ProcessGroupCupycoll):
 
 
 class FakeEvent:
-    """A CUDA event stand-in: ``query()`` turns True when the test says the GPU is done."""
+    """A CUDA event stand-in (cupycoll._cuda.Event's): ``query()`` turns True when the test
+    says the GPU is done; recording it, waiting on it and syncing it do nothing."""
 
     def __init__(self):
         self.fired = threading.Event()
+        self.records = 0
 
     def query(self):
         return self.fired.is_set()
 
+    def record(self, stream=None):
+        self.records += 1
+
+    def synchronize(self):
+        pass
+
+    def wait_on(self, stream):
+        pass
+
+    def destroy(self):
+        pass
+
 
 class RecordedEvent(FakeEvent):
-    """torch.cuda.Event's stand-in for the backend's _track: record() does nothing."""
+    """The event the backend records when a test's CUDA stand-ins are in place: never done
+    unless the test fires it."""
 
-    def record(self, stream=None):
-        pass
+
+class DoneEvent(FakeEvent):
+    """An event the GPU has always passed (the call path's stand-in)."""
+
+    def query(self):
+        return True
 
 
 class FakeStream:
@@ -74,17 +98,18 @@ class FakeStream:
 
 
 def capture(monkeypatch, on: bool) -> None:
-    """This thread's current stream is (``on``) or is not capturing a CUDA graph."""
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)
+    """Every stream is (``on``) or is not capturing a CUDA graph."""
+    monkeypatch.setattr(_cuda, "capturing", lambda stream: on)
 
 
 def use_cuda_standins(setattr, event=RecordedEvent) -> None:
-    """The few torch.cuda calls of the issue path, answered on CPU. ``setattr(obj, name,
-    value)`` puts each in place and is what undoes it (pytest's ``monkeypatch.setattr``);
-    ``event``: the class that stands in for ``torch.cuda.Event``."""
+    """The few CUDA calls of the issue path, answered on CPU. ``setattr(obj, name, value)``
+    puts each in place and is what undoes it (pytest's ``monkeypatch.setattr``); ``event``:
+    the class that stands in for cupycoll's pooled CUDA event."""
     setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
     setattr(torch.cuda, "current_device", lambda: 0)
-    setattr(torch.cuda, "Event", event)
     setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: FakeStream())
     setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    setattr(_cuda, "new_event", event)
+    setattr(_cuda, "capturing", lambda stream: False)

@@ -16,7 +16,10 @@ from torch._C import _distributed_c10d as c10d
 
 import cupycoll
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError
+from cupycoll.faults.watchdog import InFlight
 from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup, FakeEvent
+from cupycoll import bounds
+from cupycoll.faults.watchdog import Finding
 from test_faults import FakeComm, eventually, issued_work, make_group
 from test_watchdog import run_script, stuck_work
 
@@ -27,13 +30,13 @@ from test_watchdog import run_script, stuck_work
 def test_a_work_tracked_after_the_abort_failed_the_works_fails_and_is_released():
     group = make_group()
     group._cuda.comm = FakeComm()
-    work, event = issued_work(seq=7)
     group.abort()
-    group._cuda._watch.track(work)  # its caller passed the checks and launched before
+    # its caller passed the checks and launched before the abort
+    work, event = issued_work(group._cuda.watch, seq=7)
     event.fired.set()  # the abort ended its kernel
     assert not work.is_success()
     assert isinstance(work.exception(), CommunicatorAbortedError)
-    assert work._keepalive is None and work not in group._cuda._watch.works()
+    assert work._slot.keepalive is None and not group._cuda.watch.in_flight()  # released at once
 
 
 class LateTrackingComm(FakeComm):
@@ -44,31 +47,36 @@ class LateTrackingComm(FakeComm):
         self.watch, self.work, self.seen = watch, None, None
 
     def abort(self, on_behalf_of=None):
-        self.work, _ = issued_work(seq=8)
-        self.watch.track(self.work)
-        self.seen = (self.work.exception(), self.work._keepalive is not None)
+        self.work, _ = issued_work(self.watch, seq=8)
+        self.seen = (self.work.exception(), self.work._slot.keepalive is not None)
         super().abort()
 
 
 def test_a_work_tracked_during_the_abort_fails_and_keeps_its_tensors_until_it_returned():
     group = make_group()
-    comm = group._cuda.comm = LateTrackingComm(group._cuda._watch)
+    comm = group._cuda.comm = LateTrackingComm(group._cuda.watch)
     group.abort()
     error, kept = comm.seen
     assert isinstance(error, CommunicatorAbortedError) and kept  # the kernel may still run
-    assert comm.work._keepalive is None and not group._cuda._watch.inflight
+    assert comm.work._slot.keepalive is None and not group._cuda.watch.in_flight()
 
 
 class IssuingBackend(CpuAsCudaBackend):
-    """_enqueue issues the batch on a stand-in event (fired by the test: the kernel ended)."""
+    """_enqueue puts the batch in flight on a stand-in event (fired by the test: the kernel
+    ended); ``before_tracking`` runs first, as another thread may meanwhile."""
 
     event = None
+    before_tracking = None
 
     def _enqueue(self, issues):
+        if self.before_tracking is not None:
+            self.before_tracking()
         self.event = FakeEvent()
+        self.watch._free.append(InFlight(self.event))
+        slot = self.watch.issued(0, None, [issue.keepalive for issue in issues])
         for issue in issues:
-            issue.work._issued(None, self.event, issue.keepalive)
-            self._watch.track(issue.work)
+            issue.work._issued(slot, 0, True)
+            issue.tracked = True
 
 
 class IssuingGroup(CpuAsCudaGroup):
@@ -78,55 +86,51 @@ class IssuingGroup(CpuAsCudaGroup):
 def test_the_covering_work_of_a_block_closed_during_an_abort_fails():
     import datetime
     group = IssuingGroup(None, 0, 2, datetime.timedelta(seconds=5))
-    calls, track = group._cuda.calls, group._cuda.calls._track
 
-    def track_after_an_abort(work):  # another thread aborts just before the covering Work is tracked
-        if work.op_name == "coalesced":
-            aborter = threading.Thread(target=group.abort)
-            aborter.start()
-            aborter.join(5)
-        track(work)
+    def abort_before_tracking():  # another thread aborts just before the block's batch is issued
+        group._cuda.before_tracking = None
+        aborter = threading.Thread(target=group.abort)
+        aborter.start()
+        aborter.join(5)
 
-    calls._track = track_after_an_abort
     group._start_coalescing(CUDA)
     inner = group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
+    group._cuda.before_tracking = abort_before_tracking
     covering = group._end_coalescing(CUDA)
     group._cuda.event.fired.set()  # the abort ended the kernel
     assert group._cuda.state == "aborted" and not inner.is_success()
     assert not covering.is_success() and isinstance(covering.exception(), CommunicatorAbortedError)
-    assert covering._keepalive is None
+    assert not group._cuda.watch.in_flight()  # issued after the abort returned: released at once
 
 
 def test_calls_are_refused_while_the_fault_is_being_diagnosed():
     group = make_group()
     comm = group._cuda.comm = FakeComm()
-    watch = group._cuda._watch
+    life = group._cuda.life
     diagnosing, done = threading.Event(), threading.Event()
 
-    def explain(work, timeout):
+    def explain(entry, timeout):
         diagnosing.set()
         done.wait(5)
         return "rank 1 never reached all_reduce #3"
 
-    watch.explain_timeout = explain
-    stuck = stuck_work(seq=3)
-    watch.track(stuck)
-    handler = threading.Thread(target=watch.handle,
-                               args=(CollectiveTimeoutError("all_reduce #3 timed out"), stuck))
-    handler.start()
+    life._explain = explain
+    stuck = stuck_work(group._cuda.watch, seq=3)
+    assert life.claim(Finding(CollectiveTimeoutError("all_reduce #3 timed out"), stuck._slot))
     try:
         assert diagnosing.wait(5)
         with pytest.raises(CommunicatorAbortedError, match="was aborted: all_reduce #3 timed out"):
             group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
-        late, _ = issued_work(seq=4)
-        watch.track(late)  # a call that got past the checks before the fault was claimed
-        assert late.exception() is not None and late._keepalive is not None
+        # a call that got past the checks before the fault was claimed
+        late, _ = issued_work(group._cuda.watch, seq=4)
+        assert late.exception() is not None and late._slot.keepalive is not None
+        assert stuck.exception() is not None  # failed at the claim, before any abort
         assert not comm.aborted.is_set()
     finally:
         done.set()
-        handler.join(5)
+    assert life.ended.wait(5)
     assert comm.aborted.is_set() and group._cuda.state == "aborted"
-    assert late._keepalive is None and stuck._keepalive is None
+    assert late._slot.keepalive is None and stuck._slot.keepalive is None
     assert str(stuck.exception()) == "rank 1 never reached all_reduce #3"
 
 
@@ -143,46 +147,35 @@ class WatchedComm(FakeComm):
         self.entered.set()
         if self.release is not None:
             self.release.wait(5)
-        self.kept = self.work._keepalive is not None
+        self.kept = self.work._slot.keepalive is not None
         super().abort()
 
 
 def test_the_fault_thread_releases_nothing_while_another_abort_runs():
     group = make_group()
     backend = group._cuda
-    work, _ = issued_work(seq=5)
-    backend._watch.track(work)
-    comm = backend.comm = WatchedComm(work)
-    inside, go = threading.Event(), threading.Event()
-    stop_watching = backend.life.stop_watching
-
-    def slow_stop_watching():  # the user's abort has the state, not yet the Works
-        inside.set()
-        go.wait(5)
-        stop_watching()
-
-    backend.life.stop_watching = slow_stop_watching
+    work, _ = issued_work(backend.watch, seq=5)
+    go = threading.Event()
+    comm = backend.comm = WatchedComm(work, release=go)
     user = threading.Thread(target=group.abort)
     user.start()
-    assert inside.wait(5)
-    # The fault thread takes the Works out of flight, then finds the group aborting.
-    fault = threading.Thread(target=backend._watch.handle, args=(CollectiveTimeoutError("#5"),))
-    fault.start()
+    assert comm.entered.wait(5)  # the user's abort is inside ncclCommAbort
+    # A fault found now: the group ended already, the fault thread has nothing to do.
+    assert not backend.life.claim(Finding(CollectiveTimeoutError("#5")))
     try:
-        assert eventually(lambda: work.exception() is not None)
-        assert work._keepalive is not None and fault.is_alive()  # waits for ncclCommAbort
+        assert work.exception() is not None
+        assert work._slot.keepalive is not None  # held until ncclCommAbort returned
     finally:
         go.set()
         user.join(5)
-        fault.join(5)
-    assert comm.kept and comm.aborted.is_set() and work._keepalive is None
+    assert comm.kept and comm.aborted.is_set() and work._slot.keepalive is None
 
 
 @pytest.mark.parametrize("second", ["group.abort", "abort_all"])
 def test_a_second_abort_returns_only_after_the_first_ones_ncclCommAbort(second):
     group = make_group()
     go = threading.Event()
-    comm = group._cuda.comm = WatchedComm(stuck_work(), release=go)
+    comm = group._cuda.comm = WatchedComm(stuck_work(group._cuda.watch), release=go)
     first = threading.Thread(target=group.abort)
     first.start()
     assert comm.entered.wait(5)
@@ -224,18 +217,21 @@ _FORK_SCRIPT = """
     from cupycoll.faults import lifecycle
     from cupycoll.trace import recorder
     from standins import CpuAsCudaGroup
+    from test_faults import FakeComm
     from test_watchdog import stuck_work
 
-    class Comm:
-        def __init__(self, who): self.who = who
-        def async_error(self): return None
-        def stuck_call(self, after_s): return None
-        def abort(self, on_behalf_of=None): print(f"{self.who} comm aborted in", os.getpid(), flush=True)
+    class Comm(FakeComm):
+        def __init__(self, who):
+            super().__init__()
+            self.who = who
+        def abort(self, on_behalf_of=None):
+            print(f"{self.who} comm aborted in", os.getpid(), flush=True)
+            super().abort()
 
     def make(who):
         group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
         group._cuda.comm = Comm(who)
-        group._cuda._watch.track(stuck_work())
+        stuck_work(group._cuda.watch)
         return group
 
     parent = make("parent")
@@ -297,28 +293,25 @@ class HangingAbortComm(FakeComm):
 
 
 def test_a_user_abort_returns_within_its_bound_when_ncclcommabort_hangs(monkeypatch):
-    from cupycoll.faults import lifecycle
-    monkeypatch.setattr(lifecycle, "ABORT_DEADLINE", 0.5)
+    monkeypatch.setattr(bounds, "ABORT_DEADLINE", 0.5)
     group = make_group()
     comm = group._cuda.comm = HangingAbortComm()
-    work, _ = issued_work(seq=4)
-    group._cuda._watch.track(work)
+    work, _ = issued_work(group._cuda.watch, seq=4)
     start = time.monotonic()
     try:
         with pytest.warns(RuntimeWarning, match="has not returned after 0.5 s"):
             group.abort()
         assert time.monotonic() - start < 3
         assert isinstance(work.exception(), CommunicatorAbortedError)  # failed before the abort
-        assert work._keepalive is not None  # its kernel may still run: tensors held
+        assert work._slot.keepalive is not None  # its kernel may still run: tensors held
     finally:
         comm.release.set()
-    assert eventually(lambda: work._keepalive is None)  # released once the abort returned
+    assert eventually(lambda: work._slot.keepalive is None)  # released once the abort returned
     assert comm.aborted.is_set()
 
 
 def test_abort_all_aborts_every_group_when_one_abort_hangs(monkeypatch):
-    from cupycoll.faults import lifecycle
-    monkeypatch.setattr(lifecycle, "ABORT_DEADLINE", 0.5)
+    monkeypatch.setattr(bounds, "ABORT_DEADLINE", 0.5)
     hung, other = make_group(), make_group()
     hung._cuda.comm = HangingAbortComm()
     other._cuda.comm = FakeComm()

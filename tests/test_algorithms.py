@@ -112,5 +112,5 @@ def test_auto_sends_the_ops_nccl_lacks_to_the_builtin_algorithm_taking_them_over
 def test_closing_the_group_closes_each_runner_it_made(group, reversing):
     with cupycoll.algorithm("reversing"):
         group.allreduce([t(3)], ar_opts(R.SUM))
-    group._cuda.close_runners()
-    assert reversing[-1] == ("closed",) and group._cuda._runners == {}
+    group.abort()
+    assert reversing[-1] == ("closed",) and group._cuda.comms.runners == {}

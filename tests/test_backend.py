@@ -39,15 +39,15 @@ class GroupComm(FakeComm):
         self.launched.append("ncclGroupEnd")
 
     def abort(self, on_behalf_of=None):
-        self.kept_at_abort = [w._keepalive is not None for w in self.works]
+        self.kept_at_abort = [w._slot is not None and w._slot.keepalive is not None for w in self.works]
         super().abort()
 
 
 def p2p_backend():
     group = make_group()
     cuda = group._cuda
-    cuda.device = CUDA
-    comm = cuda._p2p_comms[1] = GroupComm()
+    cuda._adopt_device(CUDA)
+    comm = cuda.comms.pairs[1] = GroupComm()
     return group, cuda, comm
 
 
@@ -66,16 +66,18 @@ def test_a_batch_failing_after_its_nccl_group_launched_is_tracked_and_faults(cud
     with pytest.raises(RuntimeError, match="the copy after the group failed"):
         recv.wait()
     assert comm.launched == ["send", "send", "ncclGroupEnd"]
+    assert cuda.life.ended.wait(5)
     assert cuda.state == "aborted" and isinstance(cuda.fault, RuntimeError)  # the peers drift otherwise
     for work in (send, recv):  # it ran: failed by the fault, not "never issued"
-        assert work.exception() is cuda.fault and work._keepalive is None
+        assert work.exception() is cuda.fault and work._slot.keepalive is None
     assert comm.kept_at_abort == [True, True]  # released only after ncclCommAbort
 
 
 def test_a_single_ring_call_failing_mid_way_faults_the_group(cuda_standins):
     group = make_group()
     cuda = group._cuda
-    cuda.comm, cuda.device = GroupComm(), CUDA
+    cuda.comm = GroupComm()
+    cuda._adopt_device(CUDA)
 
     def ring(c, stream):
         raise RuntimeError("NVRTC: compile failed at step 3")
@@ -83,6 +85,7 @@ def test_a_single_ring_call_failing_mid_way_faults_the_group(cuda_standins):
     with pytest.raises(RuntimeError, match="step 3"):
         cuda.submit("all_reduce", CUDA, [torch.ones(2)], ring, keepalive=torch.ones(2), algorithm="ring",
                     async_op=False)
+    assert cuda.life.ended.wait(5)
     assert cuda.state == "aborted" and cuda.comm.aborted.is_set()
 
 
@@ -99,7 +102,7 @@ def test_a_batch_failing_before_its_first_launch_is_never_issued_and_faults_noth
     recv = cuda.submit("recv", CUDA, [torch.ones(2)], launch, peer=1, async_op=False, prepare=oom)
     with pytest.raises(torch.OutOfMemoryError):
         recv.wait()
-    assert comm.launched == [] and cuda.state == "ok" and not cuda._watch.inflight
+    assert comm.launched == [] and cuda.state == "ok" and not cuda.watch.in_flight()
     for work in (send, recv):
         assert isinstance(work.exception(), CupycollError) and "never issued" in str(work.exception())
     group.abort()
@@ -118,10 +121,11 @@ def test_an_interrupt_after_launch_faults_the_group_with_a_typed_error(cuda_stan
     recv = cuda.submit("recv", CUDA, [torch.ones(2)], launch, finish=interrupt, keepalive=torch.ones(2), peer=1)
     with pytest.raises(KeyboardInterrupt):
         recv.wait()
+    assert cuda.life.ended.wait(5)
     assert cuda.state == "aborted" and isinstance(cuda.fault, CommunicatorAbortedError)
     assert isinstance(cuda.fault.__cause__, KeyboardInterrupt) and "interrupted" in str(cuda.fault)
     for work in (send, recv):
-        assert work.exception() is cuda.fault and work._keepalive is None
+        assert work.exception() is cuda.fault and work._slot.keepalive is None
     with pytest.raises(CommunicatorAbortedError):
         send.wait()
 
@@ -159,13 +163,13 @@ def test_p2p_stays_on_the_pair_communicator_after_a_lazy_group_communicator():
 def test_p2p_uses_a_group_communicator_made_at_init():
     backend = connecting(0, size=4)
     backend.eager_connect_single_device(CUDA)  # init_process_group(device_id=...)
-    assert backend.p2p_comm(3) is backend.comm and backend._p2p_comms == {}
+    assert backend.p2p_comm(3) is backend.comm and backend.comms.pairs == {}
 
     class Parent:
         device = CUDA
         comm = FakeComm()
 
-    Parent.comm.split = lambda color, key, on_abort=None: FakeComm()
+    Parent.comm.split = lambda color, key, on_abort=None, child=None, timeout=None: FakeComm()
     child = connecting(1, size=2)
     child.split_from(Parent())  # a subgroup of a bound default group: split at construction
     assert child.p2p_comm(0) is child.comm
@@ -176,6 +180,6 @@ def test_p2p_uses_a_group_communicator_made_at_init():
 
 def test_the_watch_gets_the_device_the_first_call_picks():
     group = QueueGroup(None, 0, 2, datetime.timedelta(seconds=5))
-    assert group._cuda._watch.device is None
+    assert group._cuda.watch.device is None
     group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
-    assert group._cuda._watch.device == CUDA  # its events are queried with it current
+    assert group._cuda.watch.device == CUDA.index  # its events are queried with it current

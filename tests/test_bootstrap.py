@@ -271,4 +271,5 @@ def test_a_creation_that_times_out_faults_the_group(monkeypatch):
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError):
         backend.comm_for(CUDA)
+    assert backend.life.ended.wait(3)
     assert backend.state == "aborted" and time.monotonic() - start < 3

@@ -1,9 +1,10 @@
 """NCCL calls counted while they run (cupycoll.nccl.call_guard), on CPU with a scripted NCCL
-library: an abort from another thread waits for a call, or an open NCCL group, under way on
-the communicator (at most ``call_guard.ENTER_WAIT_S``) before it frees it; a call it freed
-the communicator under says so; an abort on the calling thread itself, also inside the
-communicator's lock, never waits for that thread; and the watchdog's ncclCommGetAsyncError
-never runs beside a call or an open group on the communicator."""
+library: an abort from another thread never runs ncclCommAbort beside a call, or an open NCCL
+group, under way on the communicator, and never waits for one either: the call runs it on
+its way out; a call that fails once its communicator was aborted says so; an abort on the
+calling thread itself, also inside the communicator's lock, goes ahead at once; and the
+watchdog's ncclCommGetAsyncError never runs beside a call or an open group on the
+communicator that entered less than ``bounds.CALL_BLOCKED_S`` ago."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import time
 
 import pytest
 
-from cupycoll.nccl import call_guard
+from cupycoll import bounds
 from cupycoll.nccl import bindings as nb
+from cupycoll.nccl.communicator import Communicators
 from cupycoll.errors import CommunicatorAbortedError, NcclError
 from test_faults import ScriptedLibrary, grouping_comm, no_device, polling_comm  # noqa: F401 - no_device: a fixture
 
@@ -73,27 +75,26 @@ def all_reduce_under_way(comm, lib):
         caller.join(5)
 
 
-def test_abort_waits_for_an_nccl_call_under_way(no_device, monkeypatch):
-    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # a late main thread must not outwait it
+def test_an_abort_beside_a_call_never_enters_nccl_and_the_call_runs_it_on_its_way_out(no_device):
+    # NCCL forbids a call on a communicator while another thread is inside one on it.
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
     caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
     caller.start()
     assert lib.inside.wait(5)
-    aborter = threading.Thread(target=comm.abort)
-    aborter.start()
-    aborter.join(0.2)
-    assert aborter.is_alive() and "ncclCommAbort" not in lib.events  # not under the call
+    start = time.monotonic()
+    assert comm.abort() is None  # nothing ended now: the call is inside
+    assert time.monotonic() - start < 0.5  # and nothing waited for it
+    assert comm.state == "aborted" and comm.abort_deferred() and "ncclCommAbort" not in lib.events
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):  # no new call enters
+        comm.all_reduce(1, 1, 4, 7, 0, 0)
     lib.release.set()
     caller.join(5)
-    aborter.join(5)
     assert lib.events == [("call", 1234), "call returned", "ncclCommAbort"]
-    with pytest.raises(CommunicatorAbortedError, match="was aborted"):  # never a NULL handle
-        comm.all_reduce(1, 1, 4, 7, 0, 0)
+    assert comm.abort_done.is_set() and not comm.abort_deferred()
 
 
-def test_a_call_an_abort_freed_its_communicator_under_says_aborted(no_device, monkeypatch):
-    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)  # a call blocked in NCCL
+def test_a_call_that_fails_once_its_communicator_was_aborted_says_aborted(no_device):
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
     lib.fail_with = NcclError(4, "ncclAllReduce", "invalid argument")
@@ -107,11 +108,12 @@ def test_a_call_an_abort_freed_its_communicator_under_says_aborted(no_device, mo
     caller = threading.Thread(target=call)
     caller.start()
     assert lib.inside.wait(5)
-    comm.abort()  # gives up waiting after ENTER_WAIT_S: only the abort ends a blocked call
-    assert "ncclCommAbort" in lib.events and "call returned" not in lib.events
+    comm.abort()
     lib.release.set()
     caller.join(5)
-    assert isinstance(errors[0], CommunicatorAbortedError) and isinstance(errors[0].__cause__, NcclError)
+    assert isinstance(errors[0], CommunicatorAbortedError) and errors[0].during_call
+    assert isinstance(errors[0].__cause__, NcclError)
+    assert lib.events[-2:] == ["call returned", "ncclCommAbort"]
 
 
 def test_an_abort_on_the_calling_thread_itself_does_not_wait(no_device):
@@ -144,36 +146,24 @@ def test_an_abort_on_a_thread_holding_the_communicator_lock_does_not_hang(no_dev
     assert done.wait(3) and comm.state == "aborted"
 
 
-def test_an_abort_waits_for_an_open_nccl_group_to_end(no_device, monkeypatch):
+def test_an_abort_of_a_communicator_in_an_open_nccl_group_runs_when_the_group_has_ended(no_device):
     # The calls of a group really launch (and connect) in ncclGroupEnd: an abort on another
-    # thread must not free the communicator under it.
-    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # a late main thread must not outwait it
-    inside_end, release = threading.Event(), threading.Event()
-
-    def slow_group_end():
-        inside_end.set()
-        release.wait(10)
-
-    comm, events = grouping_comm(slow_group_end)
-
+    # thread must not free the communicator under it, nor wait for it.
+    comm, events, inside_end, release = comm_with_a_slow_group_end()
     raised = []
 
     def grouped_send():
         try:
-            with comm.group():
-                comm._settle("ncclSend", nb.ncclSuccess)
+            send_in_a_group(comm)
         except CommunicatorAbortedError as exc:  # polled after the end: aborted meanwhile
             raised.append(exc)
     caller = threading.Thread(target=grouped_send)
     caller.start()
     assert inside_end.wait(5)
-    aborter = threading.Thread(target=comm.abort)
-    aborter.start()
-    aborter.join(0.2)
-    assert aborter.is_alive() and events == ["start"]
+    comm.abort()  # returns at once
+    assert events == ["start"] and comm.abort_deferred()
     release.set()
     caller.join(5)
-    aborter.join(5)
     assert events == ["start", "end", "abort"] and comm._callers == []
     assert len(raised) == 1
 
@@ -198,7 +188,7 @@ class RecordedQueryLibrary(SlowCallLibrary):
 
 
 def test_the_async_error_query_skips_a_communicator_with_a_call_under_way(no_device, monkeypatch):
-    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)  # the call is an enqueue, not blocked
+    monkeypatch.setattr(bounds, "CALL_BLOCKED_S", 30)  # the call is an enqueue, not blocked
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = RecordedQueryLibrary()
     with all_reduce_under_way(comm, lib):
@@ -207,9 +197,9 @@ def test_the_async_error_query_skips_a_communicator_with_a_call_under_way(no_dev
 
 
 def test_a_call_blocked_inside_nccl_does_not_hide_the_async_error(no_device, monkeypatch):
-    # past ENTER_WAIT_S a call is blocked (a connect, a full launch queue): NCCL's error may
-    # be the only news of the fault behind it, so the watchdog asks beside it
-    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)
+    # past CALL_BLOCKED_S a call is blocked (a connect, a full launch queue): NCCL's error
+    # may be the only news of the fault behind it, so the watchdog asks beside it
+    monkeypatch.setattr(bounds, "CALL_BLOCKED_S", 0.05)
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = RecordedQueryLibrary()
     lib.states = [REMOTE_ERROR]
@@ -220,7 +210,7 @@ def test_a_call_blocked_inside_nccl_does_not_hide_the_async_error(no_device, mon
 
 
 def test_the_async_error_query_skips_a_communicator_in_an_open_group(no_device, monkeypatch):
-    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 30)
+    monkeypatch.setattr(bounds, "CALL_BLOCKED_S", 30)
     comm, events, inside_end, release = comm_with_a_slow_group_end()
     queries = []
     comm._lib.ncclCommGetAsyncError = lambda handle, status: queries.append(handle) or 0
@@ -270,30 +260,30 @@ def test_a_call_inside_nccl_longer_than_asked_is_named_with_its_seconds(no_devic
     assert comm.stuck_call(0.0) is None
 
 
-def test_an_aborted_communicator_reports_no_stuck_call(no_device, monkeypatch):
-    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)
+def test_an_aborted_communicators_stuck_call_is_left_to_its_groups_end(no_device):
+    # The group's fault aborted it: while the group is healthy a communicator's end is not a
+    # new fault; once the group ended, a call the abort could not end is what ends the process.
     comm = polling_comm([nb.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
+    held = Communicators()
+    held.group = comm
     with all_reduce_under_way(comm, lib):
-        comm.abort()  # past ENTER_WAIT_S it goes ahead beside the call
-        assert comm.stuck_call(0.0) is None  # the abort is ending it: not a new fault
+        time.sleep(0.1)
+        comm.abort()
+        assert comm.stuck_call(0.05)[0] == "ncclAllReduce"  # still inside: no abort ran beside it
+        assert held.stuck_call(0.05) is None
+        assert held.stuck_call(0.05, ended=True)[0] == "ncclAllReduce"
+        assert held.blocked()
 
 
-def test_a_group_whose_launch_an_abort_ended_says_so(no_device, monkeypatch):
-    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)
-    inside_end, aborted = threading.Event(), threading.Event()
+def test_a_group_whose_launch_fails_once_its_communicator_was_aborted_says_so(no_device):
+    inside_end, fail = threading.Event(), threading.Event()
 
-    def end_stuck_until_aborted():
+    def end_fails_when_told():
         inside_end.set()
-        aborted.wait(10)
+        fail.wait(10)
         raise NcclError(3, "ncclGroupEnd", "internal error", "the connection was aborted")
-    comm, events = grouping_comm(end_stuck_until_aborted)
-    original_abort = comm._lib.ncclCommAbort
-
-    def abort(handle):
-        aborted.set()
-        return original_abort(handle)
-    comm._lib.ncclCommAbort = abort
+    comm, events = grouping_comm(end_fails_when_told)
     raised = []
 
     def grouped_send():
@@ -305,9 +295,11 @@ def test_a_group_whose_launch_an_abort_ended_says_so(no_device, monkeypatch):
     caller.start()
     assert inside_end.wait(5)
     comm.abort()
+    fail.set()
     caller.join(5)
     assert len(raised) == 1 and raised[0].during_call and "ncclGroupEnd" in str(raised[0])
     assert isinstance(raised[0].__cause__, NcclError) and comm._callers == []
+    assert events == ["start", "abort"]  # ncclCommAbort once the group had ended
 
 
 def test_an_open_group_is_named_by_the_call_that_launches_it(no_device):

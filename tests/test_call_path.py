@@ -25,6 +25,12 @@ def _section(lines, header):
     return section
 
 
+# The fast path's budget for one synchronous all_reduce + wait (issue then wait): calls and
+# modules entered on the caller's thread, upward calls. Not a time: a count the code sets.
+FAST_PATH_CALLS = 16
+FAST_PATH_MODULES = 7
+
+
 def test_the_traced_all_reduce_goes_from_the_group_through_the_backend_to_the_communicator(tmp_path, capsys):
     assert main(["--calls", "20", "--json", str(tmp_path / "figures.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -33,9 +39,8 @@ def test_the_traced_all_reduce_goes_from_the_group_through_the_backend_to_the_co
     names = [line.strip() for line in tree]
     path = [(c["module"], c["function"].split(".")[-1]) for c in figures["trace"]]
     # in this order, not necessarily adjacent
-    expected = iter([("shell", "allreduce"), ("collectives", "all_reduce"), ("backend", "submit"),
-                     ("call_queue", "submit"), ("backend", "_enqueue"), ("nccl.communicator", "all_reduce"),
-                     ("faults.lifecycle", "track"), ("work", "wait")])
+    expected = iter([("shell", "allreduce"), ("backend", "all_reduce_fast"), ("nccl.communicator", "all_reduce_now"),
+                     ("faults.watchdog", "issued"), ("work", "wait")])
     step = next(expected)
     for entry in path:
         if entry == step:
@@ -52,6 +57,18 @@ def test_the_traced_all_reduce_goes_from_the_group_through_the_backend_to_the_co
     upward = [line for line in lines if line.startswith("upward calls (")]
     assert upward and upward[0].endswith(f": {len(figures['upward_calls'])}")
     assert figures["timed_calls"] == 20 and figures["host_us_per_call"] > 0
+    assert sum(figures["gc_collections"].values()) >= 0 and figures["gc_calls"] > 0
+
+
+def test_the_synchronous_all_reduce_stays_within_the_fast_paths_budget(tmp_path):
+    # After its first call (the general path, which learns the plan), a synchronous
+    # all_reduce takes the fast path: a few calls in a few modules, none upward.
+    assert main(["--calls", "20", "--json", str(tmp_path / "figures.json")]) == 0
+    figures = json.loads((tmp_path / "figures.json").read_text(encoding="utf-8"))
+    assert figures["calls"] <= FAST_PATH_CALLS, figures["trace"]
+    assert figures["modules"] <= FAST_PATH_MODULES, figures["module_names"]
+    assert figures["upward_calls"] == []
+    assert "collectives" not in figures["module_names"] and "call_queue" not in figures["module_names"]
 
 
 def test_an_upward_call_goes_into_a_higher_layer_and_unlisted_modules_are_not_judged():

@@ -32,7 +32,7 @@ class QueueBackend(CpuAsCudaBackend):
     def _enqueue(self, issues):
         self.batches.append([i.work.op_name for i in issues])
         for issue in issues:
-            issue.work._issued(None, None)
+            issue.work._issued(None, 0, True)
 
 
 class QueueGroup(CpuAsCudaGroup):
@@ -125,8 +125,10 @@ def test_end_without_start_is_an_error(group):
 
 
 def test_abort_drops_the_queue_and_refuses_work(group):
-    group.send([x()], 1, 0)
+    send = group.send([x()], 1, 0)
     group.abort()
+    assert isinstance(send.exception(), CommunicatorAbortedError)  # failed before it was ever issued
+    group._cuda.calls.flush()  # the queue lets go of what it held
     assert group._cuda.calls.pending == []
     with pytest.raises(Exception, match="aborted"):
         group.allreduce([x()], c10d.AllreduceOptions())
@@ -386,16 +388,23 @@ def test_touching_a_work_whose_batch_another_thread_issues_waits_for_it():
 
 
 def test_a_work_dropped_by_an_abort_is_failed_before_it_leaves_the_queue():
+    # A flush that finds the queue empty returns without the lock: a Work dropped from it
+    # must already answer failed then, never "done" because nothing is left to issue.
     group = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
     calls = group._cuda.calls
     recv = group.recv([torch.ones(2)], 2, 0)
     seen = []
-    real_fail = recv._fail
+    pending = calls.pending
 
-    def fail(reason, cause=None):
-        seen.append(list(calls.pending))
-        real_fail(reason, cause)
-    recv._fail = fail
+    class Watching(list):
+        def __init__(self):
+            super().__init__(pending)
+
+        def __iter__(self):
+            seen.append(recv.exception())
+            return super().__iter__()
+
+    calls.pending = Watching()
     calls.drop(CommunicatorAbortedError("aborted"))
-    assert seen and seen[0] and calls.pending == [] and recv.exception() is not None
-
+    assert seen and all(error is not None for error in seen[1:])
+    assert calls.pending == [] and recv.exception() is not None

@@ -56,7 +56,7 @@ class RecordingBackend(CudaBackend):
     once on a recording communicator instead of being issued."""
 
     def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-               peer=None, blocking_wait=False, algorithm=None, prepare=None):
+               peer=None, blocking_wait=False, algorithm=None, prepare=None, entry=None):
         comm = RecordingComm()
         self.phase = "prepare"
         if prepare is not None:  # before the NCCL group, as _launch_all runs it

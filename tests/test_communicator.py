@@ -124,7 +124,7 @@ def made(monkeypatch, no_device):
     def make(nonblocking=False, **kwargs):
         library = RecordingLibrary(**kwargs)
         monkeypatch.setattr(communicator_module, "_library", lambda path=None: library)
-        comm = Communicator.begin(b"\1" * 128, 0, 3, 0, nonblocking=nonblocking)
+        comm = Communicator.begin(b"\1" * 128, 0, 3, 0, nonblocking=nonblocking, timeout=60.0)
         comm.wait_ready()  # a nonblocking one's creation settles (the library answers ncclSuccess)
         return comm
     return make

@@ -8,6 +8,7 @@ import datetime
 import os
 import subprocess
 import sys
+import textwrap
 import types
 
 import pytest
@@ -490,6 +491,8 @@ def test_pip_nvrtc_is_loaded_for_cupy_13():
 
 
 def test_run_eagerly_under_compile_wraps_only_what_overrides_torchs_process_group():
+    import torch._dynamo  # noqa: F401 - imported: the methods are wrapped at once
+
     class Group(dist.ProcessGroup):
         def allreduce(self, tensors, opts=None):
             return "allreduce"
@@ -505,3 +508,28 @@ def test_run_eagerly_under_compile_wraps_only_what_overrides_torchs_process_grou
     assert members["allreduce"].__wrapped__ and members["_allgather_base"].__wrapped__
     assert not hasattr(members["helper"], "__wrapped__")
     assert Group.allreduce(None, []) == "allreduce"  # still the method, called through the wrapper
+
+
+def test_a_group_made_without_dynamo_does_not_import_it_and_is_wrapped_when_it_comes():
+    # torch.compiler.disable imports Dynamo (seconds); nothing compiles before Dynamo is
+    # imported, so the methods are wrapped as it is, not at init_process_group.
+    script = textwrap.dedent("""
+        import sys
+        import torch, torch.distributed as dist
+        import cupycoll
+        dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1)
+        from cupycoll import shell
+        group = type(dist.group.WORLD)
+        print("dynamo at init", "torch._dynamo" in sys.modules)
+        import torch._dynamo
+        shell_class = shell.GroupShell
+        wrapped = [cls.__name__ for cls in shell_class.__subclasses__()
+                   if getattr(vars(cls).get("allreduce"), "__wrapped__", None) is not None]
+        print("wrapped after dynamo", sorted(wrapped))
+        dist.destroy_process_group()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "dynamo at init False" in result.stdout, result.stdout
+    wrapped = result.stdout.split("wrapped after dynamo")[1]
+    assert "ProcessGroupCupycoll" in wrapped or "CupycollBackend" in wrapped, result.stdout

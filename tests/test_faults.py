@@ -15,6 +15,7 @@ import threading
 import time
 import types
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,33 +31,116 @@ from cupycoll.backend import CudaBackend
 from cupycoll.nccl.bootstrap import StoreBootstrap
 from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
-from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
+from cupycoll.backend import describe_batch
+from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Finding, InFlight, Watch, Watchdog
+from cupycoll.nccl.communicator import Communicators
 from cupycoll.work import CudaWork
 from standins import CUDA, CpuAsCudaGroup, FakeEvent
 
 
+class CountedEvent(FakeEvent):
+    """An event whose ``done`` the test sets, counting its queries."""
+
+    def __init__(self, done=True):
+        super().__init__()
+        self.done, self.queries = done, 0
+
+    def query(self):
+        self.queries += 1
+        return self.done
+
+
 class FakeComm:
+    """A communicator stand-in with what a group's watch and lifetime ask of one."""
+
+    nonblocking = False
+    stream = rank = 0
+
     def __init__(self):
         self.aborted = threading.Event()
+        self.abort_done = threading.Event()
         self.error = None
         self.stuck = None  # (NCCL function, seconds) of a call stuck inside NCCL
+        self.fences = 0
+        self.state = "ok"
 
     def async_error(self):
         return self.error
 
-    def stuck_call(self, after_s):
+    def stuck_call(self, after_s, now=None, child=None):
+        if child is not None or self.ended:  # its abort ended any call inside it
+            return None
         return self.stuck if self.stuck is not None and self.stuck[1] > after_s else None
 
+    @property
+    def ended(self):
+        return self.state in ("aborted", "shut down")
+
+    def abort_deferred(self):
+        return False
+
+    def blocked(self, after_s=None):
+        return False
+
     def abort(self, on_behalf_of=None):
+        self.state = "aborted"
         self.aborted.set()
+        self.abort_done.set()
+
+    def shutdown(self, timeout=None):
+        self.state = "shut down"
+        self.abort_done.set()
 
 
-def issued_work(seq=1, shape=(4,), op="all_reduce"):
+def holding(*comms):
+    """A group's Communicators holding ``comms`` as pair communicators (peers 1, 2, ...)."""
+    held = Communicators()
+    held.pairs = {peer: comm for peer, comm in enumerate(comms, start=1)}
+    return held
+
+
+def recorder_entry(seq=1, op="all_reduce", shapes=((4,),), dtypes=(torch.float32,)):
+    """A flight-recorder entry as the group records a call (cupycoll.trace.recorder)."""
+    now = time.monotonic()
+    return [seq, False, op, tuple(torch.Size(s) for s in shapes), tuple(dtypes), None, "nccl", "issued",
+            now, now, None]
+
+
+def make_watch(name="g", timeout=5.0, comms=None):
+    """A group's watch as the backend makes it: batches named by their recorder entries."""
+    return Watch(name, timeout, comms, describe=describe_batch)
+
+
+def issued_work(watch, seq=1, shape=(4,), op="all_reduce", keepalive=None, event=None, stream=0):
+    """A call issued as one batch in flight in ``watch`` on ``stream``, its event a stand-in
+    the test fires: (its Work, the event). ``keepalive``: what it holds for the GPU (default:
+    its tensor, as an asynchronous call)."""
     tensor = torch.ones(*shape)
-    work = CudaWork(op, CUDA, [tensor], seq=seq)
-    event = FakeEvent()
-    work._issued(None, event, keepalive=tensor)
+    event = event if event is not None else FakeEvent()
+    spare = InFlight(event)
+    watch._free.append(spare)
+    slot = watch.issued(stream, recorder_entry(seq, op, (shape,)), tensor if keepalive is None else keepalive)
+    assert slot is spare
+    work = CudaWork(op, CUDA, [tensor], watch, seq=seq)
+    work._issued(slot, stream, True)
     return work, event
+
+
+def poll(watch, now=None):
+    """One pass of ``watch``, and what its group's lifetime does with a finding before the
+    abort: the watch closes with the fault (every batch in flight failed). The fault, or None."""
+    finding = watch.check(now)
+    if finding is None:
+        return None
+    watch.close(finding.fault)
+    return finding.fault
+
+
+def fault_group(group, fault, batch=None, stuck=None, timeout=10.0):
+    """``fault`` found in ``group`` (as the watchdog finds one): claimed, explained and ended
+    on the fault thread; returns once the end is done."""
+    assert group._cuda.life.claim(Finding(fault, batch, stuck))
+    assert group._cuda.life.ended.wait(timeout)
 
 
 def eventually(predicate, timeout=5.0):
@@ -68,40 +152,53 @@ def eventually(predicate, timeout=5.0):
     return predicate()
 
 
-# -- the watch: one group's state machine ---------------------------------------------
+# -- the watch: one group's calls in flight ---------------------------------------------
 
 
 def test_completed_works_leave_the_watch_and_release_their_tensors():
-    watch = Watch("g", timeout=5, interval=0.01, communicators=list, on_fault=pytest.fail)
-    works = [issued_work(seq=i) for i in range(3)]
-    for work, _ in works:
-        watch.track(work)
+    watch = make_watch()
+    works = [issued_work(watch, seq=i) for i in range(3)]
     works[0][1].fired.set()
     works[1][1].fired.set()
-    assert watch.poll() is None
-    assert [w.seq for w in watch.works()] == [2]
+    assert poll(watch) is None
+    assert watch.in_flight() == 1 and works[2][0]._in_flight() is not None
     tensor = weakref.ref(works[0][0]._outputs[0])
     del works[0]
     assert tensor() is None  # only the user's Work held it, and that is gone
     works[-1][1].fired.set()
-    watch.poll()
-    assert not watch.inflight
+    poll(watch)
+    assert not watch.in_flight()
+
+
+def test_a_stream_is_retired_by_its_newest_event_and_a_search_not_one_query_per_call():
+    # Calls on one stream finish in order: a pass asks the newest event first, and only when
+    # it has not fired searches for the last one that has (a few queries, not one per call).
+    watch = make_watch()
+    events = [CountedEvent(done=i < 50) for i in range(64)]
+    for i, event in enumerate(events):
+        issued_work(watch, seq=i, event=event)
+    assert poll(watch) is None and watch.in_flight() == 14
+    assert sum(e.queries for e in events) <= 8  # newest, then a binary search of 64
+    for event in events:
+        event.done = True
+    poll(watch)
+    assert watch.in_flight() == 0 and sum(e.queries for e in events) <= 9
 
 
 def test_a_work_older_than_the_timeout_is_a_fault_naming_the_collective():
-    faults = []
-    watch = Watch("trainers", timeout=0.05, interval=0.01, communicators=list, on_fault=faults.append)
-    done, _ = issued_work(seq=1)
-    stuck, _ = issued_work(seq=7, shape=(2, 3), op="reduce_scatter_tensor")
-    done._event.fired.set()
-    watch.track(done)
-    issued_at = watch.track(stuck).issued_at
+    watch = make_watch("trainers", timeout=0.05)
+    done, done_event = issued_work(watch, seq=1)
+    stuck, _ = issued_work(watch, seq=7, shape=(2, 3), op="reduce_scatter_tensor", stream=1)
+    done_event.fired.set()
+    issued_at = stuck._slot.issued_at
     # the clock is passed in: a stall of this thread must not age the Works early
-    assert watch.poll(now=issued_at + 0.04) is None  # not old yet
-    fault = watch.poll(now=issued_at + 0.06)
-    assert isinstance(fault, CollectiveTimeoutError) and faults == [fault]
+    assert watch.check(now=issued_at + 0.04) is None  # not old yet
+    finding = watch.check(now=issued_at + 0.06)
+    fault = finding.fault
+    assert isinstance(fault, CollectiveTimeoutError) and finding.batch is stuck._slot
     message = str(fault)
-    assert "'trainers'" in message and "reduce_scatter_tensor #7" in message and "(2, 3) float32" in message
+    assert "'trainers'" in message and "reduce_scatter_tensor #7" in message and "float32[2, 3]" in message
+    watch.close(fault)
     # the stuck Work is failed: every way of looking at it shows the fault
     with pytest.raises(CollectiveTimeoutError, match="reduce_scatter_tensor #7"):
         stuck.wait()
@@ -111,51 +208,72 @@ def test_a_work_older_than_the_timeout_is_a_fault_naming_the_collective():
         stuck.get_future().wait()
     with pytest.raises(CollectiveTimeoutError):
         stuck.result()
-    assert stuck._keepalive is None and not watch.inflight
-    assert watch.poll() is None  # a fault is reported once
+    assert done.is_success()  # done before the fault: a success
+    watch.release()  # the abort returned: the tensors go
+    assert stuck._slot.keepalive is None and not watch.in_flight()
+    assert watch.check() is None  # a fault is reported once
 
 
 def test_an_async_nccl_error_is_a_fault():
     comm = FakeComm()
-    faults = []
-    watch = Watch("g", timeout=60, interval=0.01, communicators=lambda: [comm], on_fault=faults.append)
-    work, _ = issued_work()
-    watch.track(work)
-    assert watch.poll() is None
+    watch = make_watch(timeout=60, comms=holding(comm))
+    work, _ = issued_work(watch)
+    assert poll(watch) is None
     comm.error = NcclError(6, "ncclCommGetAsyncError", "", "peer closed the connection")
-    fault = watch.poll()
+    fault = poll(watch)
     assert isinstance(fault, NcclError) and fault.status_name == "ncclRemoteError"
-    assert "peer closed the connection" in str(fault) and faults == [fault]
+    assert "peer closed the connection" in str(fault)
     with pytest.raises(NcclError):
         work.wait()
 
 
 def test_a_call_inside_nccl_past_the_timeout_is_a_timeout_fault_naming_the_call():
     comm = FakeComm()
-    faults, explained = [], []
-    watch = Watch("g", timeout=5, interval=0.01, communicators=lambda: [comm], on_fault=faults.append)
-    watch.explain_timeout = lambda work, timeout_s: explained.append(work) or "all_reduce #3 timed out; rank 1 is behind"
-    comm.stuck = ("ncclAllReduce", 4.0)  # not yet past the timeout
-    assert watch.poll() is None and faults == []
+    group = make_group()
+    cuda = group._cuda
+    cuda.comm = comm
+    explained = []
+    cuda.life._explain = lambda entry, timeout_s: explained.append(entry) or "all_reduce #3 timed out; rank 1 is behind"
+    comm.stuck = ("ncclAllReduce", 4.0)  # not yet past the timeout (5 s)
+    assert cuda.watch.check() is None
     comm.stuck = ("ncclAllReduce", 7.2)
-    fault = watch.poll()
-    assert isinstance(fault, CollectiveTimeoutError) and faults == [fault]
-    assert explained == [None]  # no Work exists yet: the hook explains the call being issued
-    assert str(fault) == ("all_reduce #3 timed out; rank 1 is behind (ncclAllReduce has been inside NCCL for 7.2 s: "
-                          "a peer has not made this call (a blocking communicator connects inside it, and a split "
-                          "waits there for every rank), or the GPU's launch queue is full behind a stuck kernel)")
+    finding = cuda.watch.check()
+    assert isinstance(finding.fault, CollectiveTimeoutError) and finding.batch is None
+    cuda.life.claim(finding)
+    assert cuda.life.ended.wait(5)
+    assert explained == [None]  # no batch exists yet: the diagnosis explains the call being issued
+    assert str(cuda.fault) == ("all_reduce #3 timed out; rank 1 is behind (ncclAllReduce has been inside NCCL for 7.2 s: "
+                               "a peer has not made this call (a blocking communicator connects inside it, and a split "
+                               "waits there for every rank), or the GPU's launch queue is full behind a stuck kernel)")
+
+
+class Polled:
+    """What the watchdog thread polls (a lifetime's face): a watch whose first finding is kept."""
+
+    policy = "raise"
+
+    def __init__(self, watch, interval=0.01):
+        self.watch, self.interval, self.name = watch, interval, watch.name
+        self.found = threading.Event()
+        self.fault = None
+
+    def poll(self, now):
+        if self.fault is None:
+            self.fault = poll(self.watch, now)
+            if self.fault is not None:
+                self.found.set()
 
 
 def test_the_watchdog_thread_finds_a_stuck_work_and_then_exits():
     watchdog = Watchdog()
-    faulted = threading.Event()
-    watch = Watch("g", timeout=0.1, interval=0.01, communicators=list, on_fault=lambda f: faulted.set())
-    work, _ = issued_work()
-    watchdog.watch(watch)
-    start = time.monotonic()  # before track(): the watchdog ages the Work from there
-    watch.track(work)
-    assert faulted.wait(5)
+    watch = make_watch(timeout=0.1)
+    polled = Polled(watch)
+    start = time.monotonic()  # before the issue: the watchdog ages the batch from there
+    work, _ = issued_work(watch)
+    watchdog.watch(polled)
+    assert polled.found.wait(5)
     assert 0.1 <= time.monotonic() - start < 2
+    watchdog.unwatch(polled)
     assert eventually(lambda: not watchdog.running)  # nothing left to watch
     assert isinstance(work.exception(), CollectiveTimeoutError)
 
@@ -164,10 +282,10 @@ def test_watchdog_threads_do_not_accumulate():
     watchdog = Watchdog()
     before = threading.active_count()
     for _ in range(50):
-        watch = Watch("g", timeout=60, interval=0.001, communicators=list, on_fault=pytest.fail)
-        watchdog.watch(watch)
-        watchdog.unwatch(watch)
-        del watch
+        polled = Polled(make_watch(timeout=60), interval=0.001)
+        watchdog.watch(polled)
+        watchdog.unwatch(polled)
+        del polled
     assert eventually(lambda: not watchdog.running)
     # the monitor lets go of its thread just before that thread returns
     assert eventually(lambda: threading.active_count() <= before)
@@ -175,17 +293,17 @@ def test_watchdog_threads_do_not_accumulate():
 
 def test_terminate_policy_ends_the_process(tmp_path):
     script = textwrap.dedent(f"""
-        import threading, time, torch
-        from cupycoll.faults.watchdog import Watch, Watchdog
-        from cupycoll.work import CudaWork
-        class Never:
-            def query(self): return False
-        work = CudaWork("all_reduce", torch.device("cuda", 0), [torch.ones(2)], seq=3)
-        work._issued(None, Never())
-        watch = Watch("g", timeout=0.05, interval=0.01, communicators=list,
-                      on_fault=lambda f: None, policy="terminate")
-        Watchdog().watch(watch)
-        watch.track(work)
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        import standins
+        from test_faults import FakeComm, issued_work, make_group
+        from cupycoll import config
+        import datetime
+        group = standins.CpuAsCudaGroup(None, 0, 2, datetime.timedelta(seconds=0.05),
+                                        config.Options(on_timeout="terminate", watchdog_interval=0.01))
+        group._cuda.comm = FakeComm()
+        issued_work(group._cuda.watch, seq=3)
+        group._cuda.life.watching()
         time.sleep(10)
         print("still alive")
     """)
@@ -218,10 +336,9 @@ def test_a_fault_aborts_the_communicators_and_every_later_call_raises():
     group = make_group()
     comm = FakeComm()
     group._cuda.comm = comm
-    work, _ = issued_work(seq=4)
-    group._cuda._watch.track(work)
+    work, _ = issued_work(group._cuda.watch, seq=4)
     fault = CollectiveTimeoutError("all_reduce #4 did not complete")
-    group._cuda._watch.handle(fault)
+    fault_group(group, fault)
     assert comm.aborted.is_set() and group._cuda.state == "aborted"
     assert work.exception() is fault
     with pytest.raises(CommunicatorAbortedError, match="was aborted: all_reduce #4 did not complete"):
@@ -234,8 +351,7 @@ def test_abort_from_another_thread_fails_the_works_in_flight():
     group = make_group()
     comm = FakeComm()
     group._cuda.comm = comm
-    work, _ = issued_work()
-    group._cuda._watch.track(work)
+    work, _ = issued_work(group._cuda.watch)
     thread = threading.Thread(target=group.abort)
     thread.start()
     thread.join(5)
@@ -323,11 +439,11 @@ def test_abort_reaches_a_communicator_still_connecting(monkeypatch):
 
     thread = threading.Thread(target=create)
     thread.start()
-    assert eventually(lambda: group._cuda._pending_comms == [pending])
+    assert eventually(lambda: group._cuda.comms.pending == [pending])
     group.abort()
     thread.join(5)
     assert pending.aborted.is_set() and isinstance(errors[0], CommunicatorAbortedError)
-    assert group._cuda._pending_comms == []
+    assert group._cuda.comms.pending == []
 
 
 # -- nonblocking polling (the communicator's loop, with a scripted NCCL) -----------------
@@ -468,7 +584,7 @@ def test_an_nccl_group_never_looks_the_library_up_again(monkeypatch):
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(),
                                                             Stream=Stream))
     monkeypatch.setattr(communicator_module._cuda, "cupy_module", lambda: cupy)
-    comm = Communicator(0, 0, 1, handle=0)  # no NCCL comm is touched
+    comm = Communicator(0, 0, 1, handle=0, timeout=60.0)  # no NCCL comm is touched
     lookups = []
 
     def find_library(path=None):
@@ -500,10 +616,11 @@ def test_a_communicator_that_aborts_itself_faults_its_group(monkeypatch, no_devi
     monkeypatch.setattr(Communicator, "begin", classmethod(begin))
     group = make_group()
     group._cuda.comm = group._cuda._create_comm(b"\0" * 128, 0, 2, 0)
-    work, _ = issued_work(seq=3)
-    group._cuda._watch.track(work)
+    work, _ = issued_work(group._cuda.watch, seq=3)
     with pytest.raises(CollectiveTimeoutError) as info:
         made[0]._poll("ncclAllReduce")
+    assert work.exception() is info.value  # failed when the poll's error reached the group
+    assert group._cuda.life.ended.wait(5)
     assert group._cuda.state == "aborted" and group._cuda.fault is info.value
     assert work.exception() is info.value and made[0]._lib.aborts == 1
     with pytest.raises(CommunicatorAbortedError, match="did not complete within 0.05 s"):
@@ -515,7 +632,7 @@ def test_a_communicator_that_aborts_itself_fails_the_works_before_ncclcommabort(
     # The kernels end at ncclCommAbort: a Work still "in flight" then would read as a success.
     seen_at_abort = []
     group = make_group()
-    work, _ = issued_work(seq=3)
+    work, _ = issued_work(group._cuda.watch, seq=3)
 
     class Recording(ScriptedLibrary):
         def ncclCommAbort(self, comm):
@@ -532,7 +649,6 @@ def test_a_communicator_that_aborts_itself_fails_the_works_before_ncclcommabort(
     comm._lib = Recording([nb.ncclInProgress])
     comm.on_abort = group._cuda.life.fault_once
     group._cuda.comm = comm
-    group._cuda._watch.track(work)
     with pytest.raises((CollectiveTimeoutError, MemoryError)):
         if where == "poll":
             comm._poll("ncclAllReduce")
@@ -540,6 +656,7 @@ def test_a_communicator_that_aborts_itself_fails_the_works_before_ncclcommabort(
             with comm.group():
                 comm._settle("ncclSend", nb.ncclSuccess)
                 raise MemoryError("staging")
+    assert group._cuda.life.ended.wait(5)
     assert len(seen_at_abort) == 1, seen_at_abort  # aborted once, by the group
     completed, error = seen_at_abort[0]
     assert completed and error is group._cuda.fault is not None
@@ -609,10 +726,12 @@ def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
     def second(c, stream, peer):
         raise torch.OutOfMemoryError("staging")
     from cupycoll.call_queue import Issue
-    issues = [Issue(CudaWork("send", CUDA, []), first, None, None, True, peer=1),
-              Issue(CudaWork("recv", CUDA, []), second, None, None, True, peer=1)]
+    watch = group._cuda.watch
+    issues = [Issue(CudaWork("send", CUDA, [], watch), first, None, None, True, peer=1),
+              Issue(CudaWork("recv", CUDA, [], watch), second, None, None, True, peer=1)]
     with pytest.raises(torch.OutOfMemoryError):
         group._cuda._launch_all(issues, {1: comm}, 0)
+    assert group._cuda.life.ended.wait(5)
     assert comm.state == "aborted" and group._cuda.state == "aborted"
     assert isinstance(group._cuda.fault, torch.OutOfMemoryError)
 
@@ -684,9 +803,10 @@ def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):
         raise torch.OutOfMemoryError("staging")
 
     def batch(second_prepare):
-        return [Issue(CudaWork("send", CUDA, []), send, None, None, True, peer=1,
+        return [Issue(CudaWork("send", CUDA, [], cuda.watch), send, None, None, True, peer=1,
                       prepare=lambda c: events.append(("prepare", c))),
-                Issue(CudaWork("recv", CUDA, []), send, None, None, True, peer=1, prepare=second_prepare)]
+                Issue(CudaWork("recv", CUDA, [], cuda.watch), send, None, None, True, peer=1,
+                      prepare=second_prepare)]
 
     failed = batch(oom)
     cuda.calls.pending = list(failed)
@@ -705,46 +825,123 @@ def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):
 
 
 class StuckConnectLibrary(ScriptedLibrary):
-    """ncclAllReduce blocks, as a blocking communicator's connect to a peer that never makes
-    the call does, until ncclCommAbort ends it with an error."""
+    """ncclAllReduce (or an NCCL group's end) blocks, as a blocking communicator's connect to
+    a peer that never makes the call does, until the test releases it; ncclCommAbort is
+    recorded with what was inside NCCL then."""
 
     def __init__(self):
         super().__init__([nb.ncclSuccess])
-        self.inside, self.abort_called = threading.Event(), threading.Event()
+        self.inside, self.release = threading.Event(), threading.Event()
+        self.aborted_while_inside = []
+        self.in_call = 0
+
+    def _block(self):
+        self.in_call += 1
+        self.inside.set()
+        try:
+            assert self.release.wait(30), "never released"
+        finally:
+            self.in_call -= 1
+        return nb.ncclSuccess
 
     def ncclAllReduce(self, *args):
-        self.inside.set()
-        if not self.abort_called.wait(30):
-            return nb.ncclSuccess
-        raise NcclError(3, "ncclAllReduce", "internal error", "the connection was aborted")
+        return self._block()
 
     def ncclCommAbort(self, comm):
-        self.abort_called.set()
-        return 0
+        self.aborted_while_inside.append(self.in_call)
+        return super().ncclCommAbort(comm)
 
 
-def test_a_call_stuck_inside_nccl_is_timed_out_and_aborted_and_its_caller_gets_the_timeout(
-        cuda_standins, no_device, monkeypatch):
-    from cupycoll.nccl import call_guard
+@pytest.fixture
+def terminations(monkeypatch):
+    """The process's end, recorded instead (lifecycle's terminate): [(group, error)]."""
+    from cupycoll.faults import lifecycle
 
-    monkeypatch.setattr(call_guard, "ENTER_WAIT_S", 0.05)  # the abort then goes ahead beside it
+    ended = []
+    monkeypatch.setattr(lifecycle, "terminate", lambda group, error: ended.append((group, error)))
+    return ended
+
+
+def test_a_blocking_call_stuck_inside_nccl_is_timed_out_never_aborted_beside_and_ends_the_process(
+        cuda_standins, no_device, terminations):
+    # NCCL forbids a call on a communicator while another thread is inside one on it, and a
+    # blocking call stuck in NCCL's connect returns only when the peer comes: its group's
+    # timeout is found, explained and ended (Works failed), and since nothing can end the
+    # call safely, the process ends with the timeout; ncclCommAbort never runs beside it.
     group = make_group(timeout=0.3)
     cuda = group._cuda
     comm = polling_comm([nb.ncclSuccess])
     comm.nonblocking, comm.stream = False, 0
     lib = comm._lib = StuckConnectLibrary()
     cuda.comm = comm
+    # The diagnosis of a call being issued reads the flight recorder's stuck entry (no batch yet).
+    cuda.life._explain = lambda entry, timeout_s: (
+        f"{cuda.trace.recorder.stuck()[2]} #{cuda.trace.recorder.stuck()[0]} timed out; rank 1 is behind")
+    caller = threading.Thread(target=lambda: group.allreduce([torch.ones(4)]), daemon=True)
     start = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError, match="ncclAllReduce has been inside NCCL") as raised:
-        group.allreduce([torch.ones(4)]).wait()
-    assert lib.inside.is_set() and lib.abort_called.is_set()
-    assert isinstance(raised.value.__cause__, CommunicatorAbortedError)  # what the abort cut short
-    assert cuda.state == "aborted" and isinstance(cuda.fault, CollectiveTimeoutError)
-    assert "all_reduce #1" in str(raised.value)  # the diagnosis names the call being issued
-    assert time.monotonic() - start < 0.3 + 4.0 + 5.0  # timeout + the diagnosis' wait + the abort
-    with pytest.raises(CommunicatorAbortedError) as refused:  # later calls are refused at once
-        group.allreduce([torch.ones(4)])
-    assert not refused.value.during_call
+    caller.start()
+    try:
+        assert lib.inside.wait(5)
+        assert eventually(lambda: terminations, timeout=10)
+        assert time.monotonic() - start < 0.3 + 5.0  # the timeout + the watchdog's pass + the end
+        [(life, error)] = terminations
+        assert life is cuda.life and isinstance(error, CollectiveTimeoutError)
+        assert "all_reduce #1 timed out; rank 1 is behind" in str(error)  # the call being issued
+        assert "ncclAllReduce has been inside NCCL" in str(error) and "no abort can end it safely" in str(error)
+        assert cuda.state == "aborted" and lib.aborts == 0  # never aborted beside the call
+    finally:
+        lib.release.set()
+        caller.join(5)
+    assert lib.aborted_while_inside == [0]  # the call ran ncclCommAbort on its way out
+
+
+def test_a_stuck_nccl_group_over_two_communicators_frees_neither_while_its_thread_is_inside(
+        cuda_standins, no_device, terminations):
+    # A batch over two pair communicators stuck in ncclGroupEnd: each communicator has the
+    # thread inside it until ncclGroupEnd returns; freeing one first would let NCCL write it
+    # on the way out. Neither is aborted until the thread has left; the process ends.
+    group = make_group(size=3, timeout=0.3)
+    cuda = group._cuda
+    cuda.device = CUDA
+    cuda._adopt_device(CUDA)
+    libs = []
+
+    class StuckGroupLibrary(StuckConnectLibrary):
+        def ncclGroupStart(self):
+            return 0
+
+        def ncclGroupEnd(self):
+            return self._block()
+
+        def ncclSend(self, *args):
+            return 0
+
+        def ncclRecv(self, *args):
+            return 0
+
+    shared = StuckGroupLibrary()
+    for peer in (1, 2):
+        comm = polling_comm([nb.ncclSuccess])
+        comm.nonblocking, comm.stream = False, 0
+        comm._lib = shared
+        comm.on_abort = cuda.life.fault_once
+        cuda.comms.pairs[peer] = comm
+        libs.append(comm)
+    sends = [group.send([torch.ones(2)], 1), group.recv([torch.ones(2)], 2)]
+    flusher = threading.Thread(target=lambda: sends[0].wait(), daemon=True)
+    flusher.start()
+    try:
+        assert shared.inside.wait(5)
+        assert eventually(lambda: terminations, timeout=10)
+        [(life, error)] = terminations
+        assert "ncclGroupEnd has been inside NCCL" in str(error)
+        assert shared.aborted_while_inside == []  # no member freed under the thread
+        assert all(comm.state == "aborted" for comm in libs)  # refused to any new call
+        assert all(comm.abort_deferred() for comm in libs)
+    finally:
+        shared.release.set()
+        flusher.join(5)
+    assert shared.aborted_while_inside == [0, 0]  # both aborted once the group had ended
 
 
 def test_only_a_call_the_abort_ended_inside_nccl_takes_the_groups_timeout():

@@ -169,45 +169,43 @@ def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
 
 def test_the_cuda_route_marks_and_explains_through_the_watchdog(monkeypatch):
     # CPU stand-ins for CUDA tensors (tests/standins.py) and an event the GPU "finishes" when
-    # the test says: the entry the group records reaches the Work through submit and _track
-    # (issued), the real watchdog thread marks it completed, and explains a timeout with it.
-    import threading
+    # the test says: the entry the group records goes down the call and into the watch
+    # (issued), the real watchdog thread marks it completed, and a timeout of its batch is
+    # explained with it.
     import time
 
     import torch
-    from standins import CpuAsCudaGroup
+    from standins import CpuAsCudaGroup, FakeEvent
     from torch._C import _distributed_c10d as c10d
 
-    from cupycoll import backend as backend_module
+    from cupycoll import _cuda
+    from cupycoll.errors import CollectiveTimeoutError
+    from cupycoll.faults.watchdog import Finding
 
-    gpu_done = threading.Event()
-
-    class Event:
-        def record(self, stream=None):
-            pass
-
-        def query(self):
-            return gpu_done.is_set()
-
-    monkeypatch.setattr(backend_module.torch.cuda, "Event", Event)
+    event = FakeEvent()
+    monkeypatch.setattr(_cuda, "new_event", lambda: event)
+    monkeypatch.setattr(_cuda, "capturing", lambda stream: False)
     group = CpuAsCudaGroup(None, 0, 1)
     cuda = group._cuda
-    monkeypatch.setattr(cuda, "_enqueue", lambda issues: cuda._track(issues, None, False))
+    monkeypatch.setattr(cuda, "_enqueue", lambda issues: cuda._track(issues, 0, False))
     work = group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
-    entry = work.trace_entry
     rec = group._trace.recorder
-    assert entry is not None and entry[2] == "all_reduce" and entry[7] == "issued"
+    entry = work._slot.records
+    assert entry is not None and entry[2] == "all_reduce" and entry[7] == "queued"  # _enqueue marks issued
+    rec.mark(entry, "issued")
     assert rec.last_issued == 1 and rec.last_completed == 0
-    gpu_done.set()
+    asked = []
+    cuda.life._explain = lambda e, t: asked.append((e, t)) or "why"
+    slot = work._slot
+    event.fired.set()
     deadline = time.monotonic() + 10
     while entry[7] != "completed" and time.monotonic() < deadline:
         time.sleep(0.02)
     assert entry[7] == "completed" and rec.last_completed == 1
-    asked = []
-    monkeypatch.setattr(group._trace, "explain_timeout", lambda e, t: asked.append((e, t)) or "why")
-    assert cuda._watch.explain_timeout(work, 5.0) == "why" and asked == [(entry, 5.0)]
+    slot.records = entry  # as if still in flight: its batch's timeout is explained with its entry
+    assert cuda.life._explained(Finding(CollectiveTimeoutError("late"), slot)).args[0] == "why"
+    assert asked == [(entry, cuda.watch.timeout)]
     group.abort()
-
 
 def test_a_call_that_raises_before_reaching_gloo_is_not_left_issued():
     # a bad root raises inside gloo's call (no Work): the entry must not read as "stuck"

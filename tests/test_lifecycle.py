@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import threading
 import weakref
 
 import torch
@@ -19,15 +20,15 @@ from torch._C import _distributed_c10d as c10d
 from cupycoll.faults import lifecycle
 from cupycoll.call_queue import Issue
 from cupycoll.errors import CollectiveTimeoutError
-from cupycoll.faults.watchdog import Watchdog
+from cupycoll.faults.watchdog import Finding, Watchdog
 from cupycoll.work import CudaWork
-from standins import CUDA, FakeStream, capture
+from standins import CUDA, capture
 from test_abort_races import IssuingGroup
 from test_faults import FakeComm, eventually, issued_work, make_group
 
 
-def issues_of(*ops, peer=None):
-    return [Issue(CudaWork(op, CUDA, [torch.ones(2)], seq=i), None, None, torch.ones(2), True, peer)
+def issues_of(watch, *ops, peer=None):
+    return [Issue(CudaWork(op, CUDA, [torch.ones(2)], watch, seq=i), None, None, torch.ones(2), True, peer)
             for i, op in enumerate(ops, 1)]
 
 
@@ -38,32 +39,36 @@ def test_calls_issued_while_capturing_are_not_handed_to_the_watchdog(monkeypatch
     group = make_group()
     cuda = group._cuda
     capture(monkeypatch, True)
-    captured = issues_of("all_reduce", "broadcast")
-    cuda._track(captured, FakeStream(), True)
-    assert not cuda._watch.inflight and not cuda.life._watched
-    assert all(i.work._event is not None and not i.tracked for i in captured)  # issued all the same
+    captured = issues_of(cuda.watch, "all_reduce", "broadcast")
+    cuda._track(captured, 0, True)
+    assert not cuda.watch.in_flight()
+    assert all(i.work._slot is None and i.tracked for i in captured)  # issued all the same
+    assert all(i.work.is_completed() for i in captured)  # nothing to wait for outside the graph
     capture(monkeypatch, False)
-    later = issues_of("all_reduce")
-    cuda._track(later, FakeStream(), True)
-    assert cuda._watch.works() == [later[0].work] and later[0].tracked
-    assert later[0].work.watch_handle.work is later[0].work  # the Work holds its handle
+    later = issues_of(cuda.watch, "all_reduce")
+    cuda._track(later, 0, True)
+    assert cuda.watch.in_flight() == 1 and later[0].tracked and later[0].work._in_flight() is not None
     group.abort()
 
 
-def test_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monkeypatch):
-    group = IssuingGroup(None, 0, 2, datetime.timedelta(seconds=5))
+def test_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monkeypatch, cuda_standins):
+    group = make_group()
+    cuda = group._cuda
+    cuda.comm = FakeComm()
+    cuda._launch_all = lambda issues, comms, stream, launched=None: None  # launching: nothing to do
+    cuda._adopt_device(CUDA)
     capture(monkeypatch, True)
     group._start_coalescing(CUDA)
-    group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
-    group._cuda._watch.inflight.clear()  # the stand-in's _enqueue tracked the inner Work itself
+    inner = group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
     covering = group._end_coalescing(CUDA)
-    assert covering not in group._cuda._watch.works()
+    assert not cuda.watch.in_flight() and covering._slot is None and inner._slot is None
+    group.abort()
 
 
 # -- the watchdog thread is started again after it died -----------------------------------
 
 
-def test_a_dead_watchdog_thread_is_restarted_by_the_next_tracked_call(monkeypatch, cuda_standins):
+def test_a_dead_watchdog_thread_is_restarted_by_the_next_watched_call(monkeypatch, cuda_standins):
     watchdog = Watchdog()
     monkeypatch.setattr(lifecycle, "WATCHDOG", watchdog)
     group = make_group()
@@ -77,14 +82,14 @@ def test_a_dead_watchdog_thread_is_restarted_by_the_next_tracked_call(monkeypatc
     watchdog._poll_once = poll_once
     logging.getLogger("cupycoll").disabled = True
     try:
-        cuda._track(issues_of("all_reduce"), FakeStream(), True)
+        cuda.life.watching()
         assert eventually(lambda: failing and not watchdog.running)  # the thread died
         del watchdog._poll_once  # the next thread works
-        cuda._track(issues_of("all_reduce"), FakeStream(), True)
+        cuda.life.watching()
         assert watchdog.running and watchdog._thread is not None and watchdog._thread.is_alive()
     finally:
         logging.getLogger("cupycoll").disabled = False
-        cuda.life.stop_watching()
+        cuda.life._unwatch()
         watchdog.stop()
     assert eventually(lambda: not watchdog.running)
 
@@ -92,36 +97,41 @@ def test_a_dead_watchdog_thread_is_restarted_by_the_next_tracked_call(monkeypatc
 # -- ending while a fault is being diagnosed ----------------------------------------------
 
 
+def _claimed_while_diagnosing(group, seq=3):
+    """A timeout claimed by the watchdog, its diagnosis blocked until the returned event."""
+    release = threading.Event()
+    group._cuda.life._explain = lambda entry, timeout_s: release.wait(10) and None
+    work, _ = issued_work(group._cuda.watch, seq=seq)
+    fault = CollectiveTimeoutError(f"all_reduce #{seq} timed out")
+    assert group._cuda.life.claim(Finding(fault, work._slot))
+    return work, fault, release
+
+
 def test_shutdown_during_a_fault_diagnosis_aborts_the_group():
     group = make_group()
     comm = group._cuda.comm = FakeComm()
-    work, _ = issued_work(seq=3)
-    group._cuda._watch.track(work)
-    fault = CollectiveTimeoutError("all_reduce #3 timed out")
-    assert group._cuda._watch.claim(fault)  # the watchdog claimed it; diagnosis under way
-    assert group._cuda.state == "aborting"
-    group.shutdown()  # destroy_process_group
-    assert comm.aborted.is_set() and group._cuda.state == "aborted"
-    assert work.exception() is fault and work._keepalive is None
-    # the fault thread's own abort, later, is a second aborter: it returns at once
-    group._cuda._watch.handle(fault, work, claimed=True)
-    assert work.exception() is fault
+    work, fault, release = _claimed_while_diagnosing(group)
+    try:
+        assert group._cuda.state == "aborting"
+        group.shutdown()  # destroy_process_group
+        assert comm.aborted.is_set() and group._cuda.state == "aborted"
+        assert work.exception() is fault and work._slot.keepalive is None
+    finally:
+        release.set()  # the fault thread's own end, later, is a second one: it does nothing more
+    assert group._cuda.life.ended.wait(5) and work.exception() is fault
 
 
 def test_a_group_dropped_during_a_fault_diagnosis_is_still_aborted():
     group = make_group()
     comm = group._cuda.comm = FakeComm()
-    watch = group._cuda._watch
-    fault = CollectiveTimeoutError("all_reduce #3 timed out")
-    assert watch.claim(fault)
-    backend = weakref.ref(group._cuda)
-    del group  # torch dropped it (destroy_process_group on a torch that does not shut us down)
+    life = weakref.ref(group._cuda.life)
+    work, fault, release = _claimed_while_diagnosing(group)
+    del group, work  # torch dropped it (destroy_process_group on a torch that does not shut us down)
     gc.collect()
-    assert backend() is not None  # held until its abort ran
-    watch.handle(fault, None, claimed=True)  # the fault thread, after the diagnosis
-    assert comm.aborted.is_set()
-    gc.collect()
-    assert backend() is None and all(life._backend() is not None for life in lifecycle._ABORTING)
+    assert life() is not None  # the fault thread holds it until its end ran
+    release.set()  # the diagnosis is over: the fault thread ends the group
+    assert eventually(lambda: comm.aborted.is_set())
+    assert eventually(lambda: gc.collect() is not None and life() is None)
 
 
 # -- an ended group is freed when its last user lets go -----------------------------------

@@ -120,29 +120,21 @@ def _parent_with(comm):
     return parent
 
 
-class _Work:
-    """A Work in flight on the parent: its kernel has not finished."""
-
-    def __init__(self, events):
-        self.events = events
-
-    def query_done(self):
-        return False
-
-    def mark_failed(self, error):
-        self.events.append(("failed", str(error)))
-
-    def release(self):
-        self.events.append(("released",))
-
-
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_shrink_from_takes_the_communicator_from_a_healthy_parent(made, monkeypatch, in_flight):
     comm = made(child_size=1, child_rank=0)
     events = comm._lib.calls
     parent = _parent_with(comm)
-    if in_flight:
-        parent.life.watch.track(_Work(events))
+    if in_flight:  # a Work in flight on the parent: its kernel has not finished
+        from test_faults import issued_work
+
+        work, _ = issued_work(parent.watch)
+        shrink_call = comm._lib.ncclCommShrink
+
+        def shrink_seeing_the_work(*args):
+            events.append(("failed", str(work.exception())))
+            return shrink_call(*args)
+        comm._lib.ncclCommShrink = shrink_seeing_the_work
     child = _backend(dist.HashStore(), 0, 1)
     assert child.shrink_from(parent, [1, 2], abort_first=False) == "ncclCommShrink"
     shrink = [c for c in events if c[0] == "ncclCommShrink"]
@@ -235,7 +227,7 @@ def test_torchs_destroy_leaves_a_group_being_shrunk_to_the_shrink(made, handed_o
         group.hand_over_to_shrink()
     group.shutdown()  # what destroy_process_group calls
     if handed_over:
-        assert comm.state == "ok" and group._cuda.state is GroupState.OK
+        assert comm.state == "ok" and group._cuda.state is GroupState.HANDED_OVER
         group.abort()  # the shrink's end of it
         assert comm.state == "aborted"
     else:

@@ -7,6 +7,7 @@ to a CUDA graph capture. Each test is named after the rule it pins."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import subprocess
 import sys
@@ -21,33 +22,48 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import config
-from cupycoll.faults import lifecycle
-from cupycoll.faults import watchdog as watchdog_module
+from cupycoll import bounds, config
 from cupycoll.faults import watchdog_cuda
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
-from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watch, Watchdog
-from test_faults import FakeComm, eventually, issued_work, make_group
+from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Finding, Watchdog
+from standins import FakeEvent
+from test_faults import (CountedEvent, FakeComm, Polled, eventually, fault_group, holding, issued_work,
+                         make_group, make_watch, poll)
 from shapes import shell_of
 
 TESTS = str(Path(__file__).resolve().parent)
 
 
-def run_script(body: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    script = f"import sys; sys.path.insert(0, {TESTS!r})\n" + textwrap.dedent(body)
+def run_script(body: str, timeout: float = 60, prelude: str = "") -> subprocess.CompletedProcess:
+    script = f"import sys; sys.path.insert(0, {TESTS!r})\n" + textwrap.dedent(prelude) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
 
 
-class RaisingEvent:
+class RaisingEvent(FakeEvent):
     """cudaEventQuery after a sticky CUDA error (an illegal address, an Xid)."""
 
     def query(self):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
-def stuck_work(seq=1):
-    work, event = issued_work(seq=seq)
+def stuck_work(watch, seq=1):
+    work, event = issued_work(watch, seq=seq)
     return work
+
+
+# The scripts' group: rank 0 of 2 on CPU stand-ins, its policy and timeout as given.
+_GROUP = """
+    import datetime, threading, time
+    import standins
+    from cupycoll import bounds, config
+    from test_faults import FakeComm, issued_work
+    def group_with(timeout, policy="raise", comm=None):
+        group = standins.CpuAsCudaGroup(None, 0, 2, datetime.timedelta(seconds=timeout),
+                                        config.Options(on_timeout=policy, watchdog_interval=0.01))
+        group._cuda.comm = comm if comm is not None else FakeComm()
+        group._cuda.life.watching()
+        return group
+"""
 
 
 # -- Works are failed before ncclCommAbort, released after --------------------------------
@@ -63,7 +79,7 @@ class KernelEndingComm(FakeComm):
 
     def abort(self, on_behalf_of=None):
         self.event.fired.set()
-        self.seen = (self.work.exception(), self.work.is_success(), self.work._keepalive is not None)
+        self.seen = (self.work.exception(), self.work.is_success(), self.work._slot.keepalive is not None)
         time.sleep(0.05)
         super().abort()
 
@@ -71,30 +87,26 @@ class KernelEndingComm(FakeComm):
 @pytest.mark.parametrize("how", ["watchdog", "user abort"])
 def test_works_are_failed_before_the_abort_and_released_after(how):
     group = make_group()
-    work, event = issued_work(seq=5)
+    work, event = issued_work(group._cuda.watch, seq=5)
     comm = group._cuda.comm = KernelEndingComm(work, event)
-    group._cuda._watch.track(work)
     if how == "watchdog":
-        group._cuda._watch.handle(CollectiveTimeoutError("all_reduce #5 did not complete"))
+        fault_group(group, CollectiveTimeoutError("all_reduce #5 did not complete"))
     else:
         group.abort()
     error, success, kept = comm.seen
     assert error is not None and not success  # the kernel ended, the Work already failed
     assert kept  # ...but its tensors outlived the abort
-    assert work._keepalive is None and group._cuda.state == "aborted"
+    assert work._slot.keepalive is None and group._cuda.state == "aborted"
 
 
 # -- an event query that raises is the group's fault --------------------------------------
 
 
 def test_a_raising_event_query_is_the_groups_fault_not_a_silent_loop():
-    faults = []
-    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=faults.append)
-    work = stuck_work()
-    work._event = RaisingEvent()
-    watch.track(work)
-    fault = watch.poll()
-    assert isinstance(fault, CommunicatorAbortedError) and faults == [fault]
+    watch = make_watch(timeout=60)
+    work, _ = issued_work(watch, event=RaisingEvent())
+    fault = poll(watch)
+    assert isinstance(fault, CommunicatorAbortedError)
     assert "illegal memory access" in str(fault) and isinstance(fault.__cause__, RuntimeError)
     assert work.exception() is fault
 
@@ -102,23 +114,17 @@ def test_a_raising_event_query_is_the_groups_fault_not_a_silent_loop():
 def test_shutdown_with_a_sticky_cuda_error_aborts_and_never_raises():
     group = make_group()
     comm = group._cuda.comm = FakeComm()
-    work = stuck_work()
-    work._event = RaisingEvent()
-    group._cuda._watch.track(work)
+    work, _ = issued_work(group._cuda.watch, event=RaisingEvent())
     group.shutdown()  # must not raise
     assert group._cuda.state == "aborted" and comm.aborted.is_set()
     assert work.exception() is not None
 
 
 def test_terminate_exits_on_a_sticky_cuda_error():
-    result = run_script("""
-        import time
-        from test_watchdog import RaisingEvent, stuck_work
-        from cupycoll.faults.watchdog import Watch, Watchdog
-        work = stuck_work(); work._event = RaisingEvent()
-        watch = Watch("g", timeout=60, interval=0.01, communicators=list,
-                      on_fault=lambda f: None, policy="terminate")
-        Watchdog().watch(watch); watch.track(work)
+    result = run_script(prelude=_GROUP, body="""
+        from test_watchdog import RaisingEvent
+        group = group_with(60, "terminate")
+        issued_work(group._cuda.watch, event=RaisingEvent())
         time.sleep(20); print("still alive")
     """)
     assert result.returncode == TERMINATE_EXIT_CODE, result.stderr
@@ -128,55 +134,63 @@ def test_terminate_exits_on_a_sticky_cuda_error():
 # -- fault handling runs off the watchdog thread, bounded ---------------------------------
 
 
+class HangingComm(FakeComm):
+    """ncclCommAbort that hangs until the test lets it go."""
+
+    def __init__(self, release):
+        super().__init__()
+        self.release = release
+
+    def abort(self, on_behalf_of=None):
+        self.aborted.set()
+        self.release.wait(30)
+        super().abort()
+
+
 def test_a_hung_abort_in_one_group_does_not_blind_the_others():
-    watchdog = Watchdog()
-    hang, b_faulted = threading.Event(), threading.Event()
-    a = Watch("a", timeout=0.05, interval=0.01, communicators=list, on_fault=lambda f: hang.wait(30))
-    b = Watch("b", timeout=0.5, interval=0.01, communicators=list, on_fault=lambda f: b_faulted.set())
+    hang = threading.Event()
+    a, b = make_group(timeout=0.05), make_group(timeout=0.5)
+    a._cuda.comm, b._cuda.comm = HangingComm(hang), FakeComm()
     try:
-        watchdog.watch(a)
-        a.track(stuck_work())
-        watchdog.watch(b)
-        b.track(stuck_work())
-        assert b_faulted.wait(5)  # a's abort still hangs
-        assert a.fault is not None and isinstance(b.fault, CollectiveTimeoutError)
+        issued_work(a._cuda.watch)
+        a._cuda.life.watching()
+        assert eventually(lambda: a._cuda.comm.aborted.is_set())  # a's abort now hangs
+        issued_work(b._cuda.watch)
+        b._cuda.life.watching()
+        assert b._cuda.life.ended.wait(5)  # found and ended all the same
+        assert isinstance(b._cuda.fault, CollectiveTimeoutError) and not a._cuda.life.ended.is_set()
     finally:
         hang.set()
 
 
 def test_terminate_exits_even_when_the_abort_hangs():
-    result = run_script("""
-        import threading, time
-        from test_watchdog import stuck_work
-        from cupycoll.faults import watchdog
-        watchdog.FAULT_DEADLINE = 0.5
-        watch = watchdog.Watch("g", timeout=0.05, interval=0.01, communicators=list,
-                               on_fault=lambda f: threading.Event().wait(), policy="terminate")
-        watchdog.Watchdog().watch(watch); watch.track(stuck_work(seq=9))
+    result = run_script(prelude=_GROUP, body="""
+        from test_watchdog import HangingComm
+        bounds.FAULT_DEADLINE = 0.5
+        group = group_with(0.05, "terminate", HangingComm(threading.Event()))
+        issued_work(group._cuda.watch, seq=9)
         time.sleep(20); print("still alive")
     """)
     assert result.returncode == TERMINATE_EXIT_CODE, result.stderr
     assert "all_reduce #9" in result.stderr and "still alive" not in result.stdout
 
 
+class BlockingQueryComm(FakeComm):
+    """The watchdog's query blocks (a communicator lock held by a hung ncclCommAbort)."""
+
+    def stuck_call(self, after_s, now=None, child=None):
+        threading.Event().wait()
+
+
 def test_a_stuck_watchdog_is_detected_by_its_heartbeat_and_terminate_exits():
-    result = run_script("""
-        import threading, time
-        from test_watchdog import stuck_work
-        from cupycoll.faults import heartbeat
-        from cupycoll.faults import watchdog
-        heartbeat.HEARTBEAT_TIMEOUT = 0.3
-        stuck = threading.Event()
-        def communicators():
-            stuck.wait()  # e.g. a communicator lock held by a hung ncclCommAbort
-            return []
-        watch = watchdog.Watch("g", timeout=60, interval=0.01, communicators=communicators,
-                               on_fault=lambda f: None, policy="terminate")
-        watchdog.Watchdog().watch(watch); watch.track(stuck_work())
+    result = run_script(prelude=_GROUP, body="""
+        from test_watchdog import BlockingQueryComm
+        bounds.HEARTBEAT_TIMEOUT = 0.3
+        group = group_with(60, "terminate", BlockingQueryComm())
         time.sleep(20); print("still alive")
     """)
     assert result.returncode == TERMINATE_EXIT_CODE, result.stderr
-    assert "no heartbeat" in result.stderr and "in communicators" in result.stderr
+    assert "no heartbeat" in result.stderr and "in stuck_call" in result.stderr
 
 
 # -- an abort that raises skips nothing ---------------------------------------------------
@@ -191,28 +205,22 @@ class RaisingComm(FakeComm):
 def test_a_raising_abort_still_aborts_the_other_comms_and_fails_the_works():
     group = make_group()
     first, second = RaisingComm(), FakeComm()
-    group._cuda._p2p_comms[1] = first
+    group._cuda.comms.pairs[1] = first
     group._cuda.comm = second
-    work = stuck_work()
-    group._cuda._watch.track(work)
+    work = stuck_work(group._cuda.watch)
     shut = []
-    group._cuda._on_abort = lambda: shut.append(True)
+    group._cuda.life._close_cpu = lambda: shut.append(True)
     with pytest.warns(RuntimeWarning, match="cudaErrorIllegalAddress"):
         group.abort()
     assert second.aborted.is_set() and shut == [True]
-    assert isinstance(work.exception(), CommunicatorAbortedError) and work._keepalive is None
+    assert isinstance(work.exception(), CommunicatorAbortedError) and work._slot.keepalive is None
 
 
 def test_terminate_exits_when_the_abort_raises():
-    result = run_script("""
-        import time
-        from test_watchdog import stuck_work
-        from cupycoll.faults.watchdog import Watch, Watchdog
-        def on_fault(fault):
-            raise RuntimeError("abort blew up")
-        watch = Watch("g", timeout=0.05, interval=0.01, communicators=list,
-                      on_fault=on_fault, policy="terminate")
-        Watchdog().watch(watch); watch.track(stuck_work())
+    result = run_script(prelude=_GROUP, body="""
+        from test_watchdog import RaisingComm
+        group = group_with(0.05, "terminate", RaisingComm())
+        issued_work(group._cuda.watch)
         time.sleep(20); print("still alive")
     """)
     assert result.returncode == TERMINATE_EXIT_CODE, result.stderr
@@ -257,20 +265,20 @@ def test_the_watchdog_restarts_after_its_thread_died(monkeypatch):
         return real()
 
     monkeypatch.setattr(watchdog, "_poll_once", dies_once)
-    faulted = threading.Event()
-    first = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
+    first = Polled(make_watch(timeout=60))
     watchdog.watch(first)
     assert eventually(lambda: watchdog._thread is None)
-    watch = Watch("h", timeout=0.05, interval=0.01, communicators=list, on_fault=lambda f: faulted.set())
-    watch.track(stuck_work())
-    watchdog.watch(watch)
-    assert faulted.wait(5)
+    second = Polled(make_watch(timeout=0.05))
+    issued_work(second.watch)
+    watchdog.watch(second)
+    assert second.found.wait(5)
+    watchdog.stop()
 
 
 # -- one popper ---------------------------------------------------------------------------
 
 
-class SlowDoneEvent:
+class SlowDoneEvent(FakeEvent):
     def query(self):
         time.sleep(0.01)  # widens the window between the check and the pop
         return True
@@ -278,28 +286,26 @@ class SlowDoneEvent:
 
 def test_drain_and_the_watchdog_never_drop_an_unfinished_work():
     for _ in range(10):
-        watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
-        done, unfinished = stuck_work(seq=1), stuck_work(seq=2)
-        done._event = SlowDoneEvent()
-        watch.track(done)
-        watch.track(unfinished)
+        watch = make_watch(timeout=60)
+        done, _ = issued_work(watch, seq=1, event=SlowDoneEvent())
+        unfinished, _ = issued_work(watch, seq=2)
         drained = []
         thread = threading.Thread(target=lambda: drained.append(watch.drain(0.2)))
         thread.start()
-        watch.poll()
+        poll(watch)
         thread.join()
-        assert watch.works() == [unfinished] and drained == [False]
+        assert watch.in_flight() == 1 and unfinished._in_flight() is not None and drained == [False]
+        assert done._in_flight() is None
 
 
 # -- shutdown -----------------------------------------------------------------------------
 
 
 def test_shutdown_waits_a_short_grace_not_the_timeout(monkeypatch):
-    monkeypatch.setattr(lifecycle, "SHUTDOWN_GRACE", 0.2)
+    monkeypatch.setattr(bounds, "SHUTDOWN_GRACE", 0.2)
     group = make_group(timeout=30)
     comm = group._cuda.comm = FakeComm()
-    work = stuck_work()
-    group._cuda._watch.track(work)
+    work = stuck_work(group._cuda.watch)
     start = time.monotonic()
     group.shutdown()
     assert time.monotonic() - start < 5
@@ -322,42 +328,35 @@ def test_a_communicator_shutdown_that_raises_falls_back_to_abort():
 
 # -- process exit; fork -------------------------------------------------------------------
 
-_EXIT_SCRIPT = """
-    import datetime, threading, torch.distributed as dist
+_EXIT_SCRIPT = textwrap.dedent(_GROUP) + textwrap.dedent("""
     from cupycoll.faults import lifecycle
-    from standins import CpuAsCudaGroup
-    from test_watchdog import stuck_work
-    lifecycle.EXIT_DEADLINE = 1.0 if {hang} else 10.0  # a quick abort must not race 1 s
-    class Comm:
-        def async_error(self): return None
-        def stuck_call(self, after_s): return None
+    bounds.EXIT_DEADLINE = 1.0 if {hang} else 10.0  # a quick abort must not race 1 s
+    class Comm(FakeComm):
         def abort(self, on_behalf_of=None):
             print("comm aborted", flush=True)
             if {hang}: threading.Event().wait()
-    group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
-    group._cuda.comm = Comm()
-    group._cuda._watch.track(stuck_work())
-    import time
+            super().abort()
+    group = group_with(60, comm=Comm())
+    issued_work(group._cuda.watch)
     print("exiting without destroy_process_group at", time.time(), flush=True)
-"""
+""")
 
 
-_EXIT_WHILE_DIAGNOSING_SCRIPT = """
-    import datetime, torch.distributed as dist
-    from cupycoll.faults import lifecycle
+_EXIT_WHILE_DIAGNOSING_SCRIPT = textwrap.dedent(_GROUP) + textwrap.dedent("""
     from cupycoll.errors import CollectiveTimeoutError
-    from standins import CpuAsCudaGroup
-    class Comm:
-        def async_error(self): return None
-        def stuck_call(self, after_s): return None
-        def abort(self, on_behalf_of=None): print("comm aborted", flush=True)
-    group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
-    group._cuda.comm = Comm()
+    from cupycoll.faults.watchdog import Finding
+    class Comm(FakeComm):
+        def abort(self, on_behalf_of=None):
+            print("comm aborted", flush=True)
+            super().abort()
+    group = group_with(60, comm=Comm())
+    work, _ = issued_work(group._cuda.watch, seq=3)
     # the watchdog claimed a fault; its thread is still diagnosing when the process exits
-    group._cuda.life.refuse(CollectiveTimeoutError("all_reduce #3 timed out"))
+    group._cuda.life._explain = lambda entry, timeout_s: time.sleep(30)
+    group._cuda.life.claim(Finding(CollectiveTimeoutError("all_reduce #3 timed out"), work._slot))
     del group
     print("exiting while the fault is diagnosed", flush=True)
-"""
+""")
 
 
 def test_exit_aborts_a_group_whose_fault_is_still_being_diagnosed():
@@ -388,72 +387,72 @@ def test_exit_aborts_undestroyed_groups_with_a_warning_and_a_deadline(hang):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_gets_a_fresh_watchdog():
-    result = run_script("""
-        import os, threading, time
-        from test_watchdog import stuck_work
-        from cupycoll.faults.watchdog import WATCHDOG, Watch
-        parent = Watch("p", timeout=60, interval=0.01, communicators=list, on_fault=lambda f: None)
-        WATCHDOG.watch(parent); parent.track(stuck_work())
+    result = run_script(prelude=_GROUP, body="""
+        import os
+        from cupycoll.faults.watchdog import WATCHDOG
+        parent = group_with(60)
+        issued_work(parent._cuda.watch)
         pid = os.fork()
         if pid == 0:
             ok = not WATCHDOG.running
-            faulted = threading.Event()
-            child = Watch("c", timeout=0.05, interval=0.01, communicators=list,
-                          on_fault=lambda f: faulted.set())
-            WATCHDOG.watch(child); child.track(stuck_work())
-            os._exit(0 if ok and faulted.wait(5) else 1)
+            child = group_with(0.05)
+            issued_work(child._cuda.watch)
+            os._exit(0 if ok and child._cuda.life.ended.wait(5) else 1)
         _, status = os.waitpid(pid, 0)
         print("child", os.waitstatus_to_exitcode(status))
     """)
     assert "child 0" in result.stdout, result.stderr
 
 
-# -- hooks for the flight recorder --------------------------------------------------------
+# -- the flight recorder: completion, and the timeout's message ----------------------------
 
 
-def test_on_done_sees_every_completed_work():
-    seen = []
-    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail,
-                  on_done=seen.append)
-    works = [issued_work(seq=i) for i in range(3)]
-    for work, event in works:
-        watch.track(work)
+def test_a_retired_batch_is_marked_completed_in_the_flight_recorder():
+    group = make_group()
+    recorder = group._cuda.trace.recorder
+    entries = [recorder.record("all_reduce", (torch.Size([4]),), (torch.float32,)) for _ in range(3)]
+    events = []
+    for entry in entries:
+        event = FakeEvent()
+        events.append(event)
+        issued_work(group._cuda.watch, event=event)
+        group._cuda.watch._streams[0][-1].records = entry
+    for event in events:
         event.fired.set()
-    watch.poll()
-    assert [w.seq for w in seen] == [0, 1, 2]
+    assert group._cuda.watch.check() is None
+    assert [entry[7] for entry in entries] == ["completed"] * 3 and recorder.last_completed == 3
 
 
 def test_explain_timeout_becomes_the_timeout_message():
     asked = []
 
-    def explain(work, timeout):
-        asked.append((work.seq, timeout))
+    def explain(entry, timeout):
+        asked.append((entry[0], timeout))
         return "rank 1 never reached all_reduce #3 (it is at #2)"
 
-    faults = []
-    watch = Watch("g", timeout=0.01, interval=0.01, communicators=list, on_fault=faults.append,
-                  explain_timeout=explain)
-    work = stuck_work(seq=3)
-    watch.track(work)
+    group = make_group(timeout=0.01)
+    group._cuda.comm = FakeComm()
+    group._cuda.life._explain = explain
+    work = stuck_work(group._cuda.watch, seq=3)
     time.sleep(0.02)
-    fault = watch.poll()
+    finding = group._cuda.watch.check()
+    fault_group(group, finding.fault, finding.batch)
+    fault = group._cuda.fault
     assert asked == [(3, 0.01)] and str(fault) == "rank 1 never reached all_reduce #3 (it is at #2)"
-    assert isinstance(fault, CollectiveTimeoutError) and faults == [fault] and work.exception() is fault
+    assert isinstance(fault, CollectiveTimeoutError) and work.exception() is fault
 
 
-# -- completed Works, and event queries on the group's device and next to a capture -------
+# -- completed Works, and what a Work keeps ------------------------------------------------
 
 
 def _released_when_done(how):
-    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
-    work, event = issued_work()
-    staging = torch.ones(8)  # held by nothing but the Work's keepalive
+    watch = make_watch(timeout=60)
+    staging = torch.ones(8)  # held by nothing but the call's keepalive
     gone = weakref.ref(staging)
-    work._issued(None, event, keepalive=(work._outputs[0], staging))
+    work, event = issued_work(watch, keepalive=(torch.ones(4), staging))
     del staging
-    watch.track(work)
     event.fired.set()
-    assert watch.poll() is None if how == "watchdog" else watch.drain(1.0)
+    assert poll(watch) is None if how == "watchdog" else watch.drain(1.0)
     return watch, work, gone
 
 
@@ -462,80 +461,78 @@ def test_a_completed_work_still_held_releases_its_tensors(how):
     # A caller may hold a completed Work for long: it must not pin its inputs and staging
     # buffers until the caller happens to ask is_completed().
     watch, work, gone = _released_when_done(how)
-    assert not watch.inflight and work._keepalive is None and gone() is None
+    assert not watch.in_flight() and gone() is None
     assert work.is_success() and work.result()  # the outputs are the caller's, kept
 
 
-class CountedEvent:
-    """An event that has fired, counting its queries."""
-
-    def __init__(self):
-        self.queries = 0
-
-    def query(self):
-        self.queries += 1
-        return True
-
-
-class NeverDoneEvent:
-    def query(self):
-        return False
-
-
-def _tracked_with(event, timeout=60.0):
-    watch = Watch("g", timeout=timeout, interval=0.01, communicators=list, on_fault=pytest.fail)
-    work, _ = issued_work()
-    work._issued(None, event, keepalive=work._outputs[0])
-    work.watch_handle = watch.track(work)
-    return watch, work
-
-
-def test_a_work_that_saw_its_completion_cancels_its_handle_and_leaves_without_a_query():
-    event = CountedEvent()
-    watch, work = _tracked_with(event)
-    assert work.is_completed() and event.queries == 1  # the caller's query
-    assert work.watch_handle.cancelled and work._keepalive is None
-    assert watch.poll() is None and watch.works() == [] and event.queries == 1
-
-
-def test_a_cancelled_handle_never_times_out():
-    watch, work = _tracked_with(NeverDoneEvent(), timeout=0.05)
-    work.watch_handle.cancel()
-    assert watch.poll(now=work.watch_handle.issued_at + 10) is None
-    assert watch.fault is None and watch.works() == []
-
-
-def test_an_uncancelled_handle_still_times_out():
-    faults = []
-    watch, work = _tracked_with(NeverDoneEvent(), timeout=0.05)
-    watch._on_fault = faults.append
-    assert isinstance(watch.poll(now=work.watch_handle.issued_at + 10), CollectiveTimeoutError)
-    assert faults and isinstance(work.exception(), CollectiveTimeoutError)
+def test_a_synchronous_work_the_caller_drops_leaves_nothing_of_it_behind():
+    # The watch holds plain data of a batch in flight (its event, its flight-recorder entry),
+    # never the Work: a synchronous caller's Work dies with its reference, so no object of a
+    # call outlives it for the garbage collector to chase.
+    watch = make_watch(timeout=60)
+    work, _ = issued_work(watch, keepalive=())
+    gone = weakref.ref(work)
+    del work
+    assert gone() is None and watch.in_flight() == 1
+    gc.collect()
+    assert not any(type(obj).__name__ == "CudaWork" and obj._watch is watch for obj in gc.get_objects())
 
 
 def test_a_fault_leaves_a_work_that_showed_its_completion_a_success():
     # An async Work stuck on one stream, then a Work on another stream that ended before it:
     # the caller saw the second complete, and the first one's timeout must not fail it.
-    faults = []
-    watch, stuck = _tracked_with(NeverDoneEvent(), timeout=0.05)
-    watch._on_fault = faults.append
-    finished, _ = issued_work()
-    finished._issued(None, CountedEvent(), keepalive=finished._outputs[0])
-    finished.watch_handle = watch.track(finished)
-    assert finished.is_completed()  # cancels its handle; it stays behind the stuck head
-    assert watch.works() == [stuck, finished]
-    assert isinstance(watch.poll(now=stuck.watch_handle.issued_at + 10), CollectiveTimeoutError)
-    assert faults and isinstance(stuck.exception(), CollectiveTimeoutError)
-    assert finished.exception() is None and finished.is_success() and watch.works() == []
+    watch = make_watch(timeout=0.05)
+    stuck, _ = issued_work(watch, stream=1)
+    finished, _ = issued_work(watch, event=CountedEvent(done=True), stream=2)
+    assert finished.is_completed()
+    fault = poll(watch, now=stuck._slot.issued_at + 10)
+    assert isinstance(fault, CollectiveTimeoutError) and isinstance(stuck.exception(), CollectiveTimeoutError)
+    assert finished.exception() is None and finished.is_success()
+
+
+def test_a_work_looked_at_while_its_groups_fault_is_explained_never_reads_as_a_success():
+    # A timeout was claimed and its diagnosis waits for a silent peer; meanwhile another
+    # communicator of the group aborts itself (a nonblocking poll's deadline), which ends
+    # every kernel. A caller looking at an earlier Work then must see the fault, for good.
+    group = make_group(timeout=0.05)
+    cuda = group._cuda
+    first, second = FakeComm(), FakeComm()
+    cuda.comm, cuda.comms.pairs[1] = first, second
+    explaining, release = threading.Event(), threading.Event()
+
+    def explain(entry, timeout_s):
+        explaining.set()
+        release.wait(10)
+        return "all_reduce #1 timed out; rank 1 is behind"
+
+    cuda.life._explain = explain
+    work, event = issued_work(cuda.watch, seq=1)
+    try:
+        finding = cuda.watch.check(now=work._slot.issued_at + 1)
+        assert cuda.life.claim(finding)
+        assert explaining.wait(5) and cuda.state == "aborting"
+        cuda.life.fault_once(CollectiveTimeoutError("ncclAllReduce did not complete within 0.05 s"))
+        second.abort()  # the communicator's own abort: the kernels end
+        event.fired.set()
+        assert work.is_completed() and not work.is_success()
+        assert isinstance(work.exception(), CollectiveTimeoutError)
+        with pytest.raises(CollectiveTimeoutError):
+            work.wait()
+    finally:
+        release.set()
+    assert cuda.life.ended.wait(5)
+    assert not work.is_success() and "rank 1 is behind" in str(work.exception())
 
 
 def test_a_work_done_only_because_it_failed_late_keeps_its_tensors_for_the_abort():
-    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
+    watch = make_watch(timeout=60)
     watch.close(CommunicatorAbortedError("the group is being aborted"))
-    work, _ = issued_work()
-    watch.track(work)  # a late Work: failed, its kernel may run until the abort returns
-    watch._pop_done()  # a popper that started before the close
-    assert work.exception() is not None and work._keepalive is not None
+    work, event = issued_work(watch)  # a late batch: failed, its kernel may run until the abort returns
+    event.fired.set()
+    watch.retire()  # a popper that started before the close
+    assert work.exception() is not None and work._slot.keepalive is not None
+    watch.release()
+    assert work._slot.keepalive is None
 
 
 class FakeDeviceGuard:
@@ -554,10 +551,11 @@ class FakeDeviceGuard:
         self.current[threading.get_ident()] = self.previous
 
 
-class DeviceSeeingEvent:
+class DeviceSeeingEvent(FakeEvent):
     """Records which device was current on the querying thread at each query."""
 
     def __init__(self, done=False):
+        super().__init__()
         self.seen, self.done = [], done
 
     def query(self):
@@ -576,12 +574,12 @@ def fake_cuda(monkeypatch):
 def test_the_watchdog_thread_queries_events_on_the_groups_device(fake_cuda):
     # Else cudaEventQuery on a thread that never chose a device creates a context on cuda:0.
     watchdog = Watchdog()
-    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
+    watch = make_watch(timeout=60)
     watch.device = 3  # what the backend sets once its first call picked the device
-    work = stuck_work()
-    work._event = event = DeviceSeeingEvent()
-    watch.track(work)
-    watchdog.watch(watch)
+    event = DeviceSeeingEvent()
+    issued_work(watch, event=event)
+    polled = Polled(watch)  # the watchdog holds what it polls weakly
+    watchdog.watch(polled)
     try:
         assert eventually(lambda: ("cupycoll-watchdog", 3) in event.seen)
         assert all(device == 3 for _, device in event.seen)
@@ -590,21 +588,20 @@ def test_the_watchdog_thread_queries_events_on_the_groups_device(fake_cuda):
 
 
 def test_drain_queries_on_the_groups_device_and_restores_the_callers(fake_cuda):
-    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail, device=1)
-    work = stuck_work()
-    work._event = event = DeviceSeeingEvent(done=True)
-    watch.track(work)
+    watch = make_watch(timeout=60)
+    watch.device = 1
+    event = DeviceSeeingEvent(done=True)
+    issued_work(watch, event=event)
     assert watch.drain(1.0)
     assert event.seen == [(threading.current_thread().name, 1)]
     assert FakeDeviceGuard.current[threading.get_ident()] is None  # the caller's, back
 
 
 def test_a_watch_with_no_device_yet_queries_without_switching_device(fake_cuda):
-    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
-    work = stuck_work()
-    work._event = event = DeviceSeeingEvent(done=True)
-    watch.track(work)
-    assert watch.poll() is None and event.seen == [(threading.current_thread().name, None)]
+    watch = make_watch(timeout=60)
+    event = DeviceSeeingEvent(done=True)
+    issued_work(watch, event=event)
+    assert poll(watch) is None and event.seen == [(threading.current_thread().name, None)]
 
 
 class FakeDriver:
@@ -620,9 +617,10 @@ def test_the_watchdog_thread_puts_itself_in_thread_local_capture_mode(monkeypatc
     driver = FakeDriver()
     monkeypatch.setattr(watchdog_cuda, "_driver", lambda: driver)
     watchdog = Watchdog()
-    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
-    watch.track(stuck_work())
-    watchdog.watch(watch)
+    watch = make_watch(timeout=60)
+    stuck_work(watch)
+    polled = Polled(watch)  # the watchdog holds what it polls weakly
+    watchdog.watch(polled)
     try:
         assert eventually(lambda: driver.calls)
         assert driver.calls == [("cupycoll-watchdog", watchdog_cuda.CAPTURE_MODE_THREAD_LOCAL)]
@@ -639,11 +637,11 @@ def test_without_a_usable_driver_the_watchdog_still_watches(monkeypatch, driver)
     monkeypatch.setattr(watchdog_cuda, "_driver", driver)
     assert watchdog_cuda.use_thread_local_capture_mode() is False  # fails soft
     watchdog = Watchdog()
-    faulted = threading.Event()
-    watch = Watch("g", timeout=0.05, interval=0.01, communicators=list, on_fault=lambda f: faulted.set())
-    watch.track(stuck_work())
-    watchdog.watch(watch)
-    assert faulted.wait(5)
+    polled = Polled(make_watch(timeout=0.05))
+    stuck_work(polled.watch)
+    watchdog.watch(polled)
+    assert polled.found.wait(5)
+    watchdog.stop()
 
 
 class AcceleratorErrorLike(RuntimeError):
@@ -669,10 +667,11 @@ def _capture_errors():
     return errors
 
 
-class CaptureRefusedEvent:
+class CaptureRefusedEvent(FakeEvent):
     """cudaEventQuery while another thread captures a CUDA graph in global mode."""
 
     def __init__(self, error):
+        super().__init__()
         self.error, self.capturing = error, True
 
     def query(self):
@@ -683,23 +682,19 @@ class CaptureRefusedEvent:
 
 @pytest.mark.parametrize("error", _capture_errors(), ids=repr)
 def test_a_query_refused_during_a_capture_is_not_done_yet_not_a_fault(error):
-    watch = Watch("g", timeout=60, interval=0.01, communicators=list, on_fault=pytest.fail)
-    work = stuck_work()
-    work._event = event = CaptureRefusedEvent(error)
-    watch.track(work)
-    assert watch.poll() is None and watch.works() == [work] and work.exception() is None
+    watch = make_watch(timeout=60)
+    event = CaptureRefusedEvent(error)
+    work, _ = issued_work(watch, event=event)
+    assert poll(watch) is None and watch.in_flight() == 1 and work.exception() is None
     event.capturing = False  # the capture ended
-    assert watch.poll() is None and not watch.inflight and work.is_success()
+    assert poll(watch) is None and not watch.in_flight() and work.is_success()
 
 
 def test_a_capture_refusing_queries_past_the_timeout_is_a_timeout():
-    faults = []
-    watch = Watch("g", timeout=0.01, interval=0.01, communicators=list, on_fault=faults.append)
-    work = stuck_work(seq=4)
-    work._event = CaptureRefusedEvent(_capture_errors()[0])
-    watch.track(work)
+    watch = make_watch(timeout=0.01)
+    issued_work(watch, seq=4, event=CaptureRefusedEvent(_capture_errors()[0]))
     time.sleep(0.02)
-    fault = watch.poll()
+    fault = poll(watch)
     assert isinstance(fault, CollectiveTimeoutError) and "all_reduce #4" in str(fault)
 
 

@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 
 from cupycoll.errors import CommunicatorAbortedError, CupycollError, NcclError
+from cupycoll.faults.watchdog import Watch
 from cupycoll.work import CudaWork
 from standins import CUDA
 
 
 def _never_issued(error):
-    work = CudaWork("send", CUDA, [torch.ones(2)], flush=lambda: None)
+    work = CudaWork("send", CUDA, [torch.ones(2)], Watch("g", 60), flush=lambda: None)
     work._failed(error)
     return work
 
@@ -31,7 +32,7 @@ def test_a_never_issued_work_keeps_the_nccl_error_with_its_status():
     assert str(error).startswith("send was never issued: ncclGroupEnd failed")
     with pytest.raises(dist.DistBackendError, match="send was never issued"):
         work.wait()
-    assert work._keepalive is None and work.is_completed() and not work.is_success()
+    assert work.is_completed() and not work.is_success()
 
 
 def test_each_never_issued_work_gets_its_own_error_of_the_same_class():

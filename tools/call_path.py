@@ -168,14 +168,10 @@ def standin_group(size: int = 2) -> Iterator[object]:
     from cupycoll import _cuda
     from cupycoll.nccl.communicator import Communicator
 
-    class DoneEvent(standins.RecordedEvent):
-        def query(self):
-            return True  # the watchdog lets each Work go at its next poll
-
     class Backend(standins.CpuAsCudaBackend):
         def _connect(self, key, creator, size, rank, device):
             # No store gate, no NCCL: the Communicator is the real one around a stand-in.
-            comm = Communicator(device, rank, size, handle=1)
+            comm = Communicator(device, rank, size, handle=1, timeout=60.0)
             comm._lib = _Library()
             return comm
 
@@ -186,7 +182,7 @@ def standin_group(size: int = 2) -> Iterator[object]:
         def put(obj, attribute, value):
             patches.enter_context(mock.patch.object(obj, attribute, value))
 
-        standins.use_cuda_standins(put, DoneEvent)
+        standins.use_cuda_standins(put, standins.DoneEvent)  # the GPU is done at once
         put(_cuda, "cupy_module", cupy_without_device)
         group = Group(dist.HashStore(), 0, size, datetime.timedelta(seconds=60))
         try:
@@ -223,6 +219,7 @@ def measure(timed_calls: int = 2000) -> dict:
         host_us = per_call_us(all_reduce, timed_calls, repeats=3)
         # The caller's CPU time: what other processes on a loaded machine do not stretch.
         cpu_us = per_call_us(all_reduce, timed_calls, repeats=3, clock=time.thread_time)
+        collections, gc_us = garbage_collections(all_reduce, GC_CALLS)
     pairs = cross_module(calls)
     upward = upward_calls(calls, LAYERS)
     level = layer_of(LAYERS)
@@ -244,7 +241,41 @@ def measure(timed_calls: int = 2000) -> dict:
         "timed_calls": timed_calls,
         "host_us_per_call": host_us,
         "thread_cpu_us_per_call": cpu_us,
+        "gc_calls": GC_CALLS,
+        "gc_collections": collections,
+        "gc_us_per_call": gc_us,
     }
+
+
+# Calls over which the garbage collector's work is counted.
+GC_CALLS = 10_000
+
+
+def garbage_collections(run: Callable[[], object], calls: int) -> Tuple[Dict[int, int], float]:
+    """The collections the cyclic garbage collector ran during ``calls`` runs of ``run`` (by
+    generation), and their time per run in µs. A per-call object that outlives its caller
+    (kept by the watchdog until its pass, say) shows here, not in the median host time."""
+    import gc
+
+    gc.collect()
+    counts: Dict[int, int] = {0: 0, 1: 0, 2: 0}
+    spent = [0.0]
+    started = [0.0]
+
+    def count(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            counts[info["generation"]] += 1
+            spent[0] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(count)
+    try:
+        for _ in range(calls):
+            run()
+    finally:
+        gc.callbacks.remove(count)
+    return counts, spent[0] / calls * 1e6
 
 
 # -- output -----------------------------------------------------------------------------
@@ -268,6 +299,9 @@ def report(figures: dict) -> List[str]:
               f"{figures['thread_cpu_us_per_call']:.1f} us (the calling thread's CPU time); each the "
               f"median of 3 runs of {figures['timed_calls']} synchronous all_reduce + wait, untraced, "
               "on the CPU stand-ins",
+              f"garbage collections during {figures['gc_calls']} calls: "
+              + ", ".join(f"generation {g}: {n}" for g, n in sorted(figures['gc_collections'].items()))
+              + f" ({figures['gc_us_per_call']:.2f} us per call in the collector)",
               "  a proxy for the Python share of the host cost; the GPU machine measures the real "
               "cost against torch's nccl (cupycoll-bench --scenario overhead)"]
     return lines

@@ -21,26 +21,22 @@ import time
 import traceback
 from typing import Callable, List, Optional, Tuple
 
+from .. import bounds
 from ..errors import CupycollError
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
-# A watchdog pass only queries events and async errors (microseconds each); one that has
-# not finished in this long is stuck (the CUDA driver lock, a communicator lock held by a
-# hung abort). Scaled up for long poll intervals: see heartbeat_limit().
-HEARTBEAT_TIMEOUT = 60.0
-
-
 def heartbeat_limit(interval: float) -> float:
-    """Seconds without a watchdog heartbeat after which the watchdog counts as stuck."""
-    return max(HEARTBEAT_TIMEOUT, 20 * interval)
+    """Seconds without a watchdog heartbeat after which the watchdog counts as stuck
+    (:data:`cupycoll.bounds.HEARTBEAT_TIMEOUT`, scaled up for long poll intervals)."""
+    return max(bounds.HEARTBEAT_TIMEOUT, bounds.HEARTBEAT_INTERVALS * interval)
 
 
 def monitor(state: Callable[[], Optional[Tuple[threading.Thread, list, float]]],
             wake: threading.Event, terminate: Callable[[object, BaseException], None]) -> None:
-    """The monitor thread's body. ``state()``: (the watchdog thread, its watches, its last
-    heartbeat), or None once that thread has ended (the monitor then ends); ``wake`` is set
-    when the watchdog thread ends; ``terminate(watch, error)`` ends the process."""
+    """The monitor thread's body. ``state()``: (the watchdog thread, the groups it polls, its
+    last heartbeat), or None once that thread has ended (the monitor then ends); ``wake`` is
+    set when the watchdog thread ends; ``terminate(group, error)`` ends the process."""
     reported = None
     while True:
         current = state()

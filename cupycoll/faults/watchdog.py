@@ -1,60 +1,40 @@
-"""The watchdog: one background thread that notices stuck or failed collectives.
+"""The watchdog: what is in flight on a group's streams, and one thread that finds what is
+stuck or failed.
 
-Each process group that issues CUDA work owns a :class:`Watch`: the Works it has in flight
-(in issue order), a way to list its communicators, its timeout and what to do on a fault.
-The hot path only calls :meth:`Watch.track` (a timestamp and a deque append). One daemon
-thread per process (:class:`Watchdog`, started on demand, gone when nothing is watched)
-polls every watch each interval:
+A :class:`Watch` per group holds the calls the group issued and the GPU has not finished,
+as plain data: per stream, in issue order, an :class:`InFlight` slot (a batch number, a
+pooled CUDA event recorded after the batch, the issue time, the batch's flight-recorder
+entries, and its tensors for an asynchronous call). The hot path takes a slot, records its
+event and appends it (:meth:`Watch.issued`); nothing else of the call outlives its caller.
+Calls on one stream finish in issue order, so a pass queries the newest event of each stream
+and retires everything before it at once: O(streams), not O(calls).
 
-* Works whose completion event has fired are dropped, releasing their tensors (the caller's
-  Work may live on);
-* a Work not done ``timeout`` after it was issued is a timeout fault;
-* a call (or NCCL group) inside NCCL on one of its communicators for longer than
-  ``timeout`` is a timeout fault too: a blocking communicator connects inside the first
-  call that needs a connection and waits there, in the host, for a peer that has not made
-  that call, before any Work exists (``Communicator.stuck_call``);
-* ``ncclCommGetAsyncError`` reporting an error on any communicator is an async fault;
-* any exception from querying an event or the async error (a sticky CUDA error) is a
-  fault of that group too: it must not silence fault handling. Except a query refused
-  because another thread captures a CUDA graph: that Work is not done yet.
+:meth:`Watch.check` *finds*, and never handles:
 
-Events are queried with the group's device current (``Watch.device``, once the group has
-one), and the watchdog thread runs in thread-local capture mode, so that it neither creates
-a context on cuda:0 nor invalidates a capture (:mod:`cupycoll.faults.watchdog_cuda`).
+* a batch not done ``timeout`` after it was issued is a timeout;
+* a call (or NCCL group, or communicator creation) inside NCCL, in the host, for longer than
+  ``timeout`` is a timeout too: a blocking communicator connects inside the first call that
+  needs a connection, before any event exists (:meth:`cupycoll.nccl.communicator.Communicators.stuck_call`);
+* ``ncclCommGetAsyncError`` reporting an error on a communicator is an async fault;
+* an exception from an event query or the async error (a sticky CUDA error) is a fault too,
+  except a query refused because another thread captures a CUDA graph: not done yet.
 
-On a fault the watchdog thread only *detects*; a fault thread handles it, so that one hung
-``ncclCommAbort`` cannot blind the other groups. Handling marks every Work in flight
-failed (first: a caller woken by the ended kernel must already see the fault), calls the
-group's ``on_fault`` (which aborts the communicators), then releases the Works' tensors.
-With the ``terminate`` policy the process exits once that is done or after
-:data:`FAULT_DEADLINE` seconds, whichever comes first (like
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` with torch's bounded abort). A monitor thread checks
-the watchdog's heartbeat (:mod:`cupycoll.faults.heartbeat`): a pass stuck too long is logged with
-the watchdog's stack, and ends the process when a watched group's policy is ``terminate``.
+What a finding means for the group is its lifetime's to decide (:mod:`cupycoll.faults.lifecycle`).
+Once the lifetime :meth:`closes <Watch.close>` the watch (a fault was claimed, or an abort
+begins), every batch still in flight has failed with the watch's :attr:`~Watch.reason`, and
+so has one issued later: a Work asks the watch for its batch's outcome by number and never
+reports success for it (unless its caller saw it complete before the close). Nothing is
+retired while closed: the abort may end kernels whose tensors must stay held until it returns
+(:meth:`Watch.release`).
 
-The contract with a Work: it offers the watch the four methods of :class:`Watched`
-(``query_done``, ``describe``, ``mark_failed``, ``release``; stand-ins in tests offer the
-same), and :meth:`Watch.track` returns a :class:`WatchHandle`, which the Work cancels once
-it has seen its own completion (``is_completed()``, a blocking ``wait()``): the watch then
-drops it at its next pass without querying its event, as torch's ``_watchdog`` cancels a
-``stream_timeout`` handle.
+One :class:`Watchdog` thread per process polls every registered group each interval (it
+calls the group's ``poll``, which checks its watch and decides); a monitor thread checks the
+watchdog's heartbeat (:mod:`cupycoll.faults.heartbeat`). Events are queried with the group's
+device current and in thread-local capture mode (:mod:`cupycoll.faults.watchdog_cuda`).
 
-Hooks (default None, set by the group): ``on_done(work)`` runs for each Work found
-completed (by the watchdog or a drain); ``on_claim(fault)`` when a fault is claimed, first
-(the group refuses calls from then on); ``explain_timeout(work, timeout_s)`` on the fault
-thread before a timed-out group is failed (it may block a few seconds): a string it
-returns is the CollectiveTimeoutError's message. ``work`` is None for a call stuck inside
-NCCL: the hook then explains the batch being launched.
-
-Closing: from a claimed fault or the start of an abort, ``closed`` holds the reason, and a
-Work tracked later (its call passed the group's checks before) is failed by ``track``: it
-appends, then reads ``closed``; the closer sets ``closed`` before it takes the Works out of
-flight, so one side always sees it. ``settled``: the abort has ended the kernels (a late
-Work is then released at once, and a second aborter waiting on it may return).
-
-Deliberately left out: any device synchronisation (events are only queried), and
-retries: a fault is final for its group. A Python watchdog cannot detect a thread that
-hangs while holding the GIL (its monitor needs the GIL too).
+Deliberately left out: any device synchronisation (events are only queried), handling a
+finding (the lifetime's), and retries. A Python watchdog cannot detect a thread that hangs
+while holding the GIL (its monitor needs the GIL too).
 """
 
 from __future__ import annotations
@@ -65,178 +45,242 @@ import os
 import threading
 import time
 import weakref
-from typing import Callable, List, Optional, Protocol, Tuple
+from typing import List, Optional, Protocol, Tuple
 
 from . import heartbeat, watchdog_cuda
-from .. import hooks
+from .. import _cuda, hooks
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 TERMINATE_EXIT_CODE = 70  # EX_SOFTWARE: an internal error ended the job on purpose
 
-# How long a fault thread may take (explain_timeout, up to ~5 s in all, plus ncclCommAbort, which
-# takes tens to hundreds of ms when healthy) before ``terminate`` exits without it and
-# ``raise`` logs that the abort hangs. torch bounds its abort the same way.
-FAULT_DEADLINE = 15.0
+_monotonic = time.monotonic
+
+# A stream with this many batches in flight and no free slot: the issuing thread retires the
+# finished ones itself (one event query, or a few), so that between the watchdog's passes the
+# pool, not the garbage collector, serves a busy caller.
+RETIRE_ON_ISSUE = 64
 
 
-class Watched(Protocol):
-    """What a Work offers the watch that tracks it."""
+class InFlight:
+    """One issued batch: a slot of its watch's pool, reused once retired (its event with it)."""
 
-    def query_done(self) -> bool:
-        """Has the GPU finished it (or has it failed)? Never synchronises."""
+    __slots__ = ("seq", "event", "stream", "issued_at", "keepalive", "records")
 
-    def describe(self) -> str:
-        """What a timeout message names: op, sequence number, shapes, peers."""
-
-    def mark_failed(self, error: BaseException) -> None:
-        """Record ``error`` (the first one wins); its tensors stay kept until release()."""
-
-    def release(self) -> None:
-        """Drop the tensors it kept for the GPU."""
+    def __init__(self, event):
+        self.seq = 0  # the batch's number in its watch; 0 while the slot is free
+        self.event = event
+        self.stream = 0
+        self.issued_at = 0.0
+        self.keepalive = None  # an asynchronous call's tensors, until the GPU is done
+        self.records = None  # its flight-recorder entry (a list), or a tuple of them
 
 
-class StuckCall:
-    """What :meth:`Watch.check` gives in a Work's place for a call inside NCCL, in the host,
-    for longer than the group's timeout: no Work exists for it yet."""
+class Finding:
+    """What :meth:`Watch.check` found: the fault, and the batch or call behind it."""
 
-    def __init__(self, function: str, seconds: float):
-        self.where = (f"{function} has been inside NCCL for {seconds:.1f} s: a peer has not made this "
-                      f"call (a blocking communicator connects inside it, and a split waits there for "
-                      f"every rank), or the GPU's launch queue is full behind a stuck kernel")
+    __slots__ = ("fault", "batch", "stuck")
+
+    def __init__(self, fault: CupycollError, batch: Optional[InFlight] = None, stuck: Optional[str] = None):
+        self.fault = fault
+        self.batch = batch  # the batch that timed out, if one did
+        self.stuck = stuck  # what holds a call stuck inside NCCL, if one is
+
+    @property
+    def is_timeout(self) -> bool:
+        return isinstance(self.fault, CollectiveTimeoutError)
 
 
-class WatchHandle:
-    """One tracked Work's place in its watch, returned by :meth:`Watch.track`."""
+def entries(records) -> tuple:
+    """A slot's flight-recorder entries as a tuple (a single entry is stored bare)."""
+    if records is None:
+        return ()
+    return records if isinstance(records, tuple) else (records,)
 
-    __slots__ = ("work", "issued_at", "cancelled")
 
-    def __init__(self, work: Watched):
-        self.work = work
-        self.issued_at = time.monotonic()
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        """The Work saw its own completion: no timeout can fire for it, and the watch
-        drops it (releasing its tensors) at its next pass without querying its event."""
-        self.cancelled = True
-
-    def done(self) -> bool:
-        return self.cancelled or watchdog_cuda.query_done(self.work)
+def stuck_text(function: str, seconds: float) -> str:
+    return (f"{function} has been inside NCCL for {seconds:.1f} s: a peer has not made this call "
+            f"(a blocking communicator connects inside it, and a split waits there for every "
+            f"rank), or the GPU's launch queue is full behind a stuck kernel")
 
 
 class Watch:
-    """The watchdog's view of one group."""
+    """The watchdog's view of one group: its calls in flight, and what is wrong with them."""
 
-    def __init__(self, name: str, timeout: float, interval: float,
-                 communicators: Callable[[], list], on_fault: Callable[[CupycollError], None],
-                 policy: str = "raise", on_done: Optional[Callable[[object], None]] = None,
-                 explain_timeout: Optional[Callable[[object, float], Optional[str]]] = None,
-                 device=None):
+    def __init__(self, name: str, timeout: float, communicators=None, recorder=None, device=None,
+                 describe=None):
         self.name = name
-        # The group's CUDA device (index or torch.device), current while events are queried;
-        # None until the group has one (then no guard). Settable: the device comes later.
-        self.device = device
         self.timeout = float(timeout)
-        self.interval = float(interval)
-        self.policy = policy
-        self.on_done = on_done
-        self.explain_timeout = explain_timeout
-        self._communicators = communicators
-        self._on_fault = on_fault
-        self.on_claim: Optional[Callable[[CupycollError], None]] = None
-        self.inflight: collections.deque = collections.deque()
-        self.fault: Optional[CupycollError] = None
-        self.closed: Optional[BaseException] = None  # see "Closing" in the module docstring
-        self.settled = threading.Event()
-        self.aborters: set = set()  # the threads running the group's abort (asker, NCCL part)
-        self.pid = os.getpid()  # the process whose group this is (a forked child's is not)
-        # Guards popping (the watchdog, drain and fail-all all pop; the hot path only
-        # appends, which needs no lock) and claiming the fault.
-        self._lock = threading.Lock()
+        # The group's communicators (cupycoll.nccl.communicator.Communicators): its calls
+        # under way and async errors; None for a watch of Works alone.
+        self.communicators = communicators
+        # The group's flight recorder: retired batches are marked completed in it.
+        self.recorder = recorder
+        # The group's CUDA device index, current while events are queried; None until known.
+        self.device = device
+        # describe(records) -> the text a timeout message names the batch by.
+        self._describe = describe if describe is not None else _describe_records
+        self._streams: dict = {}  # stream -> deque of InFlight, oldest first
+        self._free: List[InFlight] = []  # retired slots, their events kept for reuse
+        self._seq = 0
+        # The lifetime's: set once (close), read lock-free by Works and the hot path.
+        self.closed: Optional[BaseException] = None
+        self._failed: set = set()  # batches in flight at the close, or issued after it
+        self._released = False  # the abort returned and released what was in flight
+        self._lock = threading.Lock()  # one popper at a time; the close's snapshot
 
-    def track(self, work: Watched) -> WatchHandle:
-        """Hot path: note ``work`` as issued now; the handle is the Work's to cancel."""
-        handle = WatchHandle(work)
-        self.inflight.append(handle)
-        if self.closed is not None:  # after the append: see "Closing" above
-            self._late(handle, self.closed)
-        return handle
+    # -- the hot path ------------------------------------------------------------------------
+    def issued(self, stream: int, records, keepalive=None) -> InFlight:
+        """A batch was launched on ``stream`` (a raw pointer): record a pooled event after it
+        and keep it in flight. ``records``: its flight-recorder entry (or a tuple of them);
+        ``keepalive``: what the GPU still reads or writes (an asynchronous call's tensors)."""
+        free = self._free
+        queue = self._streams.get(stream)
+        if not free and queue is not None and len(queue) >= RETIRE_ON_ISSUE:
+            self._retire_stream(queue)  # the caller reclaims slots between the watchdog's passes
+        slot = free.pop() if free else InFlight(_cuda.new_event())
+        slot.event.record(stream)
+        self._seq += 1
+        slot.seq = self._seq
+        slot.stream = stream
+        slot.issued_at = _monotonic()
+        slot.keepalive = keepalive
+        slot.records = records
+        if queue is None:
+            queue = self._streams[stream] = collections.deque()
+        queue.append(slot)
+        if self.closed is not None:  # after the append: the close saw it, or we see the close
+            self._failed.add(slot.seq)
+            if self._released:  # the abort has returned: nothing of it runs any more
+                with self._lock:
+                    if queue and queue[-1] is slot:
+                        queue.pop()
+                slot.keepalive = slot.records = None  # the slot stays its Work's: not reused
+        return slot
 
-    def works(self) -> List[Watched]:
-        """The Works in flight, in issue order."""
-        return [handle.work for handle in list(self.inflight)]
+    # -- what a Work asks ----------------------------------------------------------------
+    def failed(self, seq: int) -> Optional[BaseException]:
+        """The error of batch ``seq`` when it failed (it was in flight at the close), else None."""
+        if self.closed is not None and seq in self._failed:
+            return self.closed
+        return None
 
-    def close(self, reason: BaseException) -> None:
-        """No Work may run from now on (a fault was claimed or the abort begins)."""
-        self.closed = self.closed or reason
+    # -- closing (the lifetime's) ------------------------------------------------------------
+    def close(self, reason: BaseException) -> bool:
+        """Every batch in flight has failed with ``reason``, and so will any issued from now on.
+        False when the watch was closed already (the first reason stays; see :meth:`explain`)."""
+        with self._lock:
+            if self.closed is not None:
+                return False
+            self.closed = reason
+            for queue in list(self._streams.values()):
+                self._failed.update(slot.seq for slot in list(queue))
+        return True
 
-    def _late(self, handle: WatchHandle, reason: BaseException) -> None:
-        """A Work tracked once closed: failed; released too once the abort has returned."""
-        handle.work.mark_failed(reason)
-        if self.settled.is_set():
-            with self._lock:
-                try:
-                    self.inflight.remove(handle)
-                except ValueError:
-                    pass  # the abort's last sweep took it
-            handle.work.release()
+    def explain(self, reason: BaseException) -> None:
+        """The closed watch's reason, explained: what its failed Works raise from now on."""
+        if self.closed is not None:
+            self.closed = reason
 
-    # -- finding completed Works ---------------------------------------------------------
-    def _pop_done(self) -> None:
-        """Drop the completed Works at the head, releasing their tensors. Raises what querying
-        an event raises (but a refusal during a graph capture: see watchdog_cuda.query_done).
+    def release(self) -> None:
+        """The abort has ended the kernels: drop every failed batch's tensors, free its slot."""
+        with self._lock:
+            slots = [slot for queue in self._streams.values() for slot in queue]
+            self._streams = {}
+            self._released = self.closed is not None
+        for slot in slots:
+            self._free_slot(slot, completed=False)
 
-        The event is queried outside the lock (it may be slow); the pop then only happens if
-        the head is still the Work queried, so two poppers never drop an unfinished one."""
-        inflight = self.inflight
-        while inflight:
-            head = inflight[0]
-            if not head.done():
+    def _free_slot(self, slot: InFlight, completed: bool) -> None:
+        records, slot.records, slot.keepalive = slot.records, None, None
+        slot.seq = 0
+        if completed and self.recorder is not None:
+            mark = self.recorder.mark
+            if isinstance(records, list):
+                mark(records, "completed")
+            else:
+                for entry in entries(records):
+                    mark(entry, "completed")
+        self._free.append(slot)
+
+    # -- finding completed batches ----------------------------------------------------------
+    def retire(self) -> None:
+        """Retire the batches the GPU has finished, per stream: the newest event first (calls
+        on one stream finish in order), else a binary search for the last finished one.
+        Raises what an event query raises (but a refusal during a graph capture)."""
+        if self.closed is not None:
+            return
+        comms = self.communicators
+        if comms is not None and comms.fenced():  # a multi-communicator launch may fail yet
+            return
+        for queue in list(self._streams.values()):
+            if queue:
+                self._retire_stream(queue)
+
+    def _retire_stream(self, queue) -> None:
+        finished = self._finished(queue)
+        if not finished:
+            return
+        taken = []
+        with self._lock:
+            if self.closed is not None:
                 return
-            with self._lock:
-                if not inflight or inflight[0] is not head:
-                    continue
-                inflight.popleft()
-            # Its event fired: the GPU is done with its tensors. (Once closed, it may be done
-            # only because it was failed, its kernel still running: the abort releases it.)
-            if self.closed is None:
-                head.work.release()
-            self._done(head.work)
+            # Only what is still at the head as it was queried: another popper may have taken
+            # some meanwhile (and a slot retired there may be in flight again, under a new number).
+            for slot, seq in finished:
+                if not queue or queue[0] is not slot or slot.seq != seq:
+                    break
+                taken.append(queue.popleft())
+        for slot in taken:
+            self._free_slot(slot, completed=True)
 
-    def _done(self, work) -> None:
-        if self.on_done is not None:
-            try:
-                self.on_done(work)
-            except Exception:  # noqa: BLE001 - a hook must not break fault detection
-                logger.exception("on_done hook of group %r failed", self.name)
+    @staticmethod
+    def _finished(queue) -> list:
+        """(slot, its number) of ``queue``'s oldest batches the GPU has finished (a stream's
+        events fire in order): the newest event first, else a binary search."""
+        slots = [(slot, slot.seq) for slot in list(queue)]
+        if not slots:
+            return []
+        if watchdog_cuda.query(slots[-1][0].event):
+            return slots
+        low, high = 0, len(slots) - 1  # slots[high] is not done; find the first that is not
+        while low < high:
+            middle = (low + high) // 2
+            if watchdog_cuda.query(slots[middle][0].event):
+                low = middle + 1
+            else:
+                high = middle
+        return slots[:low]
+
+    def in_flight(self) -> int:
+        return sum(len(queue) for queue in list(self._streams.values()))
 
     def drain(self, timeout: float) -> bool:
-        """Wait (polling events, never syncing) until every tracked Work is done; False on a
-        fault, when querying an event fails, or when ``timeout`` seconds pass first."""
-        deadline = time.monotonic() + timeout
+        """Wait (polling events, never syncing) until every batch is done; False when the
+        watch closes, an event query fails, or ``timeout`` seconds pass first."""
+        deadline = _monotonic() + timeout
         while True:
-            if self.fault is not None or self.closed is not None:
+            if self.closed is not None:
                 return False
             try:
                 with watchdog_cuda.on_device(self.device):
-                    self._pop_done()
+                    self.retire()
             except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: not drained
                 logger.error("draining group %r failed: %r", self.name, exc)
                 return False
-            if not self.inflight:
-                return self.fault is None
-            if time.monotonic() > deadline:
+            if not self.in_flight():
+                return self.closed is None
+            if _monotonic() > deadline:
                 return False
             time.sleep(0.001)
 
-    # -- detecting a fault ---------------------------------------------------------------
-    def check(self, now: Optional[float] = None) -> Tuple[Optional[CupycollError], object]:
-        """Detect (never handle) a fault: ``(fault, the stalled Work, a StuckCall or None)``."""
-        if self.fault is not None or self.closed is not None:
-            return None, None
-        now = time.monotonic() if now is None else now
+    # -- finding a fault ---------------------------------------------------------------------
+    def check(self, now: Optional[float] = None) -> Optional[Finding]:
+        """One pass: retire what finished, then find (never handle) a fault, or None."""
+        if self.closed is not None:
+            return None
+        now = _monotonic() if now is None else now
         try:
             with watchdog_cuda.on_device(self.device):
                 return self._check(now)
@@ -245,154 +289,95 @@ class Watch:
                 f"process group {self.name!r}: checking its work in flight failed ({exc!r}); "
                 f"the GPU or a communicator is in an error state")
             fault.__cause__ = exc
-            return fault, None
+            return Finding(fault)
 
-    def _check(self, now: float) -> Tuple[Optional[CupycollError], object]:
-        self._pop_done()
-        for handle in list(self.inflight):
-            if now - handle.issued_at > self.timeout and not handle.done():
-                work = handle.work
-                return CollectiveTimeoutError(
-                    f"process group {self.name!r}: {work.describe()} did not complete within "
-                    f"{self.timeout:g} s; a peer may have hung, died or skipped it"), work
-        communicators = self._communicators()
-        for comm in communicators:
-            if self.closed is not None:  # aborted meanwhile: the abort ends its calls
-                return None, None
-            stuck = comm.stuck_call(self.timeout)
-            if stuck is not None:
-                call = StuckCall(*stuck)
-                return CollectiveTimeoutError(
-                    f"process group {self.name!r}: the call being issued did not complete within "
-                    f"{self.timeout:g} s; {call.where}"), call
-        for comm in communicators:
-            if self.closed is not None:  # aborted meanwhile: its comms are not ours to poll
-                return None, None
+    def _check(self, now: float) -> Optional[Finding]:
+        self.retire()
+        for queue in list(self._streams.values()):
+            if not queue:
+                continue
+            head = queue[0]
+            if now - head.issued_at > self.timeout and not watchdog_cuda.query(head.event):
+                return Finding(CollectiveTimeoutError(
+                    f"process group {self.name!r}: {self._describe(head.records)} did not complete "
+                    f"within {self.timeout:g} s; a peer may have hung, died or skipped it"), head)
+        comms = self.communicators
+        if comms is None:
+            return None
+        stuck = comms.stuck_call(self.timeout, now)
+        if stuck is not None:
+            where = stuck_text(*stuck)
+            return Finding(CollectiveTimeoutError(
+                f"process group {self.name!r}: the call being issued did not complete within "
+                f"{self.timeout:g} s; {where}"), stuck=where)
+        for comm in comms.all():
+            if self.closed is not None:  # closed meanwhile: its communicators are not ours to poll
+                return None
             error = comm.async_error()
             if error is not None:
-                return NcclError(error.status, error.function,
-                                 f"asynchronous error on process group {self.name!r}",
-                                 error.last_error), None
-        return None, None
-
-    def poll(self, now: Optional[float] = None) -> Optional[CupycollError]:
-        """One pass over this group, handling a fault on the calling thread; returns the
-        fault (after handling it). The watchdog thread uses :meth:`check` instead."""
-        fault, work = self.check(now)
-        if fault is not None:
-            self.handle(fault, work)
-            return self.fault
+                return Finding(NcclError(error.status, error.function,
+                                         f"asynchronous error on process group {self.name!r}",
+                                         error.last_error))
         return None
 
-    # -- handling it ---------------------------------------------------------------------
-    def claim(self, fault: CupycollError) -> bool:
-        """Make ``fault`` this group's (False: it already has one; a fault is final)."""
-        with self._lock:
-            if self.fault is not None:
-                return False
-            self.fault = fault
-            self.close(fault)
-        try:
-            if self.on_claim is not None:
-                self.on_claim(fault)
-        except Exception:  # noqa: BLE001 - the fault is handled whatever the hook does
-            logger.exception("on_claim hook of group %r failed", self.name)
-        return True
 
-    def handle(self, fault: CupycollError, work=None, claimed: bool = False) -> None:
-        """Record ``fault``; mark every Work in flight failed, tell the group (which aborts
-        its communicators), then release the Works' tensors."""
-        if not claimed and not self.claim(fault):
-            return
-        fault = self._explain(fault, work)
-        logger.error("%s; aborting the group's NCCL communicators", fault)
-        failed = self.mark_failed(fault)
-        try:
-            self._on_fault(fault)
-        except Exception:  # noqa: BLE001 - the Works are failed whatever the abort does
-            logger.exception("aborting group %r failed", self.name)
-        finally:
-            self.release(failed)
+def _describe_records(records) -> str:
+    found = entries(records)
+    return f"a batch of {len(found)} calls" if len(found) != 1 else "a collective"
 
-    def _explain(self, fault: CupycollError, work) -> CupycollError:
-        if self.explain_timeout is None or work is None or not isinstance(fault, CollectiveTimeoutError):
-            return fault
-        stuck = isinstance(work, StuckCall)
-        try:
-            message = self.explain_timeout(None if stuck else work, self.timeout)
-        except Exception:  # noqa: BLE001 - the plain message still describes the fault
-            logger.exception("explain_timeout of group %r failed", self.name)
-            return fault
-        if isinstance(message, str) and message:
-            fault = CollectiveTimeoutError(message + (f" ({work.where})" if stuck else ""))
-            self.fault = self.closed = fault
-        return fault
 
-    def mark_failed(self, error: BaseException) -> List[Watched]:
-        """Take every Work out of flight and mark it failed with ``error``; its tensors stay
-        referenced until :meth:`release` (the kernels may still run until the abort). A Work
-        whose handle was cancelled has shown its caller that it completed: it stays a
-        success (works on another stream can end out of issue order, behind a stuck one)."""
-        taken = []
-        while True:
-            with self._lock:
-                if not self.inflight:
-                    return taken
-                handle = self.inflight.popleft()
-            try:
-                if not handle.cancelled:
-                    handle.work.mark_failed(error)
-            finally:
-                taken.append(handle.work)
+class Polled(Protocol):
+    """What the watchdog thread polls: a group's lifetime (cupycoll.faults.lifecycle)."""
 
-    @staticmethod
-    def release(works: List[Watched]) -> None:
-        for work in works:
-            work.release()
+    interval: float
+    policy: str
+    name: str
+    pid: int
+
+    def poll(self, now: float) -> None:
+        """Check the group's watch and decide on what it finds; never raises."""
 
 
 class Watchdog:
-    """The process's watchdog thread over every registered :class:`Watch`, and the monitor
-    thread that checks the watchdog's heartbeat."""
+    """The process's watchdog thread over every registered group, and the monitor thread that
+    checks the watchdog's heartbeat."""
 
     def __init__(self):
         self._reset()
 
     def _reset(self) -> None:
-        self._watches: "weakref.WeakSet[Watch]" = weakref.WeakSet()
+        self._groups: "weakref.WeakSet[Polled]" = weakref.WeakSet()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._monitor: Optional[threading.Thread] = None
         self._wake = threading.Event()
         self._wake_monitor = threading.Event()  # set when the watchdog thread ends
         self._stopped = False
-        self.heartbeat = time.monotonic()
+        self.heartbeat = _monotonic()
 
-    def watch(self, watch: Watch) -> None:
-        if watch.closed is not None:  # a late Work of an aborted group: nothing to watch
-            return
+    def watch(self, group: Polled) -> None:
         with self._lock:
-            self._watches.add(watch)
+            self._groups.add(group)
             if self._thread is None and not self._stopped:
-                self.heartbeat = time.monotonic()
+                self.heartbeat = _monotonic()
                 self._thread = threading.Thread(target=self._run, name="cupycoll-watchdog", daemon=True)
                 self._thread.start()
                 if self._monitor is None:
                     self._monitor = threading.Thread(
-                        target=heartbeat.monitor, args=(self._monitor_state, self._wake_monitor, _terminate),
+                        target=heartbeat.monitor, args=(self._monitor_state, self._wake_monitor, terminate),
                         name="cupycoll-watchdog-monitor", daemon=True)
                     self._monitor.start()
 
-    def unwatch(self, watch: Watch) -> None:
+    def unwatch(self, group: Polled) -> None:
         with self._lock:
-            self._watches.discard(watch)
+            self._groups.discard(group)
         self._wake.set()
 
     def stop(self) -> None:
         """Stop watching for good (process exit): the thread ends at its next wake-up."""
         with self._lock:
             self._stopped = True
-            self._watches = weakref.WeakSet()
+            self._groups = weakref.WeakSet()
         self._wake.set()
 
     @property
@@ -411,41 +396,36 @@ class Watchdog:
                 self._wake.wait(interval)
                 self._wake.clear()
         except Exception:  # noqa: BLE001 - a bug here must not end watching for good
-            logger.exception("the watchdog thread failed; the next tracked "
-                             "collective starts a new one")
+            logger.exception("the watchdog thread failed; the next tracked collective starts a new one")
         finally:
-            # Whatever ended the loop, a later watch() must be able to start a new thread.
             with self._lock:
                 if self._thread is threading.current_thread():
                     self._thread = None
             self._wake_monitor.set()
 
     def _poll_once(self) -> Optional[float]:
-        """Poll every watch once; the time to sleep, or None when the thread should end.
-        (A function of its own so that no watch stays referenced while the thread sleeps.)"""
-        self.heartbeat = time.monotonic()
+        """Poll every group once; the time to sleep, or None when the thread should end.
+        (A function of its own so that no group stays referenced while the thread sleeps.)"""
+        self.heartbeat = _monotonic()
         with self._lock:
-            watches = list(self._watches)
-            if not watches or self._stopped:
+            groups = list(self._groups)
+            if not groups or self._stopped:
                 if self._thread is threading.current_thread():
                     self._thread = None  # a later watch() starts a new thread
                 return None
-        for watch in watches:
-            fault, work = watch.check()
-            if fault is not None and watch.claim(fault):
-                self.unwatch(watch)
-                handle_fault(watch, fault, work)
-            self.heartbeat = time.monotonic()
-        return min(w.interval for w in watches)
+        for group in groups:
+            group.poll(_monotonic())
+            self.heartbeat = _monotonic()
+        return min(group.interval for group in groups)
 
-    def _monitor_state(self) -> Optional[Tuple[threading.Thread, List[Watch], float]]:
-        """For the heartbeat monitor: (the watchdog thread, the watches, the last heartbeat),
+    def _monitor_state(self) -> Optional[Tuple[threading.Thread, list, float]]:
+        """For the heartbeat monitor: (the watchdog thread, its groups, the last heartbeat),
         or None once the thread has ended (the monitor then ends too)."""
         with self._lock:
             if self._thread is None:
                 self._monitor = None
                 return None
-            return self._thread, list(self._watches), self.heartbeat
+            return self._thread, list(self._groups), self.heartbeat
 
     def _after_fork_in_child(self) -> None:
         # The child has none of the parent's threads, and may hold copies of locks taken
@@ -453,33 +433,10 @@ class Watchdog:
         self._reset()
 
 
-def handle_fault(watch: Watch, fault: CupycollError, work=None) -> threading.Thread:
-    """Handle a claimed fault off the watchdog thread, bounded by FAULT_DEADLINE: past it,
-    ``terminate`` exits anyway and ``raise`` logs that the group's abort hangs."""
-    handler = threading.Thread(target=watch.handle, args=(fault, work, True),
-                               name=f"cupycoll-fault-{watch.name}", daemon=True)
-
-    def supervise() -> None:
-        try:
-            handler.start()
-            handler.join(FAULT_DEADLINE)
-            if handler.is_alive():
-                logger.error("handling the fault of group %r has not finished "
-                             "after %g s (ncclCommAbort hangs?); its Works are failed", watch.name,
-                             FAULT_DEADLINE)
-        finally:
-            if watch.policy == "terminate":
-                _terminate(watch, watch.fault or fault)
-
-    supervisor = threading.Thread(target=supervise, name=f"cupycoll-fault-{watch.name}-deadline",
-                                  daemon=True)
-    supervisor.start()
-    return supervisor
-
-
-def _terminate(watch: Watch, fault: BaseException) -> None:
-    message = (f"watchdog: terminating the process (on_timeout='terminate') after a "
-               f"fault in process group {watch.name!r}: {fault}")
+def terminate(group, fault: BaseException) -> None:
+    """End the process (exit 70) after ``fault`` in ``group`` (anything with a ``name``)."""
+    message = (f"watchdog: terminating the process after a fault in process group "
+               f"{getattr(group, 'name', '?')!r}: {fault}")
     try:
         logger.critical(message)
     finally:

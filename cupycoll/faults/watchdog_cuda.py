@@ -14,7 +14,7 @@ how the querying thread interacts with a CUDA graph capture on another thread.
   ``cuThreadExchangeStreamCaptureMode`` (what the runtime function forwards to: the mode is
   per thread in the driver, whichever runtime torch or CuPy linked, and a driver call never
   creates a context). Without a driver it does nothing.
-* :func:`query_done`: a query refused because of a capture (torch's or CuPy's exception
+* :func:`query`: a query refused because of a capture (torch's or CuPy's exception
   for cudaErrorStreamCaptureUnsupported/Invalidated/Implicit, :func:`is_capture_error`)
   means "not done yet", not a fault of the group.
 
@@ -89,11 +89,12 @@ def is_capture_error(exc: BaseException) -> bool:
             or any(name in text for name in _CAPTURE_ERROR_NAMES))
 
 
-def query_done(work) -> bool:
-    """``work.query_done()``; a query refused because another thread is capturing a CUDA
-    graph (or its capture was invalidated) says nothing of this Work: not done yet."""
+def query(event) -> bool:
+    """``event.query()``: has the GPU passed it? A query refused because another thread is
+    capturing a CUDA graph (or its capture was invalidated) says nothing of the event: not
+    yet."""
     try:
-        return work.query_done()
+        return event.query()
     except Exception as exc:  # noqa: BLE001 - anything else is for the caller to judge
         if is_capture_error(exc):
             return False

@@ -1,21 +1,32 @@
 """NCCL calls counted while they run, so that an abort never frees a communicator under one,
 and the watchdog's ncclCommGetAsyncError never runs beside one.
 
-:class:`GuardedCalls` is a part of :class:`cupycoll.nccl.communicator.Communicator`: each NCCL
-call on a communicator runs through :meth:`GuardedCalls._guarded` (refused once the
-communicator is aborted or shut down; the thread noted while NCCL has it), an NCCL group
-that used the communicator is noted until its ``ncclGroupEnd`` (where its calls really
-launch, and connect), and ``abort``/``shutdown`` first wait, at most :data:`ENTER_WAIT_S`,
-for the calls of other threads to return. NCCL promises no thread safety between calls on
-one communicator, ``ncclCommGetAsyncError`` included (it may run NCCL's own clean-up), so a
-call or group enters under the lock the watchdog's query holds, and the query is skipped
-while one entered less than ENTER_WAIT_S ago is under way (``busy``).
+:class:`GuardedCalls` is a part of :class:`cupycoll.nccl.communicator.Communicator`. Its rules:
 
-What the class needs of its host: ``state``, ``_handle`` and ``device``.
+1. every NCCL call on a communicator runs through :meth:`~GuardedCalls._guarded`, which
+   refuses it once the communicator is aborted or shut down and notes the thread, the time
+   and the function while NCCL has it; an NCCL group that used the communicator is noted the
+   same way until its ``ncclGroupEnd`` (where its calls really launch, and connect);
+2. NCCL promises no thread safety between calls on one communicator, so ``ncclCommAbort``
+   never runs while another thread is inside a call on it: an abort marks the communicator
+   aborted (no call enters from then on) and, if a call is inside, leaves ncclCommAbort to
+   that call's way out (the last one out runs it). Nothing waits: a call still inside a
+   blocking communicator is blocked (a peer that never connects) and only ends with the
+   process (the lifetime's rule, :mod:`cupycoll.faults.lifecycle`);
+3. the watchdog's ncclCommGetAsyncError enters under the lock the calls enter by and is
+   skipped while a call entered less than :data:`cupycoll.bounds.CALL_BLOCKED_S` ago is
+   inside (:meth:`~GuardedCalls.busy`); beside one inside for longer (blocked) it goes ahead,
+   as NCCL's asynchronous error may be the only news of what blocks it;
+4. :meth:`~GuardedCalls.stuck_call` names the oldest call inside NCCL for longer than the
+   group's timeout: a blocking communicator connects inside the first call that needs a
+   connection, before any CUDA event exists, and the watchdog times that out instead. A call
+   made on this communicator for a child (a split, a shrink) is the child's to time out.
 
-Deliberately left out: ending a call that does not return (only ncclCommAbort can, so the
-wait is bounded and the abort goes ahead), and waiting for a call on the aborting thread
-itself (``abort_all`` from a signal handler that interrupted it).
+What the class needs of its host: ``state``, ``_handle``, ``device`` and ``_abort_now(handle)``.
+
+Deliberately left out: ending a call that does not return (only ncclCommAbort could, and it
+may not run beside it), and waiting for a call on the aborting thread itself (``abort_all``
+from a signal handler that interrupted it): such a call is not inside NCCL at that moment.
 """
 
 from __future__ import annotations
@@ -24,42 +35,38 @@ import threading
 import time
 from typing import Callable, Optional, Tuple
 
+from .. import bounds
 from ..errors import CommunicatorAbortedError
 
-# How long abort (or destroy) waits for NCCL calls under way on other threads before it
-# frees the communicator anyway: an enqueue takes microseconds, so a call inside NCCL for
-# longer is blocked (also for the watchdog's query: ``busy``).
-ENTER_WAIT_S = 1.0
 _USABLE = frozenset(("ok", "initializing"))
 _ENDED = frozenset(("aborted", "shut down"))  # terminal: no lock needed to read
 
+# A call's note: [thread, when it entered, the NCCL function, for a child: its name]
+_THREAD, _ENTERED, _FUNCTION, _FOR_CHILD = range(4)
+
 
 class GuardedCalls:
-    """The calls under way on one communicator, and the wait for them (see the module)."""
+    """The calls under way on one communicator, and an abort that waits for none (see the module)."""
 
     def _init_guard(self) -> None:
         # Re-entrant: abort_all from a signal handler may run on a thread that the signal
         # interrupted inside one of this lock's blocks.
         self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)
-        # (thread, when it entered, the NCCL function) for each call or open group on it
-        self._callers: list = []
-        self._group_entries: dict = {}  # thread -> its open group's entry in _callers
-        self._aborter_waiting = False  # an abort or destroy waits in _wait_for_callers
+        self._callers: list = []  # a note per call or open NCCL group inside NCCL
+        self._group_entries: dict = {}  # thread -> its open group's note in _callers
+        self._abort_pending = False  # aborted with a call inside: the last one out aborts
+        self.fences = 0  # open multi-communicator ncclGroupEnds using it (cupycoll.nccl.group)
+        self.abort_done = threading.Event()  # ncclCommAbort returned (or there was none to run)
 
-    def _guarded(self, function: str, call: Callable[[Optional[int]], object]):
-        """``call(handle)``, one NCCL call on this communicator, refused once it is aborted or
-        shut down (the handle is gone then, and NCCL would say ncclInvalidArgument) and
-        counted while it runs, so that :meth:`abort` waits for it before freeing the
-        communicator under it (an abort that waited past ``ENTER_WAIT_S`` makes the call's
-        error a CommunicatorAbortedError). ``handle``: the communicator's, read under the lock."""
-        me = threading.get_ident()
+    def _guarded(self, function: str, call: Callable[[Optional[int]], object], for_child: Optional[str] = None):
+        """``call(handle)``, one NCCL call on this communicator (rule 1). ``for_child``: the
+        name of the group a split or shrink makes, whose timeout applies (rule 4)."""
         with self._lock:
             if self.state not in _USABLE or not self._handle:
                 raise CommunicatorAbortedError(
                     f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
-            entry = (me, time.monotonic(), function)
-            self._callers.append(entry)
+            note = [threading.get_ident(), time.monotonic(), function, for_child]
+            self._callers.append(note)
             handle = self._handle
         try:
             return call(handle)
@@ -68,36 +75,40 @@ class GuardedCalls:
                 raise self.cut_short(function) from exc
             raise
         finally:
-            # No lock on the way out (list.remove is atomic): an aborter sets the flag before
-            # it first checks ``_callers``, so either it sees this removal or this sees the flag.
-            self._callers.remove(entry)
-            if self._aborter_waiting:
-                with self._lock:
-                    self._idle.notify_all()
+            self._leave(note)
+
+    def _leave(self, note: list) -> None:
+        # No lock to leave (list.remove is atomic): an aborter marks _abort_pending before it
+        # reads _callers, so either it sees this note gone or this sees the mark (rule 2).
+        self._callers.remove(note)
+        if self._abort_pending:
+            self._abort_if_last()
 
     def _enter_group(self) -> None:
-        """An NCCL group open on this thread uses this communicator until its ncclGroupEnd
-        (where the calls really launch, and connect): an abort waits for it as for a call.
-        Under the lock, as a call's entry: a ncclCommGetAsyncError under way ends first."""
+        """An NCCL group open on this thread uses this communicator until its ncclGroupEnd.
+        Under the lock, as a call's note: a ncclCommGetAsyncError under way ends first."""
         me = threading.get_ident()
         with self._lock:
-            # its calls launch (and connect) in the group's ncclGroupEnd
-            self._group_entries[me] = entry = (me, time.monotonic(), "ncclGroupEnd")
-            self._callers.append(entry)
+            self._group_entries[me] = note = [me, time.monotonic(), "ncclGroupEnd", None]
+            self._callers.append(note)
 
     def _leave_group(self) -> None:
-        self._callers.remove(self._group_entries.pop(threading.get_ident()))
-        if self._aborter_waiting:
-            with self._lock:
-                self._idle.notify_all()
+        self._leave(self._group_entries.pop(threading.get_ident()))
+
+    def inside(self) -> int:
+        """How many calls (or open NCCL groups) are inside NCCL on this communicator now."""
+        return len(self._callers)
 
     def busy(self) -> bool:
-        """A thread entered an NCCL call or group on this communicator less than ENTER_WAIT_S
-        ago and is still in it. Asked under the lock: no call can enter until the asker lets
-        the lock go. One inside for longer is blocked (a connect, a full launch queue), and
-        NCCL's asynchronous error may be the only news of what blocks it: not counted."""
-        since = time.monotonic() - ENTER_WAIT_S
-        return any(entered > since for _thread, entered, _function in list(self._callers))
+        """A call entered less than CALL_BLOCKED_S ago is still inside (rule 3). Asked under
+        the lock: no call can enter until the asker lets it go."""
+        since = time.monotonic() - bounds.CALL_BLOCKED_S
+        return any(note[_ENTERED] > since for note in list(self._callers))
+
+    def blocked(self, after_s: float = bounds.CALL_BLOCKED_S) -> bool:
+        """A call has been inside NCCL for longer than ``after_s``: blocked (rule 3)."""
+        since = time.monotonic() - after_s
+        return any(note[_ENTERED] <= since for note in list(self._callers))
 
     @property
     def ended(self) -> bool:
@@ -111,29 +122,47 @@ class GuardedCalls:
         error.during_call = True
         return error
 
-    def stuck_call(self, after_s: float) -> Optional[Tuple[str, float]]:
-        """(NCCL function, seconds inside) of the call or group that entered first, when that
-        was more than ``after_s`` ago; None otherwise. A blocking communicator connects inside
-        the first call that needs a connection, waiting there for a peer that has not made
-        that call: no Work exists yet for the watchdog to time out, this is what it sees."""
-        if self.state not in _USABLE:  # aborted: its calls are being ended already
-            return None
-        oldest = min(list(self._callers), key=lambda entry: entry[1], default=None)
+    def stuck_call(self, after_s: float, now: Optional[float] = None,
+                   child: Optional[str] = None) -> Optional[Tuple[str, float]]:
+        """(NCCL function, seconds inside) of the oldest call inside NCCL for more than
+        ``after_s``, or None (rule 4). ``child``: only the calls made for that child group;
+        None: only this communicator's own."""
+        now = time.monotonic() if now is None else now
+        oldest = min((note for note in list(self._callers) if note[_FOR_CHILD] == child),
+                     key=lambda note: note[_ENTERED], default=None)
         if oldest is None:
             return None
-        seconds = time.monotonic() - oldest[1]
-        return (oldest[2], seconds) if seconds > after_s else None
+        seconds = now - oldest[_ENTERED]
+        return (oldest[_FUNCTION], seconds) if seconds > after_s else None
 
-    def _wait_for_callers(self, on_behalf_of: Optional[int] = None) -> None:
-        """Under the lock, with the state already changed: let the NCCL calls under way on
-        other threads return before the communicator is freed, at most ENTER_WAIT_S. An
-        enqueue takes microseconds; one still inside NCCL after that is blocked (a peer that
-        never connects, a full queue) and only ncclCommAbort can end it. A caller on this
-        thread, or on the thread the abort runs for (``on_behalf_of``: abort_all from a signal
-        handler that interrupted it), is not waited for."""
-        exempt = {threading.get_ident(), on_behalf_of}
-        self._aborter_waiting = True
-        try:
-            self._idle.wait_for(lambda: all(entry[0] in exempt for entry in self._callers), ENTER_WAIT_S)
-        finally:
-            self._aborter_waiting = False
+    # -- the abort (rule 2) ---------------------------------------------------------------
+    def _end(self, state: str, on_behalf_of: Optional[int] = None) -> Optional[int]:
+        """Under the lock: mark the communicator ``state`` and, unless another thread is inside
+        a call on it, take its handle for the caller to end now (None: nothing to end now;
+        the last call out ends it). The calling thread, and ``on_behalf_of`` (the thread
+        abort_all runs for, from a signal handler), are not inside NCCL while this runs."""
+        self.state = state
+        self._abort_pending = True
+        exempt = (threading.get_ident(), on_behalf_of)
+        if any(note[_THREAD] not in exempt for note in list(self._callers)):
+            return None
+        return self._take_handle()
+
+    def _take_handle(self) -> Optional[int]:
+        self._abort_pending = False
+        handle, self._handle = self._handle, None
+        if not handle:
+            self.abort_done.set()
+        return handle
+
+    def _abort_if_last(self) -> None:
+        with self._lock:
+            if not self._abort_pending or self._callers:
+                return
+            handle = self._take_handle()
+        if handle:
+            self._abort_now(handle)
+
+    def abort_deferred(self) -> bool:
+        """Was this communicator aborted with a call inside that has not come out yet?"""
+        return self._abort_pending

@@ -23,6 +23,10 @@ NCCL groups: :meth:`Communicator.group` is ncclGroupStart/End of the library the
 communicator already holds; the per-thread bookkeeping (which communicators a group used,
 polled or aborted at its end) is :mod:`cupycoll.nccl.group`.
 
+A group's communicators live in one :class:`Communicators` object, which its backend (to
+issue) and its lifetime (to watch and end them) both hold: the group's own, its pair
+communicators, those being created, and the algorithms' runners on them.
+
 Deliberately left out: validation of user input (done once, above, with names the user
 knows), scheduling policy (which stream, when to group), the watchdog (it lives above and
 only calls :meth:`async_error` and :meth:`abort`) and any teardown in ``__del__``:
@@ -31,18 +35,17 @@ only calls :meth:`async_error` and :meth:`abort`) and any teardown in ``__del__`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 from .. import _cuda
 from . import bindings as nccl_bindings, group as nccl_group
 from .call_guard import GuardedCalls
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
-
-DEFAULT_TIMEOUT_S = 600.0
-
 
 
 def _library(path: Optional[str] = None) -> nccl_bindings.NcclLibrary:
@@ -65,7 +68,7 @@ class Communicator(GuardedCalls):
     on_abort: Optional[Callable[[BaseException], None]] = None
 
     def __init__(self, device: int, rank: int, size: int, nccl_library: Optional[str] = None, *,
-                 handle: int, nonblocking: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
+                 handle: int, timeout: float, nonblocking: bool = False,
                  on_abort: Optional[Callable[[BaseException], None]] = None):
         cupy = _cuda.cupy_module()
         self._handle = handle  # the raw ncclComm_t; None once destroyed or aborted
@@ -113,7 +116,7 @@ class Communicator(GuardedCalls):
 
     @classmethod
     def begin(cls, unique_id: bytes, rank: int, size: int, device: int, nccl_library=None,
-              nonblocking: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
+              nonblocking: bool = False, *, timeout: float,
               on_abort: Optional[Callable[[BaseException], None]] = None) -> "Communicator":
         """Start joining the communicator named by ``unique_id`` as ``rank`` of ``size``.
 
@@ -147,16 +150,18 @@ class Communicator(GuardedCalls):
     def can_shrink(self) -> bool:
         return self._lib.has("ncclCommShrink")
 
-    def split(self, color: int, key: int,
-              on_abort: Optional[Callable[[BaseException], None]] = None) -> Optional["Communicator"]:
+    def split(self, color: int, key: int, on_abort: Optional[Callable[[BaseException], None]] = None,
+              child: str = "", timeout: Optional[float] = None) -> Optional["Communicator"]:
         """ncclCommSplit: collective over this communicator. ``color < 0`` takes no part.
-        ``on_abort``: the child's (a timed-out split aborts, and tells, this parent)."""
+        ``on_abort``, ``child`` and ``timeout``: the child group's (its timeout bounds the
+        split, and a split that times out is the child's fault, not this parent's)."""
         color = color if color >= 0 else nccl_bindings.NCCL_SPLIT_NOCOLOR
         return self._child("ncclCommSplit", lambda parent, handle, config: self._lib.ncclCommSplit(
-            parent, color, key, handle, config), on_abort)
+            parent, color, key, handle, config), on_abort, child, timeout)
 
     def shrink(self, exclude: Sequence[int], abort_first: bool,
-               on_abort: Optional[Callable[[BaseException], None]] = None) -> "Communicator":
+               on_abort: Optional[Callable[[BaseException], None]] = None, child: str = "",
+               timeout: Optional[float] = None) -> "Communicator":
         """ncclCommShrink: a communicator of this one's ranks but ``exclude``, collective over
         those. ``abort_first`` (NCCL_SHRINK_ABORT): what is in flight on this communicator
         is aborted before NCCL shrinks it. This communicator stays, to be destroyed or
@@ -168,20 +173,25 @@ class Communicator(GuardedCalls):
         excluded = (ctypes.c_int * len(exclude))(*exclude)
         flags = nccl_bindings.NCCL_SHRINK_ABORT if abort_first else nccl_bindings.NCCL_SHRINK_DEFAULT
         return self._child("ncclCommShrink", lambda parent, handle, config: self._lib.ncclCommShrink(
-            parent, excluded, len(exclude), handle, config, flags), on_abort)
+            parent, excluded, len(exclude), handle, config, flags), on_abort, child, timeout)
 
-    def _child(self, function: str, make, on_abort) -> Optional["Communicator"]:
+    def _child(self, function: str, make, on_abort, child_name: str,
+               timeout: Optional[float]) -> Optional["Communicator"]:
         """A communicator made from this one by ``make(parent, newcomm_ref, config_ref)`` (a
-        collective over this one), in this one's mode; None when NCCL gives this rank none."""
+        collective over this one), in this one's mode; None when NCCL gives this rank none.
+        The call is noted on this communicator as the child's: the child's watch times a
+        blocking one out; a nonblocking one is polled for at most the child's ``timeout``."""
+        timeout = self.timeout if timeout is None else timeout
         handle = nccl_bindings.ncclComm_t()
         config = nccl_bindings.make_config(blocking=not self.nonblocking)
         with _cuda.cupy_module().cuda.Device(self.device):
-            self._guarded(function, lambda parent: make(parent, ctypes.byref(handle), ctypes.byref(config)))
-            self._poll(function)
+            self._guarded(function, lambda parent: make(parent, ctypes.byref(handle), ctypes.byref(config)),
+                          for_child=child_name)
+            self._poll(function, timeout)
         if not handle.value:
             return None
         child = Communicator(self.device, 0, 0, self._nccl_library, handle=handle.value,
-                             nonblocking=self.nonblocking, timeout=self.timeout, on_abort=on_abort)
+                             nonblocking=self.nonblocking, timeout=timeout, on_abort=on_abort)
         child.wait_ready()
         count, rank = ctypes.c_int(), ctypes.c_int()
         self._lib.ncclCommCount(handle, ctypes.byref(count))
@@ -201,6 +211,27 @@ class Communicator(GuardedCalls):
 
     def all_reduce(self, sendbuf, recvbuf, count, dtype, op, stream):
         self._call("ncclAllReduce", sendbuf, recvbuf, count, dtype, op, stream)
+
+    def all_reduce_now(self, sendbuf, recvbuf, count, dtype, op, stream) -> None:
+        """ncclAllReduce on a blocking communicator, outside any NCCL group: the synchronous
+        hot path's one frame, with the call guard's rules (:meth:`_guarded`) written inline."""
+        with self._lock:
+            handle = self._handle
+            if self.state != "ok" or not handle:
+                raise CommunicatorAbortedError(
+                    f"ncclAllReduce: the NCCL communicator on cuda:{self.device} was {self.state}")
+            note = [threading.get_ident(), time.monotonic(), "ncclAllReduce", None]
+            self._callers.append(note)
+        try:
+            self._lib.ncclAllReduce(sendbuf, recvbuf, count, dtype, op, handle, stream)
+        except Exception as exc:
+            if self.ended:
+                raise self.cut_short("ncclAllReduce") from exc
+            raise
+        finally:
+            self._callers.remove(note)
+            if self._abort_pending:
+                self._abort_if_last()
 
     def broadcast(self, sendbuf, recvbuf, count, dtype, root, stream):
         self._call("ncclBroadcast", sendbuf, recvbuf, count, dtype, root, stream)
@@ -307,14 +338,19 @@ class Communicator(GuardedCalls):
                          self._lib.last_error())
 
     # -- lifetime -------------------------------------------------------------------
+    def tell_owner(self, error: BaseException) -> None:
+        """Tell the owner (its group) that ``error`` ends this communicator: the group fails
+        its Works then, before anything ends their kernels."""
+        if self.on_abort is not None:
+            self.on_abort(error)
+
     def _abort_for(self, error: BaseException) -> None:
         """Abort because of ``error`` found here. The owner is told first: its group fails
         its Works and then aborts its communicators, this one among them, so no Work whose
         kernel the abort ends can read as a success in between. Aborted here as well
         whatever the owner did (idempotent)."""
         try:
-            if self.on_abort is not None:
-                self.on_abort(error)
+            self.tell_owner(error)
         finally:
             self.abort()
 
@@ -325,7 +361,8 @@ class Communicator(GuardedCalls):
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """ncclCommFinalize then ncclCommDestroy: the communicator's queued work completes
         first (peers must be alive). A nonblocking finalize that fails or outlives
-        ``timeout`` aborts the communicator instead, and the error is raised."""
+        ``timeout`` aborts the communicator instead, and the error is raised. A call another
+        thread still has inside NCCL then gets an abort on its way out, not a destroy."""
         if self.state not in ("ok", "initializing"):
             return
         cupy = _cuda.cupy_module()
@@ -342,28 +379,133 @@ class Communicator(GuardedCalls):
             with self._lock:
                 if self.state != "ok":
                     return
-                self.state = "shut down"
-                self._wait_for_callers()
-                handle, self._handle = self._handle, None
+                handle = self._end("shut down")
+            if handle:
                 self._lib.ncclCommDestroy(handle)
+                self.abort_done.set()
 
     def abort(self, on_behalf_of: Optional[int] = None) -> Optional[int]:
         """ncclCommAbort: frees the communicator without waiting for peers or queued work,
         ending any kernel of it stuck on the GPU. Callable from any thread; idempotent.
-        Returns NCCL's status for the abort (None when there was nothing to abort; a failing
-        status raises NcclError). ``on_behalf_of``: the
-        thread that asked for the abort when another runs it (its call under way, if any, is
-        not waited for, as the caller's own would not be)."""
+        Returns NCCL's status for the abort (None when there was nothing to abort now; a
+        failing status raises NcclError). With another thread inside a call on it, NCCL may
+        not be entered beside that call: the communicator is marked aborted at once (no call
+        enters any more) and the call runs ncclCommAbort on its way out
+        (:mod:`cupycoll.nccl.call_guard`, rule 2; ``abort_done`` is set once it ran).
+        ``on_behalf_of``: the thread that asked for the abort when another runs it (abort_all
+        from a signal handler: that thread is not inside NCCL while the handler runs)."""
         # The state changes under the lock, ncclCommAbort runs outside it: an abort that
         # hangs (NCCL has known hangs there) must not stall the watchdog's async_error() on the
         # lock. Every holder of the lock re-checks the state, so none touches the comm after.
         with self._lock:
             if self.ended:
                 return None
-            self.state = "aborted"  # from now on _guarded refuses new calls
-            handle, self._handle = self._handle, None
-            self._wait_for_callers(on_behalf_of)
+            handle = self._end("aborted", on_behalf_of)
         if not handle:
             return None
-        with _cuda.cupy_module().cuda.Device(self.device):
-            return self._lib.ncclCommAbort(handle)
+        return self._abort_now(handle)
+
+    def _abort_now(self, handle: int) -> int:
+        try:
+            with _cuda.cupy_module().cuda.Device(self.device):
+                return self._lib.ncclCommAbort(handle)
+        finally:
+            self.abort_done.set()
+
+
+class Communicators:
+    """The communicators of one group, which its backend issues on and its lifetime watches
+    and ends: the group's own (``group``), its two-rank pair communicators by peer
+    (``pairs``), those being created (``pending``: an abort must reach them), the blocking
+    creations under way that no communicator holds yet (``creating``), and the algorithms'
+    runners on them (``runners``, each with ``close()``)."""
+
+    def __init__(self):
+        self.group: Optional[Communicator] = None
+        self.pairs: dict = {}
+        self.pending: list = []
+        self.creating: list = []  # [thread, when it entered, the NCCL function] per creation
+        self.runners: dict = {}  # (algorithm, id(communicator)) -> its runner
+        # The group splits, or is shrunk from, a parent: the parent's calls made for it.
+        self.parent: Optional[Communicator] = None
+        self.name = ""  # the group's, which a parent's calls made for it are noted under
+
+    def all(self) -> list:
+        """The communicators made (the pair ones, then the group's)."""
+        comms = list(self.pairs.values())
+        if self.group is not None:
+            comms.append(self.group)
+        return comms
+
+    def reachable(self) -> list:
+        """Those being created too: what an abort must reach."""
+        return list(self.pending) + self.all()
+
+    @contextlib.contextmanager
+    def creation(self, function: str):
+        """A blocking creation under way on this thread: no communicator holds it yet, but
+        the watchdog must see it (it waits for every peer inside NCCL)."""
+        note = [threading.get_ident(), time.monotonic(), function]
+        self.creating.append(note)
+        try:
+            yield
+        finally:
+            self.creating.remove(note)
+
+    def stuck_call(self, after_s: float, now: Optional[float] = None,
+                   ended: bool = False) -> Optional[Tuple[str, float]]:
+        """(NCCL function, seconds inside) of the oldest call of this group inside NCCL for
+        more than ``after_s``: on its communicators, its blocking creations, and the calls
+        its parent makes for it (a split, a shrink); None when there is none. ``ended``: on
+        aborted communicators too (their calls are the group's end's, not a new fault)."""
+        now = time.monotonic() if now is None else now
+        found = [comm.stuck_call(after_s, now) for comm in self.reachable() if ended or not comm.ended]
+        found += [(note[2], now - note[1]) for note in list(self.creating) if now - note[1] > after_s]
+        if self.parent is not None:
+            found.append(self.parent.stuck_call(after_s, now, child=self.name))
+        found = [item for item in found if item is not None]
+        return max(found, key=lambda item: item[1], default=None)
+
+    def fenced(self) -> bool:
+        """Is a multi-communicator ncclGroupEnd under way on them (cupycoll.nccl.group)?"""
+        return any(comm.fences for comm in self.all())
+
+    def blocked(self) -> bool:
+        """Is a call inside NCCL on an aborted communicator that NCCL's abort could not be run
+        beside (a blocking call that never returns), or a creation still under way?"""
+        return bool(self.creating) or any(comm.abort_deferred() for comm in self.reachable())
+
+    def abort(self, asker: Optional[int] = None) -> list:
+        """Abort every communicator (each step whatever the others did); the errors met."""
+        errors = []
+        for comm in self.reachable():
+            try:
+                comm.abort(asker)
+            except BaseException as exc:  # noqa: BLE001 - every communicator is attempted
+                errors.append((comm, exc))
+        return errors
+
+    def settled(self, timeout: float, blocked_after: float) -> bool:
+        """Wait at most ``timeout`` seconds for every aborted communicator's ncclCommAbort to
+        have returned; False if one has not (a hung abort), at once if one is left to a call
+        inside NCCL for longer than ``blocked_after`` (blocked: it may never come out)."""
+        deadline = time.monotonic() + timeout
+        for comm in self.reachable():
+            if not comm.ended or comm.abort_done.is_set():
+                continue
+            if comm.abort_deferred() and comm.blocked(blocked_after):
+                return False
+            if not comm.abort_done.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def close_runners(self) -> list:
+        """Close the algorithms' runners (their scratch and streams); the errors met."""
+        runners, self.runners = list(self.runners.items()), {}
+        errors = []
+        for (algorithm, _), runner in runners:
+            try:
+                runner.close()
+            except BaseException as exc:  # noqa: BLE001 - teardown goes on
+                errors.append((algorithm, exc))
+        return errors

@@ -56,16 +56,27 @@ def nccl_group(lib: "nccl_bindings.NcclLibrary"):
         elif raised is not None:
             state["raised"] = raised  # the outermost group ends the partial batch
         cut = False  # an abort of a member ended the launch (it failed the group's Works)
+        # Over several communicators, a failing ncclGroupEnd sets every member's abort flag,
+        # and kernels issued earlier on them may end early: the members stay fenced (their
+        # watch retires nothing) until their owners have been told, so no such kernel's
+        # event reads as a success first.
+        fenced = members if len(members) > 1 else []
+        for comm in fenced:
+            comm.fences += 1
         try:
             try:
                 lib.ncclGroupEnd()
             except Exception as exc:
                 gone = next((c for c in members if c.ended), None)
                 if gone is None:
+                    for comm in fenced:
+                        comm.tell_owner(exc)
                     raise
                 cut = True
                 raise gone.cut_short("ncclGroupEnd") from exc
         finally:
+            for comm in fenced:
+                comm.fences -= 1
             for comm in members:
                 comm._leave_group()
             for comm in members:

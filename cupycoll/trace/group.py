@@ -5,11 +5,10 @@ The group calls :meth:`GroupTrace.call` once per call it routes, CPU and CUDA al
 the tensors every rank passes alike. That records the call (:mod:`cupycoll.trace.recorder`) and,
 with ``check_collectives``, compares it across ranks first (:mod:`cupycoll.trace.mismatch`).
 
-* A CUDA call's entry is taken by the backend, which holds this object
-  (``CudaBackend.use_trace``): its ``submit`` calls :meth:`GroupTrace.take`, and the entry
-  is marked issued when the call's batch launches (:mod:`cupycoll.faults.lifecycle`); the watchdog
-  marks it completed, and on a timeout asks :meth:`GroupTrace.explain_timeout` for the
-  message.
+* A CUDA call's entry goes down the call with it (the group hands it to the collective,
+  which hands it to the backend's ``submit``): the backend marks it issued when the call's
+  batch launches, the watch completed when the batch is retired, and on a timeout the
+  group's lifetime asks :meth:`GroupTrace.explain_timeout` for the message.
 * A CPU call goes to gloo; :meth:`GroupTrace.gloo` wraps gloo's Work in a
   :class:`TracedWork` whose ``wait()`` marks the entry completed, or, when gloo reports a
   timeout, runs the diagnosis and raises :class:`~cupycoll.CollectiveTimeoutError` with its
@@ -40,10 +39,6 @@ from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
 _P2P = frozenset({"send", "recv", "recv_anysource"})
 
 
-class _Pending(threading.local):
-    entry: Optional[list] = None  # recorded by GroupTrace.call, not yet taken
-
-
 class GroupTrace:
     """The recorder of one group, and what uses it."""
 
@@ -52,50 +47,37 @@ class GroupTrace:
         self.settings = settings
         self.recorder = recorder.new_recorder(name, global_ranks, rank, settings.trace_buffer)
         self.check = settings.check_collectives
-        # Per thread: DDP issues from autograd threads; each routes one call at a time.
-        self._local = _Pending()
         self._open_works: "weakref.WeakSet[TracedWork]" = weakref.WeakSet()  # not waited yet
         self._closed = False
         # A group of one has nobody to ask; the stand-ins of the tests have no store.
         if store is not None and len(global_ranks) > 1:
             diagnosis.serve(store, self.recorder, settings.trace_dir)
 
-    def call(self, op: str, tensors, root=None, opts=None, route: str = "nccl", cpu_group=None) -> None:
+    def call(self, op: str, tensors, root=None, opts=None, route: str = "nccl", cpu_group=None) -> Optional[list]:
         """Record one call (``tensors``: a flat sequence, those every rank passes alike) and,
-        when enabled, check it against the other ranks first. The entry waits for
-        :meth:`take` (the backend's submit, or :meth:`gloo`) in this thread."""
+        when enabled, check it against the other ranks first; its entry, which goes down
+        the call (None for a gloo point-to-point call, whose Work stays gloo's own)."""
         if len(tensors) == 1:  # the hot path: one tensor
             shapes, dtypes = (tensors[0].shape,), (tensors[0].dtype,)
         else:
             shapes, dtypes = tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
-        rec, local = self.recorder, self._local
-        if local.entry is not None:  # recorded, never taken: its call raised before NCCL/gloo
-            rec.mark(local.entry, "failed")
-            local.entry = None
+        rec = self.recorder
         if op in _P2P:
             entry = rec.record_p2p(op, shapes, dtypes, root, route)
-            if route == "gloo":
-                return  # gloo's own P2P Work is returned unwrapped: nothing takes the entry
-        else:
-            entry = rec.record(op, shapes, dtypes, root, route, "queued" if route != "gloo" else "issued")
-            if self.check and cpu_group is not None:
-                try:
-                    mismatch.check(cpu_group, mismatch.signature(entry[E_SEQ], op, shapes, dtypes, root,
-                                                                 getattr(opts, "reduceOp", None)),
-                                   rec.rank, len(rec.ranks), rec.group, rec.ranks)
-                except BaseException:
-                    rec.mark(entry, "failed")
-                    raise
-        local.entry = entry
-
-    def take(self) -> Optional[list]:
-        """The entry :meth:`call` recorded in this thread, once."""
-        local = self._local
-        entry, local.entry = local.entry, None
+            return entry if route != "gloo" else None
+        entry = rec.record(op, shapes, dtypes, root, route, "queued" if route != "gloo" else "issued")
+        if self.check and cpu_group is not None:
+            try:
+                mismatch.check(cpu_group, mismatch.signature(entry[E_SEQ], op, shapes, dtypes, root,
+                                                             getattr(opts, "reduceOp", None)),
+                               rec.rank, len(rec.ranks), rec.group, rec.ranks)
+            except BaseException:
+                rec.mark(entry, "failed")
+                raise
         return entry
 
-    def gloo(self, work: dist.Work) -> dist.Work:
-        return TracedWork(work, self.take(), self)
+    def gloo(self, work: dist.Work, entry: Optional[list]) -> dist.Work:
+        return TracedWork(work, entry, self)
 
     def failure(self, entry: Optional[list], error: BaseException):
         """What gloo raised from a wait, as cupycoll's error naming the rank behind when it
