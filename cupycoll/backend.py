@@ -139,6 +139,8 @@ class CudaBackend:
         self._plans: dict = {}
         # Whether a call may take the fast path at all (what changes rarely: see _refresh_fast).
         self.fast = False
+        # Issued calls are watched (Options.watch_calls: off only to measure what that costs).
+        self._watch_calls = settings.watch_calls
 
     # The group's state and fault are its lifetime's (cupycoll.faults.lifecycle).
     @property
@@ -396,7 +398,7 @@ class CudaBackend:
                 if timed_out is not None:
                     raise timed_out from exc
                 raise
-            slot = self.watch.issued(stream, entry)
+            slot = self.watch.issued(stream, entry) if self._watch_calls else None
             calls._seq += 1
             work = CudaWork("all_reduce", self.device, [tensor], self.watch, seq=calls._seq)
             work._issued(slot, stream, False)
@@ -493,8 +495,9 @@ class CudaBackend:
     def _track(self, issues: List[Issue], stream: int, async_op: bool) -> None:
         """Put the launched batch in flight in the watch (not a call captured into a CUDA
         graph, as ProcessGroupNCCL: it runs nothing until replayed, and the watchdog's event
-        queries would invalidate the capture), and tell its Works where it is."""
-        if _cuda.capturing(stream):
+        queries would invalidate the capture; nor any with ``Options.watch_calls`` off), and
+        tell its Works where it is."""
+        if not self._watch_calls or _cuda.capturing(stream):
             slot = None
         else:
             records = [issue.entry for issue in issues if issue.entry is not None]

@@ -50,6 +50,10 @@ Every variable that configures cupycoll is read here, only here, and listed in
     ``0`` and ``2`` (clean up only) as ``raise``.
 ``CUPYCOLL_WATCHDOG_INTERVAL``
     Seconds between the watchdog's polls of in-flight work (default 0.1, at most 60).
+``CUPYCOLL_WATCH_CALLS``
+    ``1`` (default): every issued call is watched (a pooled completion event, its timeout).
+    ``0``: none is; a hung collective then hangs the job. For measuring the watchdog's
+    cost (``bench/fault_bench.py``), never for training.
 ``CUPYCOLL_ALGORITHM``
     ``auto`` (default): NCCL, and cupycoll's ring kernels only where NCCL cannot serve
     (bitwise ops). ``nccl``: NCCL only. ``ring``: the ring kernels wherever they apply.
@@ -109,6 +113,8 @@ ENVIRONMENT = {
     "CUPYCOLL_BLOCKING_WAIT": "1: Work.wait() blocks the CPU until done; 0 (default): stream wait",
     "CUPYCOLL_ON_TIMEOUT": "raise (default): abort and fail the Works; terminate: also exit",
     "CUPYCOLL_WATCHDOG_INTERVAL": "seconds between watchdog polls (default 0.1; from 0.001 to 60)",
+    "CUPYCOLL_WATCH_CALLS": "1 (default): every issued call is watched; 0: none is (to measure the "
+                            "watchdog's cost; never for training)",
     "CUPYCOLL_ALGORITHM": "auto (default): NCCL, ring only for bitwise ops; nccl; ring",
     "CUPYCOLL_RING_SCRATCH_BYTES": "ring scratch memory per communicator (default 4 MiB)",
     "CUPYCOLL_TRACE_BUFFER": "flight-recorder entries per group (default 2000; 0: none)",
@@ -157,6 +163,7 @@ _FIELDS = {
                          "TORCH_NCCL_ASYNC_ERROR_HANDLING", torch_error_handling),
     "watchdog_interval": _Field(parse_interval, DEFAULT_WATCHDOG_INTERVAL,
                                 "CUPYCOLL_WATCHDOG_INTERVAL"),
+    "watch_calls": _Field(parse_bool, True, "CUPYCOLL_WATCH_CALLS"),
     "algorithm": _Field(_parse_algorithm, "auto", "CUPYCOLL_ALGORITHM"),
     "ring_scratch_bytes": _Field(parse_positive_int, DEFAULT_RING_SCRATCH_BYTES,
                                  "CUPYCOLL_RING_SCRATCH_BYTES"),
@@ -190,6 +197,11 @@ class Options:
         blocking_wait: ``Work.wait()`` blocks the CPU until the collective is done.
         on_timeout: ``"raise"`` or ``"terminate"``.
         watchdog_interval: seconds between watchdog polls.
+        watch_calls: put every issued call in flight in the watchdog's watch (default True).
+            False: no completion event per call and no timeout of a collective (a call
+            stuck inside NCCL and NCCL's asynchronous errors are still found): what the
+            benchmark's fault part compares against, to measure what watching costs. Never
+            for training: a hung collective then hangs the job.
         algorithm: ``"auto"``, ``"nccl"``, ``"ring"`` or a registered algorithm's name
             (:mod:`cupycoll.algorithms`).
         ring_scratch_bytes: the ring's scratch memory per communicator.
@@ -204,6 +216,7 @@ class Options:
     blocking_wait: Optional[bool] = None
     on_timeout: Optional[str] = None
     watchdog_interval: Optional[float] = None
+    watch_calls: Optional[bool] = None
     algorithm: Optional[str] = None
     ring_scratch_bytes: Optional[int] = None
     trace_buffer: Optional[int] = None
@@ -232,6 +245,7 @@ class Settings:
     blocking_wait: bool = False
     on_timeout: str = "raise"
     watchdog_interval: float = DEFAULT_WATCHDOG_INTERVAL
+    watch_calls: bool = True
     algorithm: str = "auto"
     ring_scratch_bytes: int = DEFAULT_RING_SCRATCH_BYTES
     trace_buffer: int = DEFAULT_TRACE_BUFFER

@@ -884,7 +884,7 @@ def test_a_blocking_call_stuck_inside_nccl_is_timed_out_never_aborted_beside_and
         assert lib.inside.wait(5)
         assert eventually(lambda: terminations, timeout=10)
         assert time.monotonic() - start < 0.3 + 5.0  # the timeout + the watchdog's pass + the end
-        [(life, error)] = terminations
+        life, error = terminations[0]  # terminate (recorded here, not exiting) may be asked again
         assert life is cuda.life and isinstance(error, CollectiveTimeoutError)
         assert "all_reduce #1 timed out; rank 1 is behind" in str(error)  # the call being issued
         assert "ncclAllReduce has been inside NCCL" in str(error) and "no abort can end it safely" in str(error)
@@ -933,7 +933,7 @@ def test_a_stuck_nccl_group_over_two_communicators_frees_neither_while_its_threa
     try:
         assert shared.inside.wait(5)
         assert eventually(lambda: terminations, timeout=10)
-        [(life, error)] = terminations
+        life, error = terminations[0]  # terminate (recorded here, not exiting) may be asked again
         assert "ncclGroupEnd has been inside NCCL" in str(error)
         assert shared.aborted_while_inside == []  # no member freed under the thread
         assert all(comm.state == "aborted" for comm in libs)  # refused to any new call
@@ -958,3 +958,118 @@ def test_only_a_call_the_abort_ended_inside_nccl_takes_the_groups_timeout():
     assert life.timeout_that_cut(refused) is None
     assert life.timeout_that_cut(RuntimeError("a launch's own error")) is None
     life.fault = None
+
+
+# -- every call that waits for a peer ends -------------------------------------------------
+
+
+def test_a_blocking_creation_stuck_after_the_store_gate_is_timed_out_and_ends_the_process(
+        monkeypatch, terminations):
+    # A peer passed the store gate but never joins NCCL's bootstrap: ncclCommInitRankConfig
+    # waits inside NCCL before any communicator exists. The watchdog sees the creation, and
+    # as nothing can end it, the process ends with the group's timeout.
+    release = threading.Event()
+    monkeypatch.setattr(Communicator, "preflight", staticmethod(lambda *args: None))
+
+    def begin(cls, *args, **kwargs):
+        release.wait(30)
+        return FakeComm()
+    monkeypatch.setattr(Communicator, "begin", classmethod(begin))
+    group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=0.3),
+                           config.Options(watchdog_interval=0.01))
+    cuda = group._cuda
+    cuda._bootstrap.unique_id = lambda key, creator, members: b"\0" * 128  # past the gate
+    creator = threading.Thread(target=lambda: pytest.raises(CommunicatorAbortedError, cuda.comm_for, CUDA),
+                               daemon=True)
+    creator.start()
+    try:
+        assert eventually(lambda: terminations, timeout=10)
+        life, error = terminations[0]  # terminate (recorded here, not exiting) may be asked again
+        assert life is cuda.life and "ncclCommInitRankConfig has been inside NCCL" in str(error)
+        assert cuda.state == "aborted"
+    finally:
+        release.set()
+        creator.join(5)
+    assert not creator.is_alive()
+
+
+def test_abort_all_reentered_from_a_signal_handler_returns_at_once(monkeypatch):
+    # Signals arriving while abort_all blocks run the handler again on the same thread:
+    # each must return, not nest another abort_all until the stack overflows.
+    from cupycoll.faults import lifecycle
+
+    group = make_group()
+    nested = []
+
+    class HandlerComm(FakeComm):
+        def abort(self, on_behalf_of=None):
+            start = time.monotonic()
+            # a signal's handler, on the thread inside abort_all (its joining thread here)
+            nested.append((lifecycle.abort_all(timeout=5), time.monotonic() - start))
+            super().abort()
+
+    group._cuda.comm = HandlerComm()
+    monkeypatch.setattr(lifecycle.threading, "Thread", _InlineThread)
+    assert cupycoll.abort_all(timeout=5) >= 1
+    assert len(nested) == 1 and nested[0][1] < 1.0
+    assert group._cuda.state == "aborted"
+
+
+class _InlineThread:
+    """threading.Thread that runs its target on the caller's thread when started."""
+
+    def __init__(self, target=None, args=(), name=None, daemon=None):
+        self.target, self.args = target, args
+
+    def start(self):
+        self.target(*self.args)
+
+    def join(self, timeout=None):
+        pass
+
+    def is_alive(self):
+        return False
+
+
+def test_abort_all_leaves_a_shut_down_group_alone():
+    group = make_group()
+    comm = group._cuda.comm = FakeComm()
+    group.shutdown()
+    assert group._cuda.state == "shut down" and comm.state == "shut down"
+    assert cupycoll.abort_all() == 0 or group._cuda.state == "shut down"
+    assert group._cuda.state == "shut down" and not comm.aborted.is_set()
+
+
+def test_a_group_aborted_while_half_built_ends_what_exists_without_errors(monkeypatch):
+    # abort_all from a signal handler may catch a group during its construction.
+    import warnings
+    from cupycoll.faults import lifecycle
+
+    seen = []
+    real_init = CpuAsCudaGroup._build
+
+    def build_then_abort(self, *args, **kwargs):
+        self._trace = None  # not yet: the group is half-built
+        del self._trace
+        lifecycle.abort_all()  # the signal
+        seen.append("aborted before the group was built")
+        return real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuAsCudaGroup, "_build", build_then_abort)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a step failing (AttributeError) would warn
+        group = make_group()
+    assert seen
+    group.abort()
+    assert group._cuda.state == "aborted"
+
+
+def test_a_group_made_with_watch_calls_off_puts_no_call_in_flight(cuda_standins):
+    group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=5),
+                           config.Options(watch_calls=False))
+    cuda = group._cuda
+    cuda.comm = FakeComm()
+    cuda._launch_all = lambda issues, comms, stream, launched=None: None
+    work = group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
+    assert cuda.watch.in_flight() == 0 and work._slot is None and work.is_completed()
+    group.abort()

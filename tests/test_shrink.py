@@ -233,3 +233,71 @@ def test_torchs_destroy_leaves_a_group_being_shrunk_to_the_shrink(made, handed_o
     else:
         assert comm.state == "shut down" and group._cuda.state is GroupState.SHUT_DOWN
         assert ("ncclCommDestroy", 0x5000) in comm._lib.calls
+
+
+def test_a_blocking_shrink_stuck_on_a_survivor_is_timed_out_on_the_new_groups_terms(made, monkeypatch):
+    # A survivor that never makes the shrink (a second failure after the survivors agreed):
+    # the call waits inside NCCL on the parent, whose group is ending. The new group's watch
+    # times it out (its own timeout); no abort may run beside it, so the process ends.
+    from cupycoll.faults import lifecycle
+
+    ended = []
+    monkeypatch.setattr(lifecycle, "terminate", lambda group, error: ended.append((group, error)))
+    comm = made(child_size=2, child_rank=0)
+    release = threading.Event()
+    shrink_call = comm._lib.ncclCommShrink
+
+    def shrink_waiting_for_a_survivor(*args):
+        release.wait(30)
+        return shrink_call(*args)
+    comm._lib.ncclCommShrink = shrink_waiting_for_a_survivor
+    parent = _parent_with(comm)
+    child = CudaBackend(dist.HashStore(), 0, 2, config.resolve(
+        config.Options(watchdog_interval=0.01), datetime.timedelta(seconds=0.3)))
+    child._bootstrap.all_agree = lambda key, mine, members: True  # the survivors agreed
+    shrinker = threading.Thread(target=child.shrink_from, args=(parent, [2], False), daemon=True)
+    shrinker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.02)
+        life, error = ended[0]  # terminate (here recorded, not exiting) may be asked again
+        assert life is child.life and "ncclCommShrink has been inside NCCL" in str(error)
+        assert parent.state is GroupState.ABORTED  # ended, its Works failed; its abort left to the call
+        assert ("ncclCommAbort", 0x5000) not in comm._lib.calls  # never beside the shrink
+    finally:
+        release.set()
+        shrinker.join(5)
+    assert ("ncclCommAbort", 0x5000) in comm._lib.calls  # once the shrink came out
+
+
+def test_a_split_a_peer_is_late_for_times_out_the_new_group_not_its_parent(made, monkeypatch):
+    from cupycoll.faults import lifecycle
+
+    ended = []
+    monkeypatch.setattr(lifecycle, "terminate", lambda group, error: ended.append((group, error)))
+    comm = made()
+    release = threading.Event()
+    split_call = comm._lib.ncclCommSplit
+
+    def split_waiting_for_a_member(*args):
+        release.wait(30)
+        return split_call(*args)
+    comm._lib.ncclCommSplit = split_waiting_for_a_member
+    parent = _parent_with(comm)
+    parent.life.watching()
+    child = CudaBackend(dist.HashStore(), 0, 2, config.resolve(
+        config.Options(watchdog_interval=0.01), datetime.timedelta(seconds=0.3)))
+    splitter = threading.Thread(target=child.split_from, args=(parent,), daemon=True)
+    splitter.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.02)
+        life, error = ended[0]  # terminate (here recorded, not exiting) may be asked again
+        assert life is child.life and "ncclCommSplit has been inside NCCL" in str(error)
+        assert parent.state is GroupState.OK and parent.watch.check() is None  # not the parent's fault
+    finally:
+        release.set()
+        splitter.join(5)
+    parent.abort()

@@ -32,7 +32,7 @@ def test_buffer_stays_bounded_over_many_calls():
     for _ in range(10_000):
         entry = recorder.record("all_reduce", (t.shape,), (t.dtype,))
         recorder.mark(entry, "completed")
-    assert len(recorder.entries) == rec_mod.DEFAULT_BUFFER == 2000
+    assert len(recorder.entries) == config.DEFAULT_TRACE_BUFFER == 2000
     assert [e[E_SEQ] for e in recorder.entries] == list(range(8001, 10_001))
     assert recorder.last_issued == recorder.last_completed == 10_000
     small = Recorder("1", [0], 0, size=5)
@@ -182,7 +182,7 @@ def test_bench_figures():
 
 # -- the analyzer -------------------------------------------------------------------------
 
-def write_rank(directory, rank, world, calls, group="0", size=rec_mod.DEFAULT_BUFFER, done=None):
+def write_rank(directory, rank, world, calls, group="0", size=config.DEFAULT_TRACE_BUFFER, done=None):
     """Dump rank ``rank``'s recorder after ``calls``: (op, shape, dtype, root) tuples; the
     first ``done`` (default: all but the last) are completed."""
     rec_mod.reset()

@@ -58,9 +58,9 @@ class GuardedCalls:
         self.fences = 0  # open multi-communicator ncclGroupEnds using it (cupycoll.nccl.group)
         self.abort_done = threading.Event()  # ncclCommAbort returned (or there was none to run)
 
-    def _guarded(self, function: str, call: Callable[[Optional[int]], object], for_child: Optional[str] = None):
+    def _guarded(self, function: str, call: Callable[[Optional[int]], object], for_child: object = None):
         """``call(handle)``, one NCCL call on this communicator (rule 1). ``for_child``: the
-        name of the group a split or shrink makes, whose timeout applies (rule 4)."""
+        communicators of the group a split or shrink makes, whose timeout applies (rule 4)."""
         with self._lock:
             if self.state not in _USABLE or not self._handle:
                 raise CommunicatorAbortedError(
@@ -123,12 +123,12 @@ class GuardedCalls:
         return error
 
     def stuck_call(self, after_s: float, now: Optional[float] = None,
-                   child: Optional[str] = None) -> Optional[Tuple[str, float]]:
+                   child: object = None) -> Optional[Tuple[str, float]]:
         """(NCCL function, seconds inside) of the oldest call inside NCCL for more than
         ``after_s``, or None (rule 4). ``child``: only the calls made for that child group;
         None: only this communicator's own."""
         now = time.monotonic() if now is None else now
-        oldest = min((note for note in list(self._callers) if note[_FOR_CHILD] == child),
+        oldest = min((note for note in list(self._callers) if note[_FOR_CHILD] is child),
                      key=lambda note: note[_ENTERED], default=None)
         if oldest is None:
             return None

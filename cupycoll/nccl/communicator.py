@@ -151,7 +151,7 @@ class Communicator(GuardedCalls):
         return self._lib.has("ncclCommShrink")
 
     def split(self, color: int, key: int, on_abort: Optional[Callable[[BaseException], None]] = None,
-              child: str = "", timeout: Optional[float] = None) -> Optional["Communicator"]:
+              child: object = None, timeout: Optional[float] = None) -> Optional["Communicator"]:
         """ncclCommSplit: collective over this communicator. ``color < 0`` takes no part.
         ``on_abort``, ``child`` and ``timeout``: the child group's (its timeout bounds the
         split, and a split that times out is the child's fault, not this parent's)."""
@@ -160,7 +160,7 @@ class Communicator(GuardedCalls):
             parent, color, key, handle, config), on_abort, child, timeout)
 
     def shrink(self, exclude: Sequence[int], abort_first: bool,
-               on_abort: Optional[Callable[[BaseException], None]] = None, child: str = "",
+               on_abort: Optional[Callable[[BaseException], None]] = None, child: object = None,
                timeout: Optional[float] = None) -> "Communicator":
         """ncclCommShrink: a communicator of this one's ranks but ``exclude``, collective over
         those. ``abort_first`` (NCCL_SHRINK_ABORT): what is in flight on this communicator
@@ -175,7 +175,7 @@ class Communicator(GuardedCalls):
         return self._child("ncclCommShrink", lambda parent, handle, config: self._lib.ncclCommShrink(
             parent, excluded, len(exclude), handle, config, flags), on_abort, child, timeout)
 
-    def _child(self, function: str, make, on_abort, child_name: str,
+    def _child(self, function: str, make, on_abort, child_name: object,
                timeout: Optional[float]) -> Optional["Communicator"]:
         """A communicator made from this one by ``make(parent, newcomm_ref, config_ref)`` (a
         collective over this one), in this one's mode; None when NCCL gives this rank none.
@@ -426,9 +426,9 @@ class Communicators:
         self.pending: list = []
         self.creating: list = []  # [thread, when it entered, the NCCL function] per creation
         self.runners: dict = {}  # (algorithm, id(communicator)) -> its runner
-        # The group splits, or is shrunk from, a parent: the parent's calls made for it.
+        # While the group's communicator is split, or shrunk, from a parent's: that parent
+        # (its calls made for this group are noted under this object, and are this group's).
         self.parent: Optional[Communicator] = None
-        self.name = ""  # the group's, which a parent's calls made for it are noted under
 
     def all(self) -> list:
         """The communicators made (the pair ones, then the group's)."""
@@ -462,7 +462,7 @@ class Communicators:
         found = [comm.stuck_call(after_s, now) for comm in self.reachable() if ended or not comm.ended]
         found += [(note[2], now - note[1]) for note in list(self.creating) if now - note[1] > after_s]
         if self.parent is not None:
-            found.append(self.parent.stuck_call(after_s, now, child=self.name))
+            found.append(self.parent.stuck_call(after_s, now, child=self))
         found = [item for item in found if item is not None]
         return max(found, key=lambda item: item[1], default=None)
 

@@ -38,9 +38,9 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from ..config import DEFAULT_TRACE_BUFFER
 from ..errors import CupycollTypeError, CupycollValueError
 
-DEFAULT_BUFFER = 2000
 STATES = ("queued", "issued", "completed", "failed", "aborted")
 UNFINISHED = ("queued", "issued")
 FORMAT = "cupycoll-trace"
@@ -68,7 +68,7 @@ class Recorder:
     __slots__ = ("group", "ranks", "rank", "size", "incarnation", "entries", "_next_seq",
                  "_next_p2p", "last_issued", "last_issued_entry", "last_completed", "__weakref__")
 
-    def __init__(self, group: str, ranks: Sequence[int], rank: int, size: int = DEFAULT_BUFFER,
+    def __init__(self, group: str, ranks: Sequence[int], rank: int, size: int = DEFAULT_TRACE_BUFFER,
                  incarnation: int = 0):
         if not isinstance(group, str):
             raise CupycollTypeError(f"group={group!r}: expected the group's name (a str)")
@@ -245,7 +245,7 @@ _incarnations: Dict[str, int] = {}
 
 
 def new_recorder(group: str, ranks: Sequence[int], rank: int,
-                 size: int = DEFAULT_BUFFER) -> Recorder:
+                 size: int = DEFAULT_TRACE_BUFFER) -> Recorder:
     """Make and register the recorder of a group being built. A group of the same name made
     before (destroyed, or re-created after a fault) is retired: still dumped, up to
     RETIRED_KEPT of them."""

@@ -37,8 +37,8 @@ def test_sync_issues_on_current_stream(group):
     with torch.cuda.stream(side):
         x = torch.ones(8, device="cuda")
         work = group.allreduce([x], _opts(async_op=False))
-        # on the caller's stream; the event is only for the watchdog to query
-        assert work._stream == side and work._event is not None
+        # on the caller's stream; the pooled event is only for the watchdog to query
+        assert work._stream == side.cuda_stream and work._slot is not None
     side.synchronize()
     assert torch.equal(x.cpu(), torch.ones(8))
 
@@ -48,7 +48,7 @@ def test_async_uses_internal_stream_and_wait_does_not_block_cpu(group):
     torch.cuda._sleep(int(2e9))  # ~1 s of GPU time on the current stream
     start = time.monotonic()
     work = dist.all_reduce(x, async_op=True)
-    assert work._stream != torch.cuda.current_stream()
+    assert work._stream != torch.cuda.current_stream().cuda_stream
     work.wait()
     assert time.monotonic() - start < 0.5, "wait() must not block the CPU"
     assert not work.is_completed()
