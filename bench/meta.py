@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
+from cupycoll import config as cupycoll_config
 from cupycoll.nccl import bindings as nccl_bindings
+from cupycoll.ring import schedule as ring_schedule
 
 from . import gpu_info, launch, output
 from .calls import group_timeout
@@ -54,6 +56,15 @@ def _driver_version() -> str:
         return "unknown"
 
 
+def ring_scratch(candidates) -> str:
+    """The ring's scratch policy and limit as the run's cupycoll group has it (its settings
+    come from the environment: the benchmark passes no Options), or why there is none."""
+    if "cupycoll:ring" not in candidates:
+        return "not used (no cupycoll:ring candidate)"
+    limit = cupycoll_config.resolve(None).ring_scratch_bytes
+    return f"{ring_schedule.describe_scratch(limit)} (CUPYCOLL_RING_SCRATCH_BYTES)"
+
+
 def collect_meta(ctx) -> Dict:
     cfg = ctx.config
     me = {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
@@ -80,6 +91,7 @@ def collect_meta(ctx) -> Dict:
         "torch_nccl": "n/a", "cupy": "not installed", "cupy_nccl": "n/a",
         "cupycoll": cupycoll.__version__,
         "algorithm_selection": "cupycoll.algorithm() context on one cupycoll group",
+        "ring_scratch": ring_scratch([c.name for c in ctx.candidates]),
         "candidates": [c.name for c in ctx.candidates], "baseline": cfg.baseline,
         "timer": ctx.timer.description,
         "host_time": "median over -n calls of perf_counter around one call (no synchronization), "

@@ -218,7 +218,7 @@ def scenario_lines(title: str, rows: Sequence[Dict], baseline: str) -> List[str]
 def describe_meta(meta: Dict) -> List[str]:
     keys = ["command", "date", "git_commit", "world_size", "transport", "gpu", "driver_version",
             "torch", "torch_cuda", "torch_nccl", "cupy", "cupy_nccl", "cupycoll", "algorithm_selection",
-            "timer"]
+            "ring_scratch", "timer"]
     lines = ["# cupycoll-bench"]
     for key in keys:
         if key in meta:

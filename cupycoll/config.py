@@ -58,7 +58,10 @@ Every variable that configures cupycoll is read here, only here, and listed in
     ``auto`` (default): NCCL, and cupycoll's ring kernels only where NCCL cannot serve
     (bitwise ops). ``nccl``: NCCL only. ``ring``: the ring kernels wherever they apply.
 ``CUPYCOLL_RING_SCRATCH_BYTES``
-    Scratch memory the ring algorithm allocates once per communicator (default 4 MiB).
+    The most scratch memory the ring algorithm holds per communicator (default 1 GiB). The
+    scratch grows on demand to what a call needs, about one chunk of partials: a quarter of
+    an fp32 message at 8 ranks, half of it at 2, twice a bf16 one at 2; a call that would
+    need more runs more rounds of the largest slices that fit. The same on every rank.
 
 ``CUPYCOLL_TRACE_BUFFER`` (``TORCH_NCCL_TRACE_BUFFER_SIZE``)
     Entries the flight recorder keeps per group (default 2000); ``0`` keeps none (the
@@ -116,7 +119,7 @@ ENVIRONMENT = {
     "CUPYCOLL_WATCH_CALLS": "1 (default): every issued call is watched; 0: none is (to measure the "
                             "watchdog's cost; never for training)",
     "CUPYCOLL_ALGORITHM": "auto (default): NCCL, ring only for bitwise ops; nccl; ring",
-    "CUPYCOLL_RING_SCRATCH_BYTES": "ring scratch memory per communicator (default 4 MiB)",
+    "CUPYCOLL_RING_SCRATCH_BYTES": "most ring scratch memory per communicator, grown on demand (default 1 GiB)",
     "CUPYCOLL_TRACE_BUFFER": "flight-recorder entries per group (default 2000; 0: none)",
     "CUPYCOLL_TRACE_DIR": "folder for per-rank flight-recorder dumps on timeout (default: none)",
     "CUPYCOLL_CHECK_COLLECTIVES": "1: ranks compare op/shapes/dtypes/root before each call; 0 (default)",
@@ -131,7 +134,7 @@ ENVIRONMENT = {
 }
 
 TIMEOUT_POLICIES = ("raise", "terminate")
-DEFAULT_RING_SCRATCH_BYTES = 4 << 20
+DEFAULT_RING_SCRATCH_BYTES = 1 << 30
 DEFAULT_WATCHDOG_INTERVAL = 0.1
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 DEFAULT_TRACE_BUFFER = 2000
@@ -204,7 +207,7 @@ class Options:
             for training: a hung collective then hangs the job.
         algorithm: ``"auto"``, ``"nccl"``, ``"ring"`` or a registered algorithm's name
             (:mod:`cupycoll.algorithms`).
-        ring_scratch_bytes: the ring's scratch memory per communicator.
+        ring_scratch_bytes: the most scratch memory the ring holds per communicator.
         trace_buffer: flight-recorder entries kept per group (0: none).
         trace_dir: folder for the per-rank flight-recorder dumps written on a timeout.
         check_collectives: compare every collective's arguments across ranks first.

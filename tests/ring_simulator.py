@@ -2,13 +2,15 @@
 code, not shipped: tests import it as ``ring_simulator``).
 
 :func:`simulate_all_reduce` and :func:`simulate_reduce_scatter` build every rank's plan
-with :mod:`cupycoll.ring.schedule` (the same functions :mod:`cupycoll.ring.algorithm` calls) and run
-the plans in lock step, one numpy array per rank: ``Stage``/``Reduce``/``Alone`` apply the
+with :func:`cupycoll.ring.schedule.build_plan` (what :mod:`cupycoll.ring.algorithm` runs, for the
+same ``scratch_bytes``) and run the plans in lock step, one numpy array per rank, with the
+scratch buffers the plan's geometry lays out: ``Stage``/``Reduce``/``Alone`` apply the
 kernels' element arithmetic (``_Arithmetic``: widen to the accumulation type, PREMUL
 scaling, the op, AVG's division, one rounding at the end, bf16 as uint16 bit patterns),
-and ``Exchange``/``Forward`` deliver what each rank's left neighbour sent, checking that
-sender and receiver name the same slice (:class:`ScheduleError` otherwise). The GPU tests
-compare the ring's results with these bit for bit.
+``Exchange`` delivers what each rank's left neighbour sent, checking that sender and
+receiver name the same slice, and ``Gather`` copies every owner's finished chunk to every
+rank, checking that all ranks name the same one (:class:`ScheduleError` otherwise). The GPU
+tests compare the ring's results with these bit for bit.
 
 Deliberately left out: timing and streams (all ranks run action ``i`` before any runs
 ``i + 1``; the stream order is :func:`cupycoll.ring.schedule.issue`, tested on its own),
@@ -22,20 +24,18 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from cupycoll.config import DEFAULT_RING_SCRATCH_BYTES
 from cupycoll.ring.kernels import ELEMENTS, check, op_struct
 from cupycoll.errors import CupycollValueError
 from cupycoll.ring.schedule import (
-    LANES,
-    SLOTS,
-    Action,
     Alone,
     Exchange,
-    Forward,
+    Gather,
+    Plan,
     Reduce,
     Stage,
-    all_reduce_plan,
+    build_plan,
     left_of,
-    reduce_scatter_full_plan,
 )
 
 
@@ -138,20 +138,24 @@ def _as_inputs(inputs: Sequence[np.ndarray], dtype: Optional[str]):
     return name, [x.view(storage).copy() for x in arrays]
 
 
-def _run(plans: List[List[Action]], locals_: List[np.ndarray], outputs: List[np.ndarray],
-         arithmetic: _Arithmetic, slice_elems: int) -> None:
+def _run(plans: List[Plan], locals_: List[np.ndarray], outputs: List[np.ndarray],
+         arithmetic: _Arithmetic) -> None:
     world = len(plans)
-    if len({len(plan) for plan in plans}) != 1:
-        raise ScheduleError("ranks have plans of different lengths")
-    scratch = [{(lane, slot): np.zeros(slice_elems, arithmetic.acc)
-                for lane in range(LANES) for slot in range(SLOTS)} for _ in range(world)]
-    for index in range(len(plans[0])):
-        actions = [plan[index] for plan in plans]
+    if len({len(plan.actions) for plan in plans}) != 1 or len({plan.geometry for plan in plans}) != 1:
+        raise ScheduleError("ranks have plans of different lengths or geometries")
+    cut = plans[0].geometry
+    scratch = [{(lane, slot): np.zeros(cut.slice_elems, arithmetic.acc)
+                for lane in range(cut.lanes) for slot in range(cut.slots)} for _ in range(world)]
+    for index in range(len(plans[0].actions)):
+        actions = [plan.actions[index] for plan in plans]
         kinds = {type(a) for a in actions}
         if len(kinds) != 1:
             raise ScheduleError(f"action {index}: ranks disagree on its kind ({kinds})")
-        if isinstance(actions[0], (Exchange, Forward)):
-            _deliver(index, actions, locals_, outputs, scratch)
+        if isinstance(actions[0], Exchange):
+            _deliver(index, actions, locals_, scratch)
+            continue
+        if isinstance(actions[0], Gather):
+            _gather(index, actions, outputs)
             continue
         for rank, action in enumerate(actions):
             local, out, mine = locals_[rank], outputs[rank], scratch[rank]
@@ -174,19 +178,16 @@ def _run(plans: List[List[Action]], locals_: List[np.ndarray], outputs: List[np.
                     out[action.start:action.stop] = local[action.start:action.stop]
 
 
-def _deliver(index, actions, locals_, outputs, scratch) -> None:
+def _deliver(index, actions, locals_, scratch) -> None:
     """Every rank sends, then every rank receives what its left neighbour sent."""
     world = len(actions)
     messages = []
     for rank, action in enumerate(actions):
-        if isinstance(action, Exchange):
-            if action.send_slot is None:
-                data = locals_[rank][action.send_start:action.send_stop]
-            else:
-                n = action.send_stop - action.send_start
-                data = scratch[rank][action.lane, action.send_slot][:n]
+        if action.send_slot is None:
+            data = locals_[rank][action.send_start:action.send_stop]
         else:
-            data = outputs[rank][action.send_start:action.send_stop]
+            n = action.send_stop - action.send_start
+            data = scratch[rank][action.lane, action.send_slot][:n]
         messages.append(((action.send_chunk, action.send_start, action.send_stop), data.copy()))
     for rank, action in enumerate(actions):
         (chunk, start, stop), data = messages[left_of(rank, world)]
@@ -195,28 +196,40 @@ def _deliver(index, actions, locals_, outputs, scratch) -> None:
                 f"action {index}: rank {rank} expects chunk {action.recv_chunk} "
                 f"[{action.recv_start}, {action.recv_stop}) but its left neighbour sends "
                 f"chunk {chunk} [{start}, {stop})")
-        if isinstance(action, Exchange):
-            scratch[rank][action.lane, action.recv_slot][:stop - start] = data
-        else:
-            outputs[rank][start:stop] = data
+        scratch[rank][action.lane, action.recv_slot][:stop - start] = data
+
+
+def _gather(index, actions, outputs) -> None:
+    """Rank ``c``'s ``[c * share, (c + 1) * share)`` and the root's tail, to every rank."""
+    if len(set(actions)) != 1:
+        raise ScheduleError(f"action {index}: ranks gather differently: {set(actions)}")
+    gather = actions[0]
+    share, world = gather.share, len(outputs)
+    finished = [out.copy() for out in outputs]
+    for out in outputs:
+        for owner in range(world):
+            out[owner * share:(owner + 1) * share] = finished[owner][owner * share:(owner + 1) * share]
+        out[gather.tail_start:gather.tail_stop] = finished[gather.root][gather.tail_start:gather.tail_stop]
 
 
 def _restore(name: str, outputs: List[np.ndarray]) -> List[np.ndarray]:
     return [out.view(np.bool_) if name == "bool" else out for out in outputs]
 
 
-def simulate_all_reduce(inputs: Sequence[np.ndarray], op: str, slice_elems: int = 1 << 16,
+def simulate_all_reduce(inputs: Sequence[np.ndarray], op: str,
+                        scratch_bytes: int = DEFAULT_RING_SCRATCH_BYTES,
                         dtype: Optional[str] = None, premul: Optional[float] = None,
                         in_place: bool = False) -> List[np.ndarray]:
     """Run the all-reduce schedule with numpy: ``inputs[r]`` is rank r's flat input;
-    returns each rank's output. ``dtype`` defaults to the arrays' (pass ``"bfloat16"``
-    with uint16 bit patterns); ``premul`` is PREMUL_SUM's factor (in the accumulation
-    type, as a Python float reaches the kernels). ``in_place``: the output is the input
-    buffer, so a schedule that overwrote data it still needs would show it."""
+    returns each rank's output. ``scratch_bytes``: the ring's scratch limit, which decides
+    the slicing (a small one gives many rounds). ``dtype`` defaults to the arrays' (pass
+    ``"bfloat16"`` with uint16 bit patterns); ``premul`` is PREMUL_SUM's factor (in the
+    accumulation type, as a Python float reaches the kernels). ``in_place``: the output is
+    the input buffer, so a schedule that overwrote data it still needs would show it."""
     name, locals_ = _as_inputs(inputs, dtype)
     world, count = len(locals_), len(locals_[0])
     arithmetic = _Arithmetic(name, op, premul, world)
-    plans = [all_reduce_plan(r, world, count, slice_elems, name, op) for r in range(world)]
+    plans = [build_plan("all_reduce", r, world, count, name, op, scratch_bytes) for r in range(world)]
     if in_place:
         outputs = locals_
     else:
@@ -224,11 +237,12 @@ def simulate_all_reduce(inputs: Sequence[np.ndarray], op: str, slice_elems: int 
         dtype_ = locals_[0].dtype
         outputs = [np.full(count * dtype_.itemsize, 0x5A, np.uint8).view(dtype_)
                    for _ in range(world)]
-    _run(plans, locals_, outputs, arithmetic, slice_elems)
+    _run(plans, locals_, outputs, arithmetic)
     return _restore(name, outputs)
 
 
-def simulate_reduce_scatter(inputs: Sequence[np.ndarray], op: str, slice_elems: int = 1 << 16,
+def simulate_reduce_scatter(inputs: Sequence[np.ndarray], op: str,
+                            scratch_bytes: int = DEFAULT_RING_SCRATCH_BYTES,
                             dtype: Optional[str] = None, premul: Optional[float] = None,
                             in_place: bool = False) -> List[np.ndarray]:
     """Run the reduce-scatter schedule with numpy: ``inputs[r]`` holds ``world`` blocks;
@@ -240,7 +254,7 @@ def simulate_reduce_scatter(inputs: Sequence[np.ndarray], op: str, slice_elems: 
         raise CupycollValueError(f"reduce-scatter input of {count} elements is not {world} blocks")
     recvcount = count // world
     arithmetic = _Arithmetic(name, op, premul, world)
-    plans = [reduce_scatter_full_plan(r, world, recvcount, slice_elems, name, op)
+    plans = [build_plan("reduce_scatter", r, world, recvcount, name, op, scratch_bytes)
              for r in range(world)]
     if in_place:
         outputs = [local[r * recvcount:(r + 1) * recvcount] for r, local in enumerate(locals_)]
@@ -248,5 +262,5 @@ def simulate_reduce_scatter(inputs: Sequence[np.ndarray], op: str, slice_elems: 
         dtype_ = locals_[0].dtype
         outputs = [np.full(recvcount * dtype_.itemsize, 0x5A, np.uint8).view(dtype_)
                    for _ in range(world)]
-    _run(plans, locals_, outputs, arithmetic, slice_elems)
+    _run(plans, locals_, outputs, arithmetic)
     return _restore(name, [out.copy() for out in outputs])

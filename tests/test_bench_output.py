@@ -102,6 +102,18 @@ def test_csv_round_trip(tmp_path):
     assert header.split(",")[:3] == ["kind", "collective", "scenario"]
 
 
+def test_the_header_says_how_much_ring_scratch_the_run_allowed(monkeypatch):
+    from bench import meta
+
+    monkeypatch.setenv("CUPYCOLL_RING_SCRATCH_BYTES", str(64 << 20))
+    text = meta.ring_scratch(["cupycoll:nccl", "cupycoll:ring"])
+    assert f"at most {64 << 20} bytes (64 MiB) per communicator" in text
+    assert "CUPYCOLL_RING_SCRATCH_BYTES" in text
+    assert meta.ring_scratch(["cupycoll:nccl", "torch:nccl"]).startswith("not used")
+    header = output.describe_meta(dict(META, ring_scratch=text))
+    assert any(line.startswith("#  ring_scratch") and "64 MiB" in line for line in header)
+
+
 def test_table_puts_candidates_side_by_side():
     header = output.table_header("all_reduce", CANDIDATES, "torch:nccl", 8, "real GPUs", "GPU time")
     text = "\n".join(header)

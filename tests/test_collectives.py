@@ -320,19 +320,6 @@ def test_a_ring_whose_kernels_fail_to_compile_launches_nothing(ring_group):
     assert ring_group.ring_calls == [] and ring_group.submitted == []
 
 
-@pytest.mark.parametrize("world, compiles", [(1, False), (2, True), (4, True)])
-def test_ring_prepare_compiles_only_what_the_call_needs(monkeypatch, world, compiles):
-    from cupycoll.ring import algorithm as ring_module
-    compiled = []
-    monkeypatch.setattr(ring_module, "compile_module", lambda *key: compiled.append(key))
-    ring = object.__new__(ring_module.Ring)  # no scratch, no stream: prepare needs neither
-    ring._comm = types.SimpleNamespace(rank=0, size=world, device=3)
-    ring.scratch_bytes = ring_module.DEFAULT_RING_SCRATCH_BYTES
-    ring.prepare("all_reduce", 1000, "float16", "sum")
-    ring.prepare("reduce_scatter", 0, "float16", "sum")  # nothing to reduce: nothing to compile
-    assert compiled == ([(3, "float16", "sum")] if compiles else [])
-
-
 @pytest.mark.parametrize("op", [R.BAND, R.BOR, R.BXOR])
 def test_auto_sends_bitwise_ops_to_the_ring(ring_group, op):
     ring_group.allreduce([t(2, dtype=torch.int32)], ar_opts(op))

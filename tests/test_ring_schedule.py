@@ -91,6 +91,9 @@ def _assert_same_bits(a, b, what):
 
 # ------------------------------------------------------------------------------- geometry
 
+TINY = ring.MIN_SCRATCH_BYTES  # the smallest scratch a ring accepts: slices of 16 to 128 elements
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("count", SIZES + (4099,))
 def test_all_reduce_chunks_cover_every_element_once(world, count):
@@ -100,7 +103,12 @@ def test_all_reduce_chunks_cover_every_element_once(world, count):
     for (a0, a1), (b0, b1) in zip(chunks, chunks[1:]):
         assert a1 == b0 and a0 <= a1
     for start, _ in chunks:
-        assert start % rs.ALIGN_ELEMS == 0 or start == count
+        assert start % rs.ALIGN_ELEMS == 0
+    # equal shares but the last, which also holds a remainder of fewer than 16 per rank
+    shares = {stop - start for start, stop in chunks[:-1]}
+    assert len(shares) <= 1
+    share = chunks[0][1] - chunks[0][0]
+    assert 0 <= (chunks[-1][1] - chunks[-1][0]) - share < rs.ALIGN_ELEMS * world
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -117,13 +125,31 @@ def test_slices_cover_every_chunk_once(world, slice_elems):
             assert covered == list(range(*chunk))
 
 
-def test_slice_elems_fits_the_scratch():
-    for acc in (1, 4, 8):
-        elems = rs.slice_elems_for(4 << 20, acc)
-        assert elems % rs.ALIGN_ELEMS == 0
-        assert rs.LANES * rs.SLOTS * elems * acc <= 4 << 20
+@pytest.mark.parametrize("world", (2, 3, 8))
+@pytest.mark.parametrize("acc", (1, 4, 8))
+@pytest.mark.parametrize("staged", (False, True))
+def test_geometry_cuts_few_rounds_whatever_the_size_and_fits_the_scratch(world, acc, staged):
+    unlimited = 1 << 50
+    for longest in (1, 15, 1000, 1 << 20, 1 << 26, (1 << 30) + 7):
+        chunks = [(0, longest)] * world
+        cut = rs.geometry(chunks, world, acc, staged, unlimited)
+        pipelined = longest * acc >= rs.LANES * rs.PIPELINE_MIN_SLICE_BYTES
+        assert cut.rounds == (rs.LANES if pipelined else 1), (longest, cut)
+        assert cut.slice_elems % rs.ALIGN_ELEMS == 0 and cut.rounds * cut.slice_elems >= longest
+        assert (cut.rounds - 1) * cut.slice_elems < longest  # no empty round
+        assert cut.lanes == min(rs.LANES, cut.rounds)
+        assert cut.slots == (2 if staged or world > 2 else 1)
+        for limit in (TINY, 1 << 20, 64 << 20):
+            small = rs.geometry(chunks, world, acc, staged, limit)
+            assert small.scratch_bytes <= limit
+            assert small.rounds * small.slice_elems >= longest
+            if cut.scratch_bytes <= limit:
+                assert small == cut  # the limit only matters where it binds
+            else:  # as few rounds as fit: one fewer would need wider slices than fit
+                fewer = -(-longest // (small.rounds - 1)) if small.rounds > 1 else None
+                assert fewer is None or rs.LANES * small.slots * fewer * acc > limit
     with pytest.raises(CupycollValueError, match="too small"):
-        rs.slice_elems_for(100, 8)
+        rs.geometry([(0, 1 << 20)] * 2, 2, 8, True, 100)
 
 
 def test_the_schedule_is_plain_data():
@@ -142,26 +168,39 @@ def test_the_schedule_is_plain_data():
 
 # ----------------------------------------------------------------------------- step order
 
+def _cut(chunks, world, staged):
+    return rs.geometry(chunks, world, 4, staged, TINY)  # 16- to 64-element slices: many rounds
+
+
 @pytest.mark.parametrize("world", range(2, 10))
 @pytest.mark.parametrize("stage_first", (False, True))
 @pytest.mark.parametrize("scatter", (False, True))
 def test_plans_are_consistent_across_ranks(world, stage_first, scatter):
-    count = 37 if scatter else 1001
+    count = 301 if scatter else 1001
     chunks = rs.reduce_scatter_chunks(count, world) if scatter else rs.all_reduce_chunks(count, world)
-    plans = [rs.reduce_scatter_plan(r, world, chunks, 16, stage_first, scatter) for r in range(world)]
+    cut = _cut(chunks, world, stage_first)
+    assert cut.rounds > 2
+    plans = [rs.reduce_scatter_plan(r, world, chunks, cut, stage_first, scatter) for r in range(world)]
     if not scatter:
-        plans = [p + rs.all_gather_plan(r, world, chunks) for r, p in enumerate(plans)]
+        plans = [p + rs.gather_plan(world, chunks) for p in plans]
     assert len({len(p) for p in plans}) == 1
     for index in range(len(plans[0])):
         actions = [p[index] for p in plans]
         assert len({type(a) for a in actions}) == 1
+        if isinstance(actions[0], rs.Gather):
+            assert len(set(actions)) == 1  # one collective, the same on every rank
         for rank, action in enumerate(actions):
-            if isinstance(action, (rs.Exchange, rs.Forward)):
+            if isinstance(action, rs.Exchange):
                 left = actions[(rank - 1) % world]
                 # each rank receives at step s exactly what its left neighbour sends at step s
                 assert (action.recv_chunk, action.recv_start, action.recv_stop) == \
                        (left.send_chunk, left.send_start, left.send_stop)
                 assert action.step == left.step
+            if isinstance(action, (rs.Stage, rs.Exchange, rs.Reduce)):
+                assert 0 <= action.lane < cut.lanes
+            for slot in ("slot", "send_slot", "recv_slot"):
+                if getattr(action, slot, None) is not None:
+                    assert 0 <= getattr(action, slot) < cut.slots
 
 
 @pytest.mark.parametrize("world", range(2, 10))
@@ -169,8 +208,9 @@ def test_every_local_element_is_used_once_and_owner_finishes_its_chunk(world):
     count = 1001
     chunks = rs.all_reduce_chunks(count, world)
     for stage_first in (False, True):
+        cut = _cut(chunks, world, stage_first)
         for rank in range(world):
-            plan = rs.reduce_scatter_plan(rank, world, chunks, 16, stage_first, False)
+            plan = rs.reduce_scatter_plan(rank, world, chunks, cut, stage_first, False)
             used = np.zeros(count, int)
             finished = np.zeros(count, int)
             for a in plan:
@@ -189,18 +229,18 @@ def test_every_local_element_is_used_once_and_owner_finishes_its_chunk(world):
 
 def test_reduction_order_of_a_chunk_starts_after_its_owner():
     world = 5
-    chunks = rs.all_reduce_chunks(80, world)
-    order = {c: [] for c in range(world)}
-    plans = [rs.reduce_scatter_plan(r, world, chunks, 16, True, False) for r in range(world)]
+    chunks = rs.all_reduce_chunks(400, world)
+    cut = _cut(chunks, world, True)
+    assert cut.rounds > 1
+    order = {(c, k): [] for c in range(world) for k in range(cut.rounds)}
+    plans = [rs.reduce_scatter_plan(r, world, chunks, cut, True, False) for r in range(world)]
     for index in range(len(plans[0])):
         for rank in range(world):
             a = plans[rank][index]
-            if isinstance(a, rs.Stage):
-                order[a.chunk].append(rank)
-            if isinstance(a, rs.Reduce):
-                order[a.chunk].append(rank)
-    for c in range(world):
-        assert order[c] == [(c + 1 + i) % world for i in range(world)]
+            if isinstance(a, (rs.Stage, rs.Reduce)):
+                order[a.chunk, a.round].append(rank)
+    for (c, _), ranks in order.items():
+        assert ranks == [(c + 1 + i) % world for i in range(world)]
 
 
 # ------------------------------------------------------------------------------ simulator
@@ -216,7 +256,8 @@ def test_simulated_all_reduce_matches_reference(dtype, op):
             inputs = [_values(r, count, dtype) for r in range(world)]
             expected = _reference(inputs, dtype, op, premul)
             for in_place in (False, True):
-                outs = sim.simulate_all_reduce(inputs, op, slice_elems=16, dtype=dtype,
+                # 64- to 512-element slices: several rounds, and waves of both lanes
+                outs = sim.simulate_all_reduce(inputs, op, scratch_bytes=4 * TINY, dtype=dtype,
                                               premul=premul, in_place=in_place)
                 for rank, out in enumerate(outs):
                     _assert_same_bits(out, np.asarray(expected).astype(out.dtype),
@@ -231,7 +272,7 @@ def test_simulated_reduce_scatter_matches_reference(dtype, op):
             inputs = [_values(r, world * recvcount, dtype) for r in range(world)]
             expected = np.asarray(_reference(inputs, dtype, op, premul))
             for in_place in (False, True):
-                outs = sim.simulate_reduce_scatter(inputs, op, slice_elems=16, dtype=dtype,
+                outs = sim.simulate_reduce_scatter(inputs, op, scratch_bytes=TINY, dtype=dtype,
                                                   premul=premul, in_place=in_place)
                 for rank, out in enumerate(outs):
                     block = expected[rank * recvcount:(rank + 1) * recvcount].astype(out.dtype)
@@ -243,12 +284,12 @@ def test_many_slices_and_waves(world):
     rng = np.random.default_rng(world)
     count = 5000
     inputs = [rng.integers(-1000, 1000, count).astype(np.int64) for _ in range(world)]
-    outs = sim.simulate_all_reduce(inputs, "sum", slice_elems=16)  # ~100 rounds, 50 waves
+    outs = sim.simulate_all_reduce(inputs, "sum", scratch_bytes=TINY)  # ~50 rounds, 25 waves
     for out in outs:
         _assert_same_bits(out, np.sum(inputs, axis=0), f"world {world}")
     per = count // world
     xs = [x[:per * world].astype(np.int32) for x in inputs]
-    outs = sim.simulate_reduce_scatter(xs, "bxor", slice_elems=32)
+    outs = sim.simulate_reduce_scatter(xs, "bxor", scratch_bytes=TINY)
     full = functools.reduce(np.bitwise_xor, xs)
     for rank, out in enumerate(outs):
         _assert_same_bits(out, full[rank * per:(rank + 1) * per], f"rank {rank}")
@@ -286,7 +327,7 @@ def test_fp16_accumulates_in_fp32_and_rounds_once(world):
     xs = [(rng.uniform(0.0625, 4, 1001) * rng.choice([-1, 1], 1001)).astype(np.float16)
           for _ in range(world)]
     exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
-    for out in sim.simulate_all_reduce(xs, "sum", slice_elems=64):
+    for out in sim.simulate_all_reduce(xs, "sum", scratch_bytes=2 * TINY):
         _assert_same_bits(out, exact.astype(np.float16), "fp16 once-rounded")
 
 
@@ -307,7 +348,7 @@ def test_results_identical_on_every_rank_for_random_floats(world):
     rng = np.random.default_rng(world)
     for dtype in ("float16", "float32", "float64"):
         xs = [rng.standard_normal(1001).astype(dtype) for _ in range(world)]
-        outs = sim.simulate_all_reduce(xs, "sum", slice_elems=32)
+        outs = sim.simulate_all_reduce(xs, "sum", scratch_bytes=TINY)
         for out in outs[1:]:
             _assert_same_bits(out, outs[0], dtype)
         np.testing.assert_allclose(outs[0].astype(np.float64),
@@ -318,9 +359,9 @@ def test_results_identical_on_every_rank_for_random_floats(world):
 def test_result_does_not_depend_on_the_slice_size():
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal(3001).astype(np.float32) for _ in range(4)]
-    base = sim.simulate_all_reduce(xs, "sum", slice_elems=16)[0]
-    for slice_elems in (32, 48, 1024, 1 << 16):
-        _assert_same_bits(sim.simulate_all_reduce(xs, "sum", slice_elems=slice_elems)[0], base, str(slice_elems))
+    base = sim.simulate_all_reduce(xs, "sum", scratch_bytes=TINY)[0]
+    for scratch in (2 * TINY, 3 * TINY, 1 << 14, 1 << 20):
+        _assert_same_bits(sim.simulate_all_reduce(xs, "sum", scratch_bytes=scratch)[0], base, str(scratch))
 
 
 def test_premul_factor_is_applied_per_rank_in_the_accumulator():
@@ -378,11 +419,15 @@ def _accesses(action, rank, recvcount, in_place, kind):
                 ((("slot", action.lane, action.slot), 0, n), not action.final)]
         if action.final:
             out.append((recv(action.out_start, action.out_start + n), True))
-    elif isinstance(action, rs.Forward):
-        if action.send_stop > action.send_start:
-            out.append((recv(action.send_start, action.send_stop), False))
-        if action.recv_stop > action.recv_start:
-            out.append((recv(action.recv_start, action.recv_stop), True))
+    elif isinstance(action, rs.Gather):
+        world = action.root + 1
+        own = (rank * action.share, (rank + 1) * action.share)
+        if rank == action.root:
+            own = (own[0], action.tail_stop)
+        out.append((recv(*own), False))  # this rank's finished chunk goes out...
+        out += [(recv(lo, hi), True)  # ...every other chunk comes in
+                for lo, hi in ((0, own[0]), (own[1], max(world * action.share, action.tail_stop)))
+                if hi > lo]
     elif isinstance(action, rs.Alone):
         out += [(("send", action.start, action.stop), False), (recv(action.start, action.stop), True)]
     return [(buf, lo, hi, w) for (buf, lo, hi), w in out]
@@ -433,17 +478,38 @@ def _check_stream_order(commands, accesses_of):
 @pytest.mark.parametrize("dtype", ("float16", "float32"))  # staged and unstaged first sends
 @pytest.mark.parametrize("in_place", (False, True))
 def test_stream_commands_order_every_conflicting_access(world, kind, dtype, in_place):
-    scratch = rs.LANES * rs.SLOTS * 16 * 4  # 16-element slices: many rounds and waves
-    for count in (1, 7, 100, 2 ** 9 + 3):
-        plan = ring.plan_for(kind, world - 1, world, count, dtype, "sum", scratch_bytes=scratch)
-        commands = rs.issue(plan)
-        _check_stream_order(commands, lambda a: _accesses(a, world - 1, count, in_place, kind))
-        if world > 1 and count > 1:
-            assert any(isinstance(c, rs.Run) and c.stream == rs.SIDE for c in commands)
+    for scratch in (TINY, rs.LANES * 2 * 48 * 4, ring.DEFAULT_RING_SCRATCH_BYTES):
+        for count in (1, 7, 100, 2 ** 9 + 3):
+            plan = ring.plan_for(kind, world - 1, world, count, dtype, "sum", scratch_bytes=scratch)
+            commands = rs.issue(plan)
+            _check_stream_order(commands, lambda a: _accesses(a, world - 1, count, in_place, kind))
+            side = any(isinstance(c, (rs.Run, rs.Record, rs.Wait)) and c.stream == rs.SIDE for c in commands)
+            assert side == (plan.geometry.rounds > 1), (scratch, count, plan.geometry)
+
+
+def test_a_plan_of_one_round_runs_on_the_callers_stream_alone():
+    # Every action depends on the one before: a second stream would only add events.
+    for world in (1, 2, 3, 8):
+        for kind in rs.KINDS:
+            plan = ring.plan_for(kind, 0, world, 1 << 20, "bfloat16", "sum")
+            assert plan.geometry.rounds <= 1
+            commands = rs.issue(plan)
+            assert commands and all(isinstance(c, rs.Run) and c.stream == rs.CALLER for c in commands)
+
+
+def test_pruning_drops_only_orderings_already_implied():
+    record = rs.Record(rs.CALLER, ("a",))
+    commands = [record, rs.Wait(rs.SIDE, ("a",)), rs.Run(rs.SIDE, None),
+                rs.Wait(rs.SIDE, ("a",)),  # the side stream has seen this record already
+                rs.Record(rs.CALLER, ("b",)),  # no wait reads it
+                rs.Record(rs.SIDE, ("c",)), rs.Wait(rs.CALLER, ("c",)),
+                rs.Wait(rs.CALLER, ("never recorded",))]
+    assert rs._prune(commands) == [record, rs.Wait(rs.SIDE, ("a",)), rs.Run(rs.SIDE, None),
+                                   rs.Record(rs.SIDE, ("c",)), rs.Wait(rs.CALLER, ("c",))]
 
 
 def test_the_stream_checker_catches_a_missing_wait():
-    plan = ring.plan_for("all_reduce", 0, 3, 200, "float16", "sum", scratch_bytes=rs.LANES * rs.SLOTS * 16 * 4)
+    plan = ring.plan_for("all_reduce", 0, 3, 200, "float16", "sum", scratch_bytes=TINY)
     commands = [c for c in rs.issue(plan) if not (isinstance(c, rs.Wait) and c.event[0] == "received")]
     with pytest.raises(AssertionError, match="unordered"):
         _check_stream_order(commands, lambda a: _accesses(a, 0, 200, False, "all_reduce"))
@@ -453,17 +519,16 @@ def test_stages_must_wait_for_the_lanes_last_transfer():
     # The round before a Stage can end with a send and no receive (the owner's slice is
     # empty while its right neighbour's is not), so no Reduce waited for that transfer.
     caught = 0
-    for world in (2, 3, 4, 5):
-        for count in (7, 100, 515):
-            plan = ring.plan_for("all_reduce", world - 1, world, count, "float16", "sum",
-                                 scratch_bytes=rs.LANES * rs.SLOTS * 16 * 4)
+    for world, count in ((7, 100), (9, 515)):
+        for rank in range(world):
+            plan = ring.plan_for("all_reduce", rank, world, count, "float16", "sum", scratch_bytes=TINY)
             commands = rs.issue(plan)
             without = [c for i, c in enumerate(commands)
                        if not (isinstance(c, rs.Wait) and i + 1 < len(commands)
                                and isinstance(commands[i + 1], rs.Run)
                                and isinstance(commands[i + 1].action, rs.Stage))]
             try:
-                _check_stream_order(without, lambda a: _accesses(a, world - 1, count, False, "all_reduce"))
+                _check_stream_order(without, lambda a: _accesses(a, rank, count, False, "all_reduce"))
             except AssertionError:
                 caught += 1
     assert caught
@@ -475,3 +540,66 @@ def test_plan_for_rejects_bad_input():
     with pytest.raises(CupycollValueError, match="bxor"):
         ring.plan_for("all_reduce", 0, 2, 10, "float32", "bxor")
     assert set(ELEMENTS) == set(ring.DTYPES)
+
+
+# ------------------------------------------------------------------- host launches per call
+
+MEASURED_SIZES = tuple(1 << shift for shift in range(20, 31, 2))  # 1 MiB ... 1 GiB of input
+
+
+def _launch_table(world, scratch_bytes):
+    """One row per (kind, dtype, size): the plan's rounds and slice, the scratch it holds, and
+    what one call of it launches from the host."""
+    rows = []
+    for kind in rs.KINDS:
+        for dtype in ("float32", "bfloat16"):
+            itemsize = ELEMENTS[dtype].itemsize
+            for size in MEASURED_SIZES:
+                count = size // itemsize if kind == "all_reduce" else size // itemsize // world
+                plan = ring.plan_for(kind, 0, world, count, dtype, "sum", scratch_bytes=scratch_bytes)
+                counted = rs.launches(rs.issue(plan))
+                rows.append((kind, dtype, size, plan.geometry, counted))
+    return rows
+
+
+def _print_table(world, scratch_bytes, rows):
+    limit = f"{scratch_bytes >> 20} MiB" if scratch_bytes < 1 << 40 else "none"
+    print(f"\nring plans at {world} ranks, scratch limit {limit}: per call")
+    print(f"{'kind':>15} {'dtype':>9} {'size':>9} {'rounds':>6} {'slice':>9} {'scratch':>9} "
+          f"{'groups':>6} {'nccl':>5} {'kernels':>7} {'events':>6} {'total':>5}")
+    for kind, dtype, size, cut, n in rows:
+        slice_mib = cut.slice_elems * cut.acc_itemsize / (1 << 20)
+        print(f"{kind:>15} {dtype:>9} {size >> 20:>5} MiB {cut.rounds:>6} {slice_mib:>5.1f} MiB "
+              f"{cut.scratch_bytes / (1 << 20):>5.0f} MiB {n.nccl_groups:>6} {n.nccl_calls:>5} "
+              f"{n.kernels:>7} {n.events:>6} {n.total:>5}")
+
+
+@pytest.mark.parametrize("world", (2, 3, 8))
+def test_rounds_and_host_launches_per_call_do_not_grow_with_the_message(world):
+    """1 MiB ... 1 GiB, fp32 and bf16: the rounds per ring step, and with them the NCCL calls,
+    kernels and events one call launches, are bounded by constants times the world size. The
+    table is printed (pytest -s shows it)."""
+    unlimited = _launch_table(world, 1 << 50)
+    _print_table(world, 1 << 50, unlimited)
+    for kind, dtype, size, cut, n in unlimited:
+        # given the memory, the rounds do not depend on the message at all past the
+        # pipelining threshold, and are one below it
+        assert cut.rounds in (1, rs.LANES), (kind, dtype, size, cut)
+    default = _launch_table(world, ring.DEFAULT_RING_SCRATCH_BYTES)
+    _print_table(world, ring.DEFAULT_RING_SCRATCH_BYTES, default)
+    for (kind, dtype, size, cut, n), (*_, free, _n) in zip(default, unlimited):
+        assert cut.scratch_bytes <= ring.DEFAULT_RING_SCRATCH_BYTES
+        if free.scratch_bytes <= ring.DEFAULT_RING_SCRATCH_BYTES:
+            assert cut == free  # the limit binds only past it, at hundreds of MiB
+        else:  # then the largest slices that fit: each transfer still moves tens of MiB
+            assert cut.rounds <= 2 * rs.LANES and cut.slice_elems * cut.acc_itemsize >= 32 << 20
+        steps = world - 1
+        staged = dtype == "bfloat16"
+        assert n.kernels == cut.rounds * (steps + staged)
+        # all-reduce's gather: an all-gather, and a broadcast of the remainder in the same group
+        tail = kind == "all_reduce" and (size // ELEMENTS[dtype].itemsize) % (rs.ALIGN_ELEMS * world) != 0
+        gather_calls = (1 + tail) if kind == "all_reduce" else 0
+        assert n.nccl_calls == 2 * cut.rounds * steps + gather_calls
+        assert n.nccl_groups == cut.rounds * steps + tail
+        assert n.events <= 4 * cut.rounds * (steps + staged) + 6
+        assert n.total <= 12 * 2 * rs.LANES * world  # a constant times the world size

@@ -190,10 +190,12 @@ def write_fixtures(work: Path, out: Path) -> None:
              scenario_row("kernel", "ring_reduce float32 1 MiB", "cupycoll:ring", kernel="ring_reduce",
                           dtype="float32", size_bytes=MIB, gbps=100.0, copy_gbps=900.0, ratio_to_copy=0.11)]
     output.write_json(str(work / "scenarios-1rank.json"), meta, scen1)
-    large = [sweep_row("cupycoll:nccl", 64 * MIB, 1000.0), sweep_row("cupycoll:ring", 64 * MIB, 1050.0),
+    large = [sweep_row("cupycoll:nccl", 64 * MIB, 1000.0), sweep_row("cupycoll:ring", 64 * MIB, 1350.0),  # 1.35x
              sweep_row("cupycoll:nccl", 256 * MIB, 4000.0, dtype="bfloat16"),
-             sweep_row("cupycoll:ring", 256 * MIB, 4800.0, dtype="bfloat16"),   # 1.2x: the worst
-             sweep_row("cupycoll:nccl", 16 * MIB, 100.0), sweep_row("cupycoll:ring", 16 * MIB, 900.0),  # < 64 MiB
+             sweep_row("cupycoll:ring", 256 * MIB, 8800.0, dtype="bfloat16"),   # 2.2x
+             sweep_row("cupycoll:ring", 256 * MIB, 3000.0),  # no NCCL row to compare with
+             sweep_row("cupycoll:nccl", 16 * MIB, 100.0),
+             sweep_row("cupycoll:ring", 16 * MIB, 900.0, host_us=19.8),  # < 64 MiB: host time only, 2.2x
              sweep_row("torch:nccl", 256 * MIB, 3900.0, dtype="bfloat16")]
     output.write_json(str(work / "sweep-large.json"), dict(meta, world_size=2), large)
     # fault_bench's own summarizer makes the modes from raw per-trial figures.
@@ -214,7 +216,9 @@ def test_targets_pass_miss_and_not_measured_from_real_schema_files(tmp_path):
     assert got["host µs per synchronous all_reduce, cupycoll / torch:nccl (2 ranks)"] == ("not measured", None)
     assert got["64-op coalesced host time, cupycoll / torch:nccl (1 rank)"] == ("MISS", 1.3)  # the worse of two
     assert got["ring kernel bandwidth / device-to-device copy (1 GPU)"] == ("PASS", 0.933)  # largest size only
-    assert got["ring / NCCL time at ≥ 64 MiB (2 ranks, fp32 and bf16)"] == ("MISS", 1.2)
+    assert got["ring / NCCL time at ≥ 64 MiB (2 ranks, fp32)"] == ("MISS", 1.35)
+    assert got["ring / NCCL time at ≥ 64 MiB (2 ranks, bf16)"] == ("PASS", 2.2)
+    assert got["ring / NCCL host µs per call, every size (2 ranks)"] == ("MISS", 2.2)
     assert got["watchdog overhead per collective (µs)"] == ("PASS", 1.4)
     assert got["abort latency: abort() → stuck collective released (s)"] == ("MISS", 2.5)
     hung = next(t for t in targets if t["target"].startswith("hung peer"))
@@ -227,7 +231,7 @@ def test_targets_pass_miss_and_not_measured_from_real_schema_files(tmp_path):
     assert got["DDP largest parameter difference vs torch nccl (fp32)"] == ("MISS", 3e-6)
     missing = next(t for t in targets if t["target"].endswith("(2 ranks)") and t["target"].startswith("64-op"))
     assert missing["detail"] == "bench.x skipped"
-    assert len(targets) == 11
+    assert len(targets) == 13
 
 
 def test_bench_runs_merge_into_one_file_per_kind(tmp_path):
@@ -238,7 +242,7 @@ def test_bench_runs_merge_into_one_file_per_kind(tmp_path):
     assert len([s for s in said if s.startswith("wrote")]) == 2
     sweep = output.read_json(str(tmp_path / "bench-sweep.json"))
     assert [r["run"] for r in sweep["meta"]["runs"]] == ["sweep-small.json", "sweep-large.json"]
-    assert {r["run"] for r in sweep["rows"]} == {"sweep-small.json", "sweep-large.json"} and len(sweep["rows"]) == 8
+    assert {r["run"] for r in sweep["rows"]} == {"sweep-small.json", "sweep-large.json"} and len(sweep["rows"]) == 9
     (tmp_path / "scenarios-2ranks.json").write_text("{broken")
     scen = bench_merge.merge([str(tmp_path / "scenarios-1rank.json"), str(tmp_path / "scenarios-2ranks.json")])
     assert len(scen["meta"]["runs"]) == 1 and "not JSON" in scen["meta"]["missing"][0]

@@ -1,16 +1,17 @@
-"""cupycoll's own ring all-reduce and reduce-scatter: NCCL send/recv plus CuPy RawKernels.
+"""cupycoll's own ring all-reduce and reduce-scatter: NCCL calls plus CuPy RawKernels.
 
 NCCL's reductions add fp16/bf16 in fp16/bf16 at every hop, have no bitwise ops, and give
 results that depend on the algorithm NCCL picks. The ring here accumulates fp16/bf16 in
 fp32 and rounds once, offers BAND/BOR/BXOR, and is bitwise reproducible: every element is
 reduced in an order fixed by the schedule (:mod:`cupycoll.ring.schedule`; the tests' numpy
-model, tests/ring_simulator.py, runs the same plans on the CPU), and all-reduce copies each finished chunk from
-its owner, so every rank holds the same bits.
+model, tests/ring_simulator.py, runs the same plans on the CPU), and all-reduce copies each
+finished chunk from its owner, so every rank holds the same bits.
 
 Public API (pointers, counts, dtype/op names and the stream are plain values, as in
 :mod:`cupycoll.nccl.communicator`; nothing here knows torch)::
 
     ring = Ring(communicator, scratch_bytes=DEFAULT_RING_SCRATCH_BYTES)
+    ring.prepare(kind, count, dtype, op)  # optional: scratch and kernels, before launching
     ring.all_reduce(sendbuf, recvbuf, count, dtype, op, stream, premul=None, premul_ptr=None)
     ring.reduce_scatter(sendbuf, recvbuf, recvcount, dtype, op, stream,
                         premul=None, premul_ptr=None)
@@ -26,26 +27,38 @@ Public API (pointers, counts, dtype/op names and the stream are plain values, as
 * ``op``: ``sum avg product min max premul_sum band bor bxor`` (see
   :func:`cupycoll.ring.kernels.check` for the pairs; bool SUM/MAX are OR, PRODUCT/MIN AND).
 * ``stream``: a ``cudaStream_t`` as an int. Everything is enqueued after the work already
-  on it, and work enqueued on it afterwards sees the result. Nothing blocks the host.
+  on it, and work enqueued on it afterwards sees the result. Nothing blocks the host, but
+  growing the scratch (below).
 * PREMUL_SUM's factor: ``premul`` a Python number (used in the accumulation type: fp32
   for fp16/bf16/fp32, fp64 for fp64), or ``premul_ptr`` a device pointer to one element
   of ``dtype`` (read on the stream, when the reduction runs).
 
-A :class:`Ring` belongs to one communicator; it allocates its scratch memory (lanes and
-slots of fp32/element partials, ``scratch_bytes`` in all) and a side stream for the
-transfers once, at construction. Calls on one Ring are serialised on the GPU (they share
-the scratch), whatever streams they are given.
+A :class:`Ring` belongs to one communicator. It makes a side stream for the transfers of
+pipelined plans at construction, and keeps one scratch buffer that it grows on demand to
+what a call's plan needs, never beyond ``scratch_bytes`` (the schedule then cuts more,
+smaller slices): growing waits for the ring's previous call to end on the GPU, frees the
+old buffer and allocates the new one, all before the call enqueues anything; an allocation
+that fails raises :class:`~cupycoll.errors.CupycollError` and leaves the ring usable. Calls
+on one Ring are serialised on the GPU (they share the scratch), whatever streams they are
+given. Every rank must use the same ``scratch_bytes``: it decides the slicing, which the
+ranks must agree on.
+
+Host cost: each (kind, count, dtype, op) is planned once per process (rank and world are
+the communicator's) into a flat program of prepared launches with relative addresses; a
+call adds its buffers' addresses and launches them in order, O(rounds x world) of them,
+rounds bounded independently of the message (:mod:`cupycoll.ring.schedule`).
 
 Deliberately left out: choosing between NCCL and the ring (:mod:`cupycoll.collectives`),
-torch tensors, and teardown in ``__del__`` (:meth:`Ring.close` is explicit). The ring
-must not be called inside an open NCCL group (``Communicator.group()``): its kernels would be
-enqueued before the group's transfers.
+torch tensors, replaying plans as CUDA graphs, and teardown in ``__del__``
+(:meth:`Ring.close` is explicit). The ring must not be called inside an open NCCL group
+(``Communicator.group()``): its kernels would be enqueued before the group's transfers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy
 
@@ -53,57 +66,147 @@ from .. import _cuda, compat
 from ..nccl import bindings as nccl_bindings
 from .kernels import ELEMENTS, OPS, check, compile_module, supports
 from ..config import DEFAULT_RING_SCRATCH_BYTES
-from ..errors import CommunicatorAbortedError, CupycollTypeError, CupycollValueError
+from ..errors import CommunicatorAbortedError, CupycollError, CupycollTypeError, CupycollValueError
 from .schedule import (
     CALLER,
+    KINDS,
     LANES,
     SIDE,
     SLOTS,
     Alone,
     Exchange,
-    Forward,
+    Gather,
+    Plan,
     Record,
     Reduce,
     Run,
     Stage,
-    Wait,
-    all_reduce_plan,
+    build_plan,
     issue,
     left_of,
-    reduce_scatter_full_plan,
     right_of,
-    slice_elems_for,
 )
 
-__all__ = ["Ring", "check", "supports", "OPS", "DTYPES", "MIN_SCRATCH_BYTES"]
+__all__ = ["Ring", "check", "supports", "plan_for", "OPS", "DTYPES", "MIN_SCRATCH_BYTES"]
 
 DTYPES = tuple(ELEMENTS)
 # Enough for one 16-element slice of fp64 partials in every lane and slot.
 MIN_SCRATCH_BYTES = LANES * SLOTS * 16 * 8
+# The scratch grows in whole MiB (at most to scratch_bytes), so that nearby sizes share one.
+SCRATCH_GRANULE = 1 << 20
 
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS = 4096  # the kernels stride over the rest; more blocks only cost scheduling
+_BLOCK = (THREADS_PER_BLOCK,)
 _NCCL_BYTES = nccl_bindings.ncclUint8
 
 
-@functools.lru_cache(maxsize=64)
-def _plan(kind, rank, world, count, slice_elems, dtype, op):
-    if kind == "all_reduce":
-        return tuple(all_reduce_plan(rank, world, count, slice_elems, dtype, op))
-    return tuple(reduce_scatter_full_plan(rank, world, count, slice_elems, dtype, op))
+def grid_for(dtype: str, n: int) -> Tuple[int]:
+    """The grid of a ring kernel over ``n`` elements: one 16-byte pack of accumulators per
+    thread, at most MAX_BLOCKS blocks."""
+    threads_needed = -(-n // (16 // ELEMENTS[dtype].acc_itemsize))
+    return (min(MAX_BLOCKS, max(1, -(-threads_needed // THREADS_PER_BLOCK))),)
 
 
-@functools.lru_cache(maxsize=64)
-def _commands(kind, rank, world, count, slice_elems, dtype, op):
-    """What :meth:`Ring._execute` issues; cached, so a repeated collective (the usual
+def launch_kernel(kernel, dtype: str, local: int, incoming: int, out: int, n: int, stream,
+                  factor=None, factor_ptr=None, divisor=None) -> None:
+    """Launch one ring kernel (any kind: they share one parameter list) over ``n`` elements
+    on the cupy ``stream``. ``factor``/``factor_ptr``/``divisor`` default to "unused"."""
+    acc = numpy.dtype(ELEMENTS[dtype].acc).type
+    kernel(grid_for(dtype, n), _BLOCK,
+           (numpy.uint64(local), numpy.uint64(incoming), numpy.uint64(out), numpy.uint64(n),
+            numpy.uint64(0) if factor_ptr is None else factor_ptr,
+            acc(0) if factor is None else factor,
+            numpy.int64(1) if divisor is None else divisor),
+           stream=stream)
+
+
+# ------------------------------------------------------------------------------ programs
+
+# A program step is a tuple whose first item says what it launches. Addresses are a base
+# (one of the call's buffers, or the scratch) plus a byte offset known when planning.
+_KERNEL, _EXCHANGE, _GATHER, _COPY, _RECORD, _WAIT = range(6)
+_SEND, _RECV, _SCRATCH, _NOWHERE = range(4)
+_STREAM_INDEX = {CALLER: 0, SIDE: 1}
+_ACC_TYPES = {dtype: numpy.dtype(element.acc).type for dtype, element in ELEMENTS.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A plan turned into launches: ``steps`` in issue order, the number of distinct events
+    they record and wait on, and what the call needs before it starts."""
+
+    plan: Plan
+    commands: Tuple
+    steps: Tuple[tuple, ...]
+    events: int
+    needs_kernels: bool
+    scratch_bytes: int
+
+
+@functools.lru_cache(maxsize=256)
+def program(kind: str, rank: int, world: int, count: int, dtype: str, op: str,
+            scratch_bytes: int) -> Program:
+    """The :class:`Program` of one call; cached, so a repeated collective (the usual
     training step) costs no planning."""
-    return tuple(issue(_plan(kind, rank, world, count, slice_elems, dtype, op)))
+    plan = build_plan(kind, rank, world, count, dtype, op, scratch_bytes)
+    commands = tuple(issue(plan))
+    element = ELEMENTS[dtype]
+    itemsize, acc_itemsize = element.itemsize, element.acc_itemsize
+    cut = plan.geometry
+    events: dict = {}
+    steps = []
+
+    def kernel(name, local, in_base, in_off, out_base, out_off, n):
+        steps.append((_KERNEL, name, local * itemsize, in_base, in_off, out_base, out_off,
+                      numpy.uint64(n), grid_for(dtype, n)))
+
+    for command in commands:
+        if not isinstance(command, Run):
+            event = events.setdefault(command.event, len(events))
+            steps.append((_RECORD if isinstance(command, Record) else _WAIT, event,
+                          _STREAM_INDEX[command.stream]))
+            continue
+        action, stream = command.action, _STREAM_INDEX[command.stream]
+        if isinstance(action, Stage):
+            kernel("ring_stage", action.start, _NOWHERE, 0, _SCRATCH,
+                   cut.slot_offset(action.lane, action.slot), action.stop - action.start)
+        elif isinstance(action, Reduce):
+            slot = cut.slot_offset(action.lane, action.slot)
+            if action.final:
+                kernel("ring_reduce_final", action.start, _SCRATCH, slot, _RECV,
+                       action.out_start * itemsize, action.stop - action.start)
+            else:
+                kernel("ring_reduce", action.start, _SCRATCH, slot, _SCRATCH, slot,
+                       action.stop - action.start)
+        elif isinstance(action, Exchange):
+            if action.send_slot is None:  # unstaged: the input elements are the partials
+                send = (_SEND, action.send_start * itemsize)
+            else:
+                send = (_SCRATCH, cut.slot_offset(action.lane, action.send_slot))
+            steps.append((_EXCHANGE, stream, *send, (action.send_stop - action.send_start) * acc_itemsize,
+                          cut.slot_offset(action.lane, action.recv_slot),
+                          (action.recv_stop - action.recv_start) * acc_itemsize))
+        elif isinstance(action, Gather):
+            steps.append((_GATHER, stream, rank * action.share * itemsize, action.share * itemsize,
+                          action.tail_start * itemsize, (action.tail_stop - action.tail_start) * itemsize,
+                          action.root))
+        elif isinstance(action, Alone):
+            if action.transform:
+                kernel("ring_final", action.start, _NOWHERE, 0, _RECV, action.start * itemsize,
+                       action.stop - action.start)
+            else:
+                steps.append((_COPY, action.start * itemsize, (action.stop - action.start) * itemsize))
+    return Program(plan, commands, tuple(steps), len(events),
+                   any(step[0] == _KERNEL for step in steps), plan.scratch_bytes)
 
 
-def _needs_kernels(commands) -> bool:
-    return any(isinstance(c, Run) and (isinstance(c.action, (Stage, Reduce))
-                                       or (isinstance(c.action, Alone) and c.action.transform))
-               for c in commands)
+def plan_for(kind: str, rank: int, world: int, count: int, dtype: str, op: str,
+             scratch_bytes: int = DEFAULT_RING_SCRATCH_BYTES) -> Plan:
+    """The plan :class:`Ring` runs for ``kind`` (``"all_reduce"`` or ``"reduce_scatter"``,
+    whose ``count`` is the per-rank recvcount) with at most ``scratch_bytes`` of scratch;
+    ``issue(plan)`` gives its commands. For tests and debugging, without a GPU."""
+    return program(kind, rank, world, count, dtype, op, scratch_bytes).plan
 
 
 def _check_int(name: str, value, minimum: int = 0) -> int:
@@ -114,6 +217,12 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
     return value
 
 
+def _amount(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / (1 << 20):.1f} MiB)"
+
+
+# ------------------------------------------------------------------------------ the ring
+
 class Ring:
     """The ring algorithm on one communicator, with its scratch memory and side stream."""
 
@@ -121,17 +230,24 @@ class Ring:
         _check_int("scratch_bytes", scratch_bytes, MIN_SCRATCH_BYTES)
         cupy = _cuda.cupy_module()
         self._comm = communicator
-        self.scratch_bytes = scratch_bytes
+        self.scratch_bytes = scratch_bytes  # the most the scratch may grow to
         self._closed = False
         with cupy.cuda.Device(communicator.device):
-            self._scratch = cupy.cuda.alloc(scratch_bytes)
-            # Transfers run here so that they overlap the reductions on the caller's stream.
+            # A pipelined plan's transfers run here, to overlap the reductions on the caller's stream.
             self._side = cupy.cuda.Stream(non_blocking=True)
-        # name -> cupy Event, made on first use. An event may be recorded again as soon as
-        # a wait on it is enqueued (the wait keeps what it saw), so one per name serves
-        # every call.
-        self._events = {}
+        # The scratch's own pool: what it frees goes back to the device, not to a cache that
+        # torch's allocator cannot see.
+        self._pool = cupy.cuda.MemoryPool()
+        self._scratch = None
+        self._scratch_ptr = 0
+        self.scratch_held = 0  # bytes of the current scratch buffer
+        # Events by index (a program numbers those it uses from 0), made on first use. An
+        # event may be recorded again as soon as a wait on it is enqueued (the wait keeps
+        # what it saw), so one list serves every call.
+        self._events: List = []
+        self._streams: dict = {}  # cudaStream_t -> its CuPy stream object
         self._last_use = None  # recorded on the caller's stream at the end of each call
+        self._last_stream = None  # the cudaStream_t it was recorded on
 
     # -- public ------------------------------------------------------------------------
     def all_reduce(self, sendbuf: int, recvbuf: int, count: int, dtype: str, op: str,
@@ -141,9 +257,8 @@ class Ring:
         self._validate(sendbuf, recvbuf, count, dtype, op, stream, premul, premul_ptr, "count")
         if count == 0:
             return
-        commands = _commands("all_reduce", self._comm.rank, self._comm.size, count,
-                             self._slice_elems(dtype), dtype, op)
-        self._execute(commands, sendbuf, recvbuf, dtype, op, stream, premul, premul_ptr)
+        self._execute(self._ready("all_reduce", count, dtype, op), sendbuf, recvbuf, dtype, op,
+                      stream, premul, premul_ptr)
 
     def reduce_scatter(self, sendbuf: int, recvbuf: int, recvcount: int, dtype: str, op: str,
                        stream: int, premul: Optional[float] = None,
@@ -154,18 +269,18 @@ class Ring:
                        "recvcount")
         if recvcount == 0:
             return
-        commands = _commands("reduce_scatter", self._comm.rank, self._comm.size, recvcount,
-                             self._slice_elems(dtype), dtype, op)
-        self._execute(commands, sendbuf, recvbuf, dtype, op, stream, premul, premul_ptr)
+        self._execute(self._ready("reduce_scatter", recvcount, dtype, op), sendbuf, recvbuf,
+                      dtype, op, stream, premul, premul_ptr)
 
     def prepare(self, kind: str, count: int, dtype: str, op: str) -> None:
-        """Compile the kernels a call of ``kind`` ("all_reduce", "reduce_scatter") needs, so
-        that a caller can fail before it launches anything (a compile error inside a launch
-        leaves the peers waiting for a collective this rank never ran); the call itself
-        then finds them in the cache."""
-        if count and _needs_kernels(_commands(kind, self._comm.rank, self._comm.size, count,
-                                              self._slice_elems(dtype), dtype, op)):
-            compile_module(self._comm.device, dtype, op)
+        """Plan a call of ``kind`` ("all_reduce", "reduce_scatter"), grow the scratch to what
+        it needs and compile its kernels, so that a caller can fail before it launches
+        anything (a failure inside a launch leaves the peers waiting for a collective this
+        rank never ran); the call itself then finds everything ready."""
+        if kind not in KINDS:
+            raise CupycollValueError(f"ring call kind {kind!r}: expected all_reduce or reduce_scatter")
+        if count:
+            self._ready(kind, count, dtype, op)
 
     def close(self) -> None:
         """Free the scratch memory once the GPU is done with it. The Ring is then unusable."""
@@ -175,18 +290,11 @@ class Ring:
         cupy = _cuda.cupy_module()
         with cupy.cuda.Device(self._comm.device):
             # After an abort NCCL's kernels have exited, so this cannot hang on a dead peer.
-            if self._last_use is not None:
-                self._last_use.synchronize()
-            self._side.synchronize()
-        self._scratch = None
+            self._release_scratch()
 
     # -- validation --------------------------------------------------------------------
     def _validate(self, sendbuf, recvbuf, count, dtype, op, stream, premul, premul_ptr, what):
-        if self._closed:
-            raise CommunicatorAbortedError("this ring was closed")
-        if getattr(self._comm, "state", "ok") != "ok":
-            raise CommunicatorAbortedError(
-                f"the NCCL communicator on cuda:{self._comm.device} was {self._comm.state}")
+        self._check_open()
         if not isinstance(dtype, str) or not isinstance(op, str):
             raise CupycollTypeError(f"dtype and op must be names (str), got {dtype!r}, {op!r}")
         check(dtype, op)
@@ -207,111 +315,130 @@ class Ring:
         elif premul is not None or premul_ptr is not None:
             raise CupycollValueError(f"a premul factor was given for op {op} (only premul_sum uses one)")
 
-    def _slice_elems(self, dtype: str) -> int:
-        return slice_elems_for(self.scratch_bytes, ELEMENTS[dtype].acc_itemsize)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CommunicatorAbortedError("this ring was closed")
+        if getattr(self._comm, "state", "ok") != "ok":
+            raise CommunicatorAbortedError(
+                f"the NCCL communicator on cuda:{self._comm.device} was {self._comm.state}")
+
+    # -- what a call needs before it launches ------------------------------------------
+    def _ready(self, kind: str, count: int, dtype: str, op: str) -> Program:
+        """The call's program, with the scratch it needs held and its kernels compiled (or
+        fetched from the cache): everything fallible before anything is enqueued."""
+        self._check_open()
+        found = program(kind, self._comm.rank, self._comm.size, count, dtype, op, self.scratch_bytes)
+        if found.scratch_bytes > self.scratch_held:
+            self._grow(found, count)
+        if found.needs_kernels:
+            compile_module(self._comm.device, dtype, op)
+        return found
+
+    def _grow(self, found: Program, count: int) -> None:
+        cupy = _cuda.cupy_module()
+        size = min(self.scratch_bytes, -(-found.scratch_bytes // SCRATCH_GRANULE) * SCRATCH_GRANULE)
+        with cupy.cuda.Device(self._comm.device):
+            self._release_scratch()
+            try:
+                self._scratch = self._pool.malloc(size)
+            except cupy.cuda.memory.OutOfMemoryError as exc:
+                plan = found.plan
+                raise CupycollError(
+                    f"the ring algorithm could not allocate {_amount(size)} of scratch memory on "
+                    f"cuda:{self._comm.device} for a {plan.kind} of {count} {plan.dtype} elements "
+                    f"({plan.geometry.rounds} rounds of {plan.geometry.slice_elems}-element slices); "
+                    f"nothing was launched. A smaller ring scratch limit (cupycoll.Options("
+                    f"ring_scratch_bytes=...) or CUPYCOLL_RING_SCRATCH_BYTES, now "
+                    f"{self.scratch_bytes} bytes, the same on every rank) runs more, smaller "
+                    f"rounds in less memory") from exc
+        self._scratch_ptr = self._scratch.ptr
+        self.scratch_held = size
+
+    def _release_scratch(self) -> None:
+        """Drop the scratch buffer once the GPU is done with it and return its memory to the
+        device (inside the ring's device)."""
+        if self._scratch is not None:
+            # Waits for the ring's previous call, whose kernels and transfers may still use it.
+            if self._last_use is not None:
+                self._last_use.synchronize()
+            self._side.synchronize()
+        self._scratch, self._scratch_ptr, self.scratch_held = None, 0, 0
+        self._pool.free_all_blocks()
 
     # -- execution ---------------------------------------------------------------------
-    def _execute(self, commands, sendbuf, recvbuf, dtype, op, stream, premul, premul_ptr) -> None:
+    def _execute(self, found: Program, sendbuf, recvbuf, dtype, op, stream, premul, premul_ptr) -> None:
         cupy = _cuda.cupy_module()
         comm = self._comm
-        element = ELEMENTS[dtype]
-        itemsize, acc_itemsize = element.itemsize, element.acc_itemsize
-        slice_elems = self._slice_elems(dtype)
-        right, left = right_of(comm.rank, comm.size), left_of(comm.rank, comm.size)
-        scratch = self._scratch.ptr
-
-        def slot_ptr(lane: int, slot: int) -> int:
-            return scratch + (lane * SLOTS + slot) * slice_elems * acc_itemsize
-
-        # Compile (or fetch from the cache) before anything is enqueued: a compile error
-        # must not leave half a collective on the stream.
-        kernels = compile_module(comm.device, dtype, op) if _needs_kernels(commands) else None
-        factor = numpy.dtype(element.acc).type(premul if premul is not None else 0)
+        kernels = compile_module(comm.device, dtype, op) if found.needs_kernels else None
+        factor = _ACC_TYPES[dtype](premul if premul is not None else 0)
         factor_ptr = numpy.uint64(premul_ptr or 0)
         divisor = numpy.int64(comm.size)
+        right, left = right_of(comm.rank, comm.size), left_of(comm.rank, comm.size)
+        bases = (sendbuf, recvbuf, self._scratch_ptr, 0)
+        u64 = numpy.uint64
 
         with cupy.cuda.Device(comm.device):
-            streams = {CALLER: _external_stream(cupy, stream, comm.device), SIDE: self._side}
-            caller, side = streams[CALLER], streams[SIDE]
-
-            def launch(kind: str, local: int, incoming: int, out: int, n: int) -> None:
-                launch_kernel(kernels[kind], dtype, local, incoming, out, n, caller,
-                              factor, factor_ptr, divisor)
-
-            def exchange(send_ptr, send_bytes, recv_ptr, recv_bytes) -> None:
-                with comm.group():
-                    if send_bytes:
-                        comm.send(send_ptr, send_bytes, _NCCL_BYTES, right, side.ptr)
-                    if recv_bytes:
-                        comm.recv(recv_ptr, recv_bytes, _NCCL_BYTES, left, side.ptr)
-
-            if self._last_use is not None:
+            caller = self._caller_stream(cupy, stream)
+            streams = (caller, self._side)
+            events = self._events_for(cupy, found.events)
+            if self._last_use is not None and self._last_stream != stream:
                 caller.wait_event(self._last_use)  # the scratch is shared by every call
-            for command in commands:
-                if isinstance(command, Wait):
-                    streams[command.stream].wait_event(self._event(command.event))
-                    continue
-                if isinstance(command, Record):
-                    self._event(command.event).record(streams[command.stream])
-                    continue
-                action = command.action
-                if isinstance(action, Stage):
-                    launch("ring_stage", sendbuf + action.start * itemsize, 0,
-                           slot_ptr(action.lane, action.slot), action.stop - action.start)
-                elif isinstance(action, Reduce):
-                    slot = slot_ptr(action.lane, action.slot)
-                    local = sendbuf + action.start * itemsize
-                    if action.final:
-                        launch("ring_reduce_final", local, slot,
-                               recvbuf + action.out_start * itemsize, action.stop - action.start)
+            for step in found.steps:
+                code = step[0]
+                if code == _KERNEL:
+                    _, name, local, in_base, in_off, out_base, out_off, n, grid = step
+                    kernels[name](grid, _BLOCK,
+                                  (u64(sendbuf + local), u64(bases[in_base] + in_off),
+                                   u64(bases[out_base] + out_off), n, factor_ptr, factor, divisor),
+                                  stream=caller)
+                elif code == _EXCHANGE:
+                    _, s, send_base, send_off, send_bytes, recv_off, recv_bytes = step
+                    ptr = streams[s].ptr
+                    send_ptr, recv_ptr = bases[send_base] + send_off, bases[_SCRATCH] + recv_off
+                    if send_bytes and recv_bytes:
+                        with comm.group():
+                            comm.send(send_ptr, send_bytes, _NCCL_BYTES, right, ptr)
+                            comm.recv(recv_ptr, recv_bytes, _NCCL_BYTES, left, ptr)
+                    elif send_bytes:
+                        comm.send(send_ptr, send_bytes, _NCCL_BYTES, right, ptr)
                     else:
-                        launch("ring_reduce", local, slot, slot, action.stop - action.start)
-                elif isinstance(action, Exchange):
-                    if action.send_slot is None:
-                        send_ptr = sendbuf + action.send_start * itemsize
+                        comm.recv(recv_ptr, recv_bytes, _NCCL_BYTES, left, ptr)
+                elif code == _RECORD:
+                    events[step[1]].record(streams[step[2]])
+                elif code == _WAIT:
+                    streams[step[2]].wait_event(events[step[1]])
+                elif code == _GATHER:
+                    _, s, own_off, share_bytes, tail_off, tail_bytes, root = step
+                    ptr, tail = streams[s].ptr, recvbuf + tail_off
+                    if share_bytes and tail_bytes:
+                        with comm.group():
+                            comm.all_gather(recvbuf + own_off, recvbuf, share_bytes, _NCCL_BYTES, ptr)
+                            comm.broadcast(tail, tail, tail_bytes, _NCCL_BYTES, root, ptr)
+                    elif share_bytes:
+                        comm.all_gather(recvbuf + own_off, recvbuf, share_bytes, _NCCL_BYTES, ptr)
                     else:
-                        send_ptr = slot_ptr(action.lane, action.send_slot)
-                    exchange(send_ptr, (action.send_stop - action.send_start) * acc_itemsize,
-                             slot_ptr(action.lane, action.recv_slot),
-                             (action.recv_stop - action.recv_start) * acc_itemsize)
-                elif isinstance(action, Forward):
-                    exchange(recvbuf + action.send_start * itemsize,
-                             (action.send_stop - action.send_start) * itemsize,
-                             recvbuf + action.recv_start * itemsize,
-                             (action.recv_stop - action.recv_start) * itemsize)
-                elif isinstance(action, Alone):
-                    offset = action.start * itemsize
-                    if action.transform:
-                        launch("ring_final", sendbuf + offset, 0, recvbuf + offset,
-                               action.stop - action.start)
-                    elif sendbuf != recvbuf:
-                        cupy.cuda.runtime.memcpyAsync(
-                            recvbuf + offset, sendbuf + offset, (action.stop - action.start) * itemsize,
-                            cupy.cuda.runtime.memcpyDeviceToDevice, caller.ptr)
-            self._last_use = self._event(("last use",))
+                        comm.broadcast(tail, tail, tail_bytes, _NCCL_BYTES, root, ptr)
+                elif code == _COPY and sendbuf != recvbuf:
+                    _, offset, nbytes = step
+                    cupy.cuda.runtime.memcpyAsync(recvbuf + offset, sendbuf + offset, nbytes,
+                                                  cupy.cuda.runtime.memcpyDeviceToDevice, caller.ptr)
+            if self._last_use is None:
+                self._last_use = cupy.cuda.Event(disable_timing=True)
             self._last_use.record(caller)
+            self._last_stream = stream
 
-    def _event(self, name):
-        event = self._events.get(name)
-        if event is None:
-            event = self._events[name] = _cuda.cupy_module().cuda.Event(disable_timing=True)
-        return event
+    def _caller_stream(self, cupy, ptr: int):
+        found = self._streams.get(ptr)
+        if found is None:
+            if len(self._streams) >= 16:  # callers rarely use more streams; keep it small
+                self._streams.clear()
+            found = self._streams[ptr] = compat.external_stream(cupy, _StreamHandle(ptr), ptr, self._comm.device)
+        return found
 
-
-def launch_kernel(kernel, dtype: str, local: int, incoming: int, out: int, n: int, stream,
-                  factor=None, factor_ptr=None, divisor=None) -> None:
-    """Launch one ring kernel (any kind: they share one parameter list) over ``n`` elements
-    on the cupy ``stream``. ``factor``/``factor_ptr``/``divisor`` default to "unused"."""
-    element = ELEMENTS[dtype]
-    acc = numpy.dtype(element.acc).type
-    threads_needed = -(-n // (16 // element.acc_itemsize))  # one 16-byte pack per thread
-    blocks = min(MAX_BLOCKS, max(1, -(-threads_needed // THREADS_PER_BLOCK)))
-    kernel((blocks,), (THREADS_PER_BLOCK,),
-           (numpy.uint64(local), numpy.uint64(incoming), numpy.uint64(out), numpy.uint64(n),
-            numpy.uint64(0) if factor_ptr is None else factor_ptr,
-            acc(0) if factor is None else factor,
-            numpy.int64(1) if divisor is None else divisor),
-           stream=stream)
+    def _events_for(self, cupy, count: int) -> List:
+        while len(self._events) < count:
+            self._events.append(cupy.cuda.Event(disable_timing=True))
+        return self._events
 
 
 class _StreamHandle:
@@ -322,19 +449,3 @@ class _StreamHandle:
 
     def __cuda_stream__(self):
         return (0, self._ptr)
-
-
-def _external_stream(cupy, ptr: int, device: int):
-    return compat.external_stream(cupy, _StreamHandle(ptr), ptr, device)
-
-
-def plan_for(kind: str, rank: int, world: int, count: int, dtype: str, op: str,
-             scratch_bytes: int = DEFAULT_RING_SCRATCH_BYTES) -> List[object]:
-    """The plan :class:`Ring` runs for ``kind`` (``"all_reduce"`` or ``"reduce_scatter"``,
-    whose ``count`` is the per-rank recvcount) with ``scratch_bytes``; ``issue(plan)`` gives
-    its commands. For tests and debugging, without a GPU."""
-    check(dtype, op)
-    if kind not in ("all_reduce", "reduce_scatter"):
-        raise CupycollValueError(f"plan kind {kind!r}: expected all_reduce or reduce_scatter")
-    slice_elems = slice_elems_for(scratch_bytes, ELEMENTS[dtype].acc_itemsize)
-    return list(_plan(kind, rank, world, count, slice_elems, dtype, op))

@@ -1,16 +1,17 @@
 """The ring algorithm's schedule, as plain data: chunks, slices, per-rank plans, stream order.
 
-:mod:`cupycoll.ring.algorithm` executes the plans built here on the GPU, action by action, in list
-order; the tests' numpy model (tests/ring_simulator.py) executes the very same plans, one
-array per rank, so the CPU tests of the schedule test what the GPU runs.
+:mod:`cupycoll.ring.algorithm` executes the plans built here on the GPU, command by command,
+in list order; the tests' numpy model (tests/ring_simulator.py) executes the very same plans,
+one array per rank, so the CPU tests of the schedule test what the GPU runs.
 
 The schedule
 ------------
-The buffer is cut into one *chunk* per rank (all-reduce: equal, 16-element-aligned pieces,
-trailing ones possibly empty; reduce-scatter: block ``r`` of the input is chunk ``r``).
-Rank ``r`` owns chunk ``r``: it finishes that chunk's reduction. Chunks are cut into
-*slices* of at most ``slice_elems`` elements, bounded by the scratch memory; round ``k`` of
-the reduce-scatter phase moves slice ``k`` of every chunk around the ring:
+The buffer is cut into one *chunk* per rank. All-reduce: chunk ``c < world - 1`` is
+``[c * q, (c + 1) * q)`` with ``q`` the per-rank share rounded down to 16 elements, and the
+last chunk also holds the remainder (fewer than ``16 * world`` elements). Reduce-scatter:
+block ``r`` of the input is chunk ``r``. Rank ``r`` owns chunk ``r``: it finishes that
+chunk's reduction. Each chunk is cut into ``rounds`` equal *slices* (:class:`Geometry`);
+round ``k`` of the reduce-scatter phase moves slice ``k`` of every chunk around the ring:
 
 * at step ``s`` (``0 <= s < world - 1``) rank ``r`` sends the partial of chunk
   ``(r - s - 1) % world`` to its right neighbour ``r + 1`` and receives the partial of
@@ -20,33 +21,50 @@ the reduce-scatter phase moves slice ``k`` of every chunk around the ring:
   AVG, rounded to the element type once, and written to the output.
 
 So chunk ``c`` is always reduced in the order ``c+1, c+2, ..., c`` (ranks, modulo world):
-every element's reduction order is fixed, whatever the timing. All-reduce then forwards
-the finished chunks around the ring for ``world - 1`` steps (rank ``r`` sends chunk
-``(r - s) % world``, receives chunk ``(r - s - 1) % world``), copying bytes: every rank
+every element's reduction order is fixed, whatever the timing or the slicing. All-reduce then
+gathers the finished chunks with one NCCL all-gather of the ``q``-element chunks plus, in the
+same NCCL group, a broadcast of the remainder from the last rank: byte copies, so every rank
 ends with the owner's bits.
 
-Partials travel in the accumulation type (fp32 for fp16/bf16). Scratch holds ``LANES``
-lanes of ``SLOTS`` slots of ``slice_elems`` accumulators: rounds alternate between lanes
-so that one lane's transfer overlaps the other's reduction, and within a lane step ``s``
-receives into slot ``s % 2`` while sending from slot ``(s + 1) % 2``.
+Slices and rounds
+-----------------
+The number of rounds does not grow with the message: a chunk whose partials fill at least
+``LANES * PIPELINE_MIN_SLICE_BYTES`` runs ``LANES`` rounds (one per lane, so that one
+lane's transfer overlaps the other's reduction), a smaller one a single round. The scratch
+memory (``LANES`` lanes of ``SLOTS`` slots of one slice of accumulators, only what a plan
+uses) therefore grows with the message, up to ``scratch_bytes``, the most the user allows;
+a message whose slices would not fit runs more rounds of the largest slices that do. Every
+rank derives the same geometry from the same (kind, count, world, dtype, op, scratch_bytes).
+
+Partials travel in the accumulation type (fp32 for fp16/bf16). Rounds alternate between
+lanes; within a lane step ``s`` receives into slot ``s % 2`` while sending from slot
+``(s + 1) % 2``. A plan with one round has nothing to overlap and runs on the caller's
+stream alone; one with more runs its transfers on a second stream (:func:`issue`).
 
 Deliberately left out: arithmetic on values (the numpy model of the kernels is
-tests/ring_simulator.py; this module imports no numpy), CuPy, torch, real streams
-and pointers (see :mod:`cupycoll.ring.algorithm`). Streams appear only as the two names that
-:func:`issue` orders commands on.
+tests/ring_simulator.py; this module imports no numpy), CuPy, torch, real streams, pointers
+and what a command costs to launch (see :mod:`cupycoll.ring.algorithm`). Streams appear only
+as the two names that :func:`issue` orders commands on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .kernels import check, stages_first_contribution
+from .kernels import ELEMENTS, check, stages_first_contribution
 from ..errors import CupycollValueError
 
 LANES = 2
 SLOTS = 2
 ALIGN_ELEMS = 16  # chunk and slice starts stay 16-byte aligned for the widest accesses
+# Splitting a chunk into one slice per lane hides one slice's reduction behind the other's
+# transfer, at the price of one more NCCL transfer's fixed cost (tens of microseconds over
+# NVLink or InfiniBand, milliseconds over sockets). It pays for slices whose reduction
+# clearly outlasts that: a 64 MiB slice of fp32 partials moves 192 MiB through the kernel,
+# about 50 µs at 4 TB/s.
+PIPELINE_MIN_SLICE_BYTES = 64 << 20
+KINDS = ("all_reduce", "reduce_scatter")
 
 Bounds = Tuple[int, int]
 
@@ -54,10 +72,10 @@ Bounds = Tuple[int, int]
 # ------------------------------------------------------------------------------ geometry
 
 def all_reduce_chunks(count: int, world: int) -> List[Bounds]:
-    """Chunk ``c`` of an all-reduce of ``count`` elements is ``[start, stop)``."""
-    per_rank = -(-count // world) if world else 0
-    per_rank = -(-per_rank // ALIGN_ELEMS) * ALIGN_ELEMS
-    return [(min(c * per_rank, count), min((c + 1) * per_rank, count)) for c in range(world)]
+    """Chunk ``c`` of an all-reduce of ``count`` elements is ``[start, stop)``: equal,
+    16-element-aligned shares, the last one also holding the remainder."""
+    share = (count // world) // ALIGN_ELEMS * ALIGN_ELEMS if world else 0
+    return [(c * share, (c + 1) * share if c < world - 1 else count) for c in range(world)]
 
 
 def reduce_scatter_chunks(recvcount: int, world: int) -> List[Bounds]:
@@ -65,16 +83,58 @@ def reduce_scatter_chunks(recvcount: int, world: int) -> List[Bounds]:
     return [(c * recvcount, (c + 1) * recvcount) for c in range(world)]
 
 
-def slice_elems_for(scratch_bytes: int, acc_itemsize: int) -> int:
-    """The longest slice the scratch memory holds in every lane and slot."""
-    elems = scratch_bytes // (LANES * SLOTS * acc_itemsize)
-    elems -= elems % ALIGN_ELEMS
-    if elems <= 0:
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """How a plan cuts its chunks and lays out its scratch memory: ``rounds`` slices of at
+    most ``slice_elems`` elements per chunk; ``lanes`` x ``slots`` scratch buffers of one
+    slice of ``acc_itemsize``-byte accumulators each."""
+
+    rounds: int
+    slice_elems: int
+    lanes: int
+    slots: int
+    acc_itemsize: int
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self.lanes * self.slots * self.slice_elems * self.acc_itemsize
+
+    def slot_offset(self, lane: int, slot: int) -> int:
+        """Byte offset of scratch buffer ``(lane, slot)``."""
+        return (lane * self.slots + slot) * self.slice_elems * self.acc_itemsize
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN_ELEMS) * ALIGN_ELEMS
+
+
+def _cut(longest: int, rounds: int, slots: int, acc_itemsize: int) -> Geometry:
+    slice_elems = _align_up(-(-longest // rounds))
+    rounds = -(-longest // slice_elems)  # aligning up may leave a round empty
+    return Geometry(rounds, slice_elems, min(LANES, rounds), slots, acc_itemsize)
+
+
+def geometry(chunks: Sequence[Bounds], world: int, acc_itemsize: int, stage_first: bool,
+             scratch_bytes: int) -> Geometry:
+    """The slicing of ``chunks``: ``LANES`` rounds when the longest chunk's partials fill
+    ``LANES * PIPELINE_MIN_SLICE_BYTES``, else one; more only where the slices of those would
+    not fit ``scratch_bytes``."""
+    longest = max((stop - start for start, stop in chunks), default=0)
+    # The send slot is needed once a slot is sent from: a staged first send, or any step past
+    # the first (three or more ranks). Two ranks sending unstaged data receive only.
+    slots = SLOTS if stage_first or world > 2 else 1
+    if world <= 1 or longest == 0:
+        return Geometry(0, 0, 0, slots, acc_itemsize)
+    pipelined = longest * acc_itemsize >= LANES * PIPELINE_MIN_SLICE_BYTES
+    cut = _cut(longest, LANES if pipelined else 1, slots, acc_itemsize)
+    if cut.scratch_bytes <= scratch_bytes:
+        return cut
+    most = scratch_bytes // (LANES * slots * acc_itemsize) // ALIGN_ELEMS * ALIGN_ELEMS
+    if most <= 0:
         raise CupycollValueError(
             f"ring scratch of {scratch_bytes} bytes is too small: it needs at least "
-            f"{LANES * SLOTS * ALIGN_ELEMS * acc_itemsize} bytes for {acc_itemsize}-byte "
-            "accumulators")
-    return elems
+            f"{LANES * slots * ALIGN_ELEMS * acc_itemsize} bytes for {acc_itemsize}-byte accumulators")
+    return _cut(longest, -(-longest // most), slots, acc_itemsize)
 
 
 def round_count(chunks: Sequence[Bounds], slice_elems: int) -> int:
@@ -87,6 +147,15 @@ def slice_bounds(chunk: Bounds, round_index: int, slice_elems: int) -> Bounds:
     start, stop = chunk
     begin = min(start + round_index * slice_elems, stop)
     return begin, min(begin + slice_elems, stop)
+
+
+def describe_scratch(scratch_bytes: int) -> str:
+    """The slicing and scratch policy under the limit ``scratch_bytes``, in one line (for
+    reports such as the benchmark's header)."""
+    return (f"grown to each call's plan, at most {scratch_bytes} bytes ({scratch_bytes / (1 << 20):g} MiB) "
+            f"per communicator; {LANES} rounds per ring step from "
+            f"{LANES * PIPELINE_MIN_SLICE_BYTES >> 20} MiB of partials per chunk, 1 below, more "
+            f"where the limit binds")
 
 
 # ------------------------------------------------------------------------------ step order
@@ -105,14 +174,6 @@ def reduce_scatter_send_chunk(rank: int, step: int, world: int) -> int:
 
 def reduce_scatter_recv_chunk(rank: int, step: int, world: int) -> int:
     return (rank - step - 2) % world
-
-
-def all_gather_send_chunk(rank: int, step: int, world: int) -> int:
-    return (rank - step) % world
-
-
-def all_gather_recv_chunk(rank: int, step: int, world: int) -> int:
-    return (rank - step - 1) % world
 
 
 # ------------------------------------------------------------------------------ actions
@@ -166,17 +227,15 @@ class Reduce:
 
 
 @dataclasses.dataclass(frozen=True)
-class Forward:
-    """All-gather step: send a finished chunk of the output right, receive one from the
-    left into the output (bytes, no arithmetic)."""
+class Gather:
+    """All-reduce's last phase, the same on every rank: an all-gather of the finished
+    ``[c * share, (c + 1) * share)`` of every rank ``c`` into the output, and a broadcast of
+    the output's ``[tail_start, tail_stop)`` from rank ``root`` (bytes, no arithmetic)."""
 
-    step: int
-    send_chunk: int
-    send_start: int
-    send_stop: int
-    recv_chunk: int
-    recv_start: int
-    recv_stop: int
+    share: int
+    tail_start: int
+    tail_stop: int
+    root: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +248,10 @@ class Alone:
     transform: bool
 
 
-Action = Union[Stage, Exchange, Reduce, Forward, Alone]
+Action = Union[Stage, Exchange, Reduce, Gather, Alone]
 
 
-def reduce_scatter_plan(rank: int, world: int, chunks: Sequence[Bounds], slice_elems: int,
+def reduce_scatter_plan(rank: int, world: int, chunks: Sequence[Bounds], cut: Geometry,
                         stage_first: bool, scatter: bool) -> List[Action]:
     """Rank ``rank``'s reduce-scatter phase, in issue order.
 
@@ -200,27 +259,26 @@ def reduce_scatter_plan(rank: int, world: int, chunks: Sequence[Bounds], slice_e
     ``scatter``: the output holds only the owned chunk (reduce-scatter), so the final
     results go to ``start - chunks[rank][0]``; otherwise to ``start`` (all-reduce).
 
-    Rounds run in waves of ``LANES``; within a wave each step is issued lane after lane,
+    Rounds run in waves of ``cut.lanes``; within a wave each step is issued lane after lane,
     so the GPU can move one lane's data while it reduces the other's.
     """
-    if world == 1:
+    if world == 1 or cut.rounds == 0:
         return []
-    rounds = round_count(chunks, slice_elems)
     own_base = chunks[rank][0] if scatter else 0
     plan: List[Action] = []
-    for wave in range(0, rounds, LANES):
-        wave_rounds = [(k, k - wave) for k in range(wave, min(wave + LANES, rounds))]
+    for wave in range(0, cut.rounds, cut.lanes):
+        wave_rounds = [(k, k - wave) for k in range(wave, min(wave + cut.lanes, cut.rounds))]
         if stage_first:
             for k, lane in wave_rounds:
                 chunk = reduce_scatter_send_chunk(rank, 0, world)
-                start, stop = slice_bounds(chunks[chunk], k, slice_elems)
+                start, stop = slice_bounds(chunks[chunk], k, cut.slice_elems)
                 plan.append(Stage(k, lane, _send_slot(0), chunk, start, stop))
         for step in range(world - 1):
             for k, lane in wave_rounds:
                 send_chunk = reduce_scatter_send_chunk(rank, step, world)
                 recv_chunk = reduce_scatter_recv_chunk(rank, step, world)
-                send = slice_bounds(chunks[send_chunk], k, slice_elems)
-                recv = slice_bounds(chunks[recv_chunk], k, slice_elems)
+                send = slice_bounds(chunks[send_chunk], k, cut.slice_elems)
+                recv = slice_bounds(chunks[recv_chunk], k, cut.slice_elems)
                 from_scratch = stage_first or step > 0
                 plan.append(Exchange(k, step, lane, send_chunk, *send,
                                      _send_slot(step) if from_scratch else None,
@@ -231,35 +289,12 @@ def reduce_scatter_plan(rank: int, world: int, chunks: Sequence[Bounds], slice_e
     return plan
 
 
-def all_gather_plan(rank: int, world: int, chunks: Sequence[Bounds]) -> List[Action]:
-    """Rank ``rank``'s all-gather phase (all-reduce only): whole chunks, in issue order."""
-    plan: List[Action] = []
-    for step in range(world - 1):
-        send_chunk = all_gather_send_chunk(rank, step, world)
-        recv_chunk = all_gather_recv_chunk(rank, step, world)
-        plan.append(Forward(step, send_chunk, *chunks[send_chunk], recv_chunk, *chunks[recv_chunk]))
-    return plan
-
-
-def all_reduce_plan(rank: int, world: int, count: int, slice_elems: int, dtype: str,
-                    op: str) -> List[Action]:
-    check(dtype, op)
+def gather_plan(world: int, chunks: Sequence[Bounds]) -> List[Action]:
+    """All-reduce's gather phase: one :class:`Gather` (none for a single rank)."""
     if world == 1:
-        return [Alone(0, count, op == "premul_sum")]
-    chunks = all_reduce_chunks(count, world)
-    return (reduce_scatter_plan(rank, world, chunks, slice_elems,
-                                stages_first_contribution(dtype, op), scatter=False)
-            + all_gather_plan(rank, world, chunks))
-
-
-def reduce_scatter_full_plan(rank: int, world: int, recvcount: int, slice_elems: int,
-                             dtype: str, op: str) -> List[Action]:
-    check(dtype, op)
-    if world == 1:
-        return [Alone(0, recvcount, op == "premul_sum")]
-    chunks = reduce_scatter_chunks(recvcount, world)
-    return reduce_scatter_plan(rank, world, chunks, slice_elems,
-                               stages_first_contribution(dtype, op), scatter=True)
+        return []
+    share = chunks[0][1] - chunks[0][0]
+    return [Gather(share, world * share, chunks[-1][1], world - 1)]
 
 
 def _recv_slot(step: int) -> int:
@@ -272,10 +307,50 @@ def _send_slot(step: int) -> int:
     return (step + 1) % SLOTS
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One rank's whole call: its geometry and its actions in issue order."""
+
+    kind: str
+    rank: int
+    world: int
+    count: int  # all-reduce: elements; reduce-scatter: elements per rank (recvcount)
+    dtype: str
+    op: str
+    geometry: Geometry
+    actions: Tuple[Action, ...]
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self.geometry.scratch_bytes
+
+
+def build_plan(kind: str, rank: int, world: int, count: int, dtype: str, op: str,
+               scratch_bytes: int) -> Plan:
+    """Rank ``rank``'s plan for ``kind`` (``"all_reduce"``, or ``"reduce_scatter"`` whose
+    ``count`` is the per-rank recvcount), with at most ``scratch_bytes`` of scratch."""
+    check(dtype, op)
+    if kind not in KINDS:
+        raise CupycollValueError(f"plan kind {kind!r}: expected all_reduce or reduce_scatter")
+    acc_itemsize = ELEMENTS[dtype].acc_itemsize
+    stage_first = stages_first_contribution(dtype, op)
+    if world == 1:
+        return Plan(kind, rank, world, count, dtype, op, Geometry(0, 0, 0, 0, acc_itemsize),
+                    (Alone(0, count, op == "premul_sum"),))
+    scatter = kind == "reduce_scatter"
+    chunks = reduce_scatter_chunks(count, world) if scatter else all_reduce_chunks(count, world)
+    cut = geometry(chunks, world, acc_itemsize, stage_first, scratch_bytes)
+    actions = reduce_scatter_plan(rank, world, chunks, cut, stage_first, scatter)
+    if not scatter:
+        actions += gather_plan(world, chunks)
+    return Plan(kind, rank, world, count, dtype, op, cut, tuple(actions))
+
+
 # ------------------------------------------------------------------------ stream order
 
 CALLER = "caller"  # the stream the collective was called with: kernels run there
-SIDE = "side"  # the ring's own stream: NCCL transfers run there
+SIDE = "side"  # the ring's own stream: a pipelined plan's NCCL calls run there
+STREAMS = (CALLER, SIDE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,46 +379,127 @@ class Wait:
 Command = Union[Run, Record, Wait]
 
 
-def issue(plan: Sequence[Action]) -> List[Command]:
-    """The commands that run ``plan`` on two streams, empty actions left out.
+def is_empty(action: Action) -> bool:
+    """Whether ``action`` moves or computes nothing (a slice past its chunk's end)."""
+    if isinstance(action, (Stage, Reduce, Alone)):
+        return action.stop == action.start
+    if isinstance(action, Exchange):
+        return action.send_stop == action.send_start and action.recv_stop == action.recv_start
+    return action.share == 0 and action.tail_stop == action.tail_start
 
-    Kernels run on the caller's stream, transfers on the side stream. Per lane, the
-    caller records ("reduced", lane) after each kernel and the side stream records
-    ("received", lane) after each transfer; each waits for the other's latest before it
-    touches the lane's slots. Lanes do not wait for each other, which is what lets lane
-    1's transfer run during lane 0's reduction. The first records order the whole ring
-    after the caller's earlier work; the last wait orders the caller's later work after
-    the side stream's last transfer.
+
+def issue(plan: Plan) -> List[Command]:
+    """The commands that run ``plan``, empty actions left out.
+
+    A plan of one round runs on the caller's stream alone: its every action depends on the
+    one before, so a second stream would overlap nothing. A pipelined plan runs kernels on
+    the caller's stream and NCCL calls on the side stream. Per lane, the caller records
+    ("reduced", lane) after each kernel and the side stream records ("received", lane) after
+    each transfer; each waits for the other's latest before it touches the lane's slots.
+    Lanes do not wait for each other, which is what lets lane 1's transfer run during lane
+    0's reduction. The first records order the whole ring after the caller's earlier work;
+    the last wait orders the caller's later work after the side stream's last transfer.
+    Records and waits that order nothing more than the commands before them already do are
+    then left out (:func:`_prune`).
     """
-    commands: List[Command] = [Record(CALLER, ("reduced", lane)) for lane in range(LANES)]
-    side_used = gathering = False
-    for action in plan:
+    actions = [a for a in plan.actions if not is_empty(a)]
+    if plan.geometry.rounds <= 1:
+        return [Run(CALLER, action) for action in actions]
+    commands: List[Command] = [Record(CALLER, ("reduced", lane)) for lane in range(plan.geometry.lanes)]
+    side_used = False
+    for action in actions:
         if isinstance(action, (Stage, Reduce)):
-            if action.stop == action.start:
-                continue
             # A Reduce consumes the transfer just received; a Stage overwrites a slot that
             # the lane's last transfer may still be sending from (the round before it could
             # end with a send and no receive, so no Reduce waited for that transfer).
             commands += [Wait(CALLER, ("received", action.lane)), Run(CALLER, action),
                          Record(CALLER, ("reduced", action.lane))]
         elif isinstance(action, Exchange):
-            if action.send_stop == action.send_start and action.recv_stop == action.recv_start:
-                continue
             commands += [Wait(SIDE, ("reduced", action.lane)), Run(SIDE, action),
                          Record(SIDE, ("received", action.lane))]
             side_used = True
-        elif isinstance(action, Forward):
-            if not gathering:
-                # Every owned chunk must be final before any of them moves.
-                commands += [Record(CALLER, ("gathered",)), Wait(SIDE, ("gathered",))]
-                gathering = True
-            if action.send_stop == action.send_start and action.recv_stop == action.recv_start:
-                continue
-            commands.append(Run(SIDE, action))
+        elif isinstance(action, Gather):
+            # Every owned chunk must be final, and every read of this rank's input done
+            # (in place, the gather overwrites it), before any chunk moves.
+            commands += [Record(CALLER, ("gathered",)), Wait(SIDE, ("gathered",)), Run(SIDE, action)]
             side_used = True
-        elif isinstance(action, Alone):
-            if action.stop != action.start:
-                commands.append(Run(CALLER, action))
+        else:
+            commands.append(Run(CALLER, action))
     if side_used:
         commands += [Record(SIDE, ("side done",)), Wait(CALLER, ("side done",))]
-    return commands
+    return _prune(commands)
+
+
+def _prune(commands: Sequence[Command]) -> List[Command]:
+    """``commands`` without the waits whose stream has already seen everything the event
+    stands for, then without the records no remaining wait reads. Vector clocks: one count
+    of run commands per stream; the caller's starts at one, for its work before the call."""
+    clocks: Dict[str, List[int]] = {CALLER: [1, 0], SIDE: [0, 0]}
+    recorded: Dict[Tuple, Tuple[int, ...]] = {}
+    kept: List[Command] = []
+    for command in commands:
+        clock = clocks[command.stream]
+        if isinstance(command, Run):
+            clock[STREAMS.index(command.stream)] += 1
+        elif isinstance(command, Record):
+            recorded[command.event] = tuple(clock)
+        else:
+            seen = recorded.get(command.event)
+            if seen is None or all(mine >= theirs for mine, theirs in zip(clock, seen)):
+                continue
+            clocks[command.stream] = [max(mine, theirs) for mine, theirs in zip(clock, seen)]
+        kept.append(command)
+    read: set = set()  # events a wait later in the list reads from the next record back
+    result: List[Command] = []
+    for command in reversed(kept):
+        if isinstance(command, Wait):
+            read.add(command.event)
+        elif isinstance(command, Record):
+            if command.event not in read:
+                continue
+            read.discard(command.event)
+        result.append(command)
+    return result[::-1]
+
+
+# ------------------------------------------------------------------------ launch counts
+
+@dataclasses.dataclass(frozen=True)
+class Launches:
+    """What one call of a plan costs the host: NCCL groups (ncclGroupStart/End pairs), NCCL
+    calls, kernels, device-to-device copies and event operations (records and waits)."""
+
+    nccl_groups: int
+    nccl_calls: int
+    kernels: int
+    copies: int
+    events: int
+
+    @property
+    def total(self) -> int:
+        return self.nccl_groups + self.nccl_calls + self.kernels + self.copies + self.events
+
+
+def launches(commands: Sequence[Command]) -> Launches:
+    """The host operations :mod:`cupycoll.ring.algorithm` issues for ``commands`` (its
+    scratch bookkeeping, one wait and one record per call, not counted). An exchange or a
+    gather of two NCCL calls is one NCCL group; of one, that call alone."""
+    groups = calls = kernels = copies = events = 0
+    for command in commands:
+        if not isinstance(command, Run):
+            events += 1
+            continue
+        action = command.action
+        if isinstance(action, Exchange):
+            n = (action.send_stop > action.send_start) + (action.recv_stop > action.recv_start)
+        elif isinstance(action, Gather):
+            n = (action.share > 0) + (action.tail_stop > action.tail_start)
+        elif isinstance(action, Alone) and not action.transform:
+            copies += 1
+            continue
+        else:
+            kernels += 1
+            continue
+        calls += n
+        groups += n > 1
+    return Launches(groups, calls, kernels, copies, events)

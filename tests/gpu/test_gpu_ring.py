@@ -7,9 +7,10 @@ tests/ring_simulator.py's numpy model and loosely against torch; it checks bitwi
 reproducibility over 10 runs and across ranks, and (selected through ``cupycoll.algorithm``)
 that the ring's bf16 SUM error is no larger than NCCL's.
 
-Three runs side by side: 3 ranks with a 64 KiB scratch, so a 65,539-element case spans
-many pipeline slices per chunk; 2 ranks with the default 4 MiB scratch and a 2**20 + 3
-element case (the default slicing); 1 rank, sizes up to 1001.
+Three runs side by side: 3 ranks with a 64 KiB scratch limit, so a 65,539-element case
+spans many pipelined rounds per chunk on two streams; 2 ranks with the default limit and a
+2**20 + 3 element case (one round, the caller's stream alone: the default slicing below
+128 MiB of partials per chunk); 1 rank, sizes up to 4096.
 """
 
 from __future__ import annotations
