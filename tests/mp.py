@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -93,15 +94,22 @@ def _report(results: Sequence[RankResult], headline: str) -> str:
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _end_with_parent() -> None:
-    """In a child before exec: get SIGTERM when the test process dies, however it dies.
+def _child_setup() -> None:
+    """In a child before exec: get SIGTERM when the test process dies, however it dies, and
+    never write a core file.
 
     Each child leads its own session (so one killpg ends what it started), which puts it
     outside the process group a tier part's time limit kills; without this, a killed part
     would leave its ranks holding the GPU while the next part runs. SIGTERM, not SIGKILL:
     torchrun ends its own workers on SIGTERM. ``prctl`` is looked up in the parent, once: a
-    dlopen in a child forked while another thread held the loader's lock would never return."""
+    dlopen in a child forked while another thread held the loader's lock would never return.
+
+    No core file: a rank still running at its limit gets SIGABRT for its stacks, which the
+    fault handler prints and then lets end the process the default way, with a core dump;
+    a rank with a CUDA context dumps about a GB. The soft limit is 0 for the child and all
+    it starts (torchrun's workers inherit it); the hard limit stays as it was."""
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 
 
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
@@ -149,7 +157,8 @@ class Ranks:
 
     def _dump_stacks(self) -> None:
         """Ask each rank still running for its threads' Python stacks (SIGABRT, which the
-        fault handler prints before the process ends): where a hang was, in its stderr."""
+        fault handler prints before the process ends, writing no core: _child_setup): where
+        a hang was, in its stderr."""
         running = [p for p in self.procs if p.poll() is None]
         for proc in running:
             try:
@@ -245,7 +254,7 @@ def start_ranks(
                 procs.append(subprocess.Popen(
                     [sys.executable, str(WORKERS / script), *args], env=child_env,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                    preexec_fn=_end_with_parent,
+                    preexec_fn=_child_setup,
                 ))
     except BaseException:
         for proc in procs:
@@ -295,7 +304,7 @@ def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None)
     # communicate() drains both pipes together, so one child cannot block on a full pipe.
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_end_with_parent)
+                            preexec_fn=_child_setup)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -376,9 +385,13 @@ def train_ddp_side_by_side(timeout: float, backends: Sequence[str], out_dir: Pat
 
 
 def largest_difference(params: list, reference: list) -> float:
-    """The largest absolute difference between two runs' parameters (the same model)."""
+    """The largest absolute difference between two runs' parameters (the same model); NaN
+    where either run has one (a diverged run)."""
+    import torch
+
     assert len(params) == len(reference), (len(params), len(reference))
-    return max((a - b).abs().max().item() for a, b in zip(params, reference))
+    # torch's max keeps a NaN; Python's max would keep whichever value came first
+    return torch.stack([(a - b).abs().max() for a, b in zip(params, reference)]).max().item()
 
 
 def ddp_parity_with_torch_nccl(timeout: float, *train_args: str) -> float:
@@ -390,3 +403,4 @@ def ddp_parity_with_torch_nccl(timeout: float, *train_args: str) -> float:
     found = re.search(r"max \|param difference\| cupycoll vs nccl: ([0-9.eE+-]+)", result.stdout)
     assert found, result.stdout[-4000:]
     return float(found.group(1))
+

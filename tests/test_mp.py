@@ -79,6 +79,18 @@ def test_runs_differ_by_their_largest_parameter_difference():
         mp.largest_difference(a, a[:1])
 
 
+def test_a_run_that_diverged_to_nan_is_never_within_a_tolerance():
+    import math
+
+    import torch
+
+    good = [torch.zeros(2), torch.ones(2)]
+    diverged = [torch.zeros(2), torch.tensor([1.0, float("nan")])]
+    # wherever the NaN is: a maximum taken in Python keeps whichever comes first
+    assert math.isnan(mp.largest_difference(good, diverged))
+    assert math.isnan(mp.largest_difference(diverged[::-1], good[::-1]))
+
+
 def test_a_rank_still_running_at_the_limit_shows_where_it_was(tmp_path):
     script = tmp_path / "stuck_worker.py"
     script.write_text("import time\n\ndef stuck_in_a_call():\n    time.sleep(120)\n\nstuck_in_a_call()\n")
@@ -87,3 +99,26 @@ def test_a_rank_still_running_at_the_limit_shows_where_it_was(tmp_path):
         job.wait()
     assert "did not finish within 3 s" in str(failed.value)
     assert "stuck_in_a_call" in str(failed.value)  # its Python stack, from its stderr
+
+
+def test_a_rank_killed_for_its_stacks_writes_no_core_file(tmp_path):
+    # SIGABRT ends a rank the fault handler printed: with core dumps allowed, a rank with a
+    # CUDA context would write about a GB. Allowed here (the hard limit permitting) in the
+    # test process, whose limits the ranks inherit, so that only the harness can forbid them.
+    import resource
+
+    script = tmp_path / "stuck_worker.py"
+    script.write_text(f"import os, resource, time\nos.chdir({str(tmp_path)!r})\n"
+                      "print('RLIMIT_CORE', resource.getrlimit(resource.RLIMIT_CORE)[0], flush=True)\n"
+                      "time.sleep(120)\n")
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+    try:
+        job = mp.start_ranks(str(script), 1, timeout=3)
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+    with pytest.raises(mp.WorkersFailed) as failed:
+        job.wait()
+    assert "RLIMIT_CORE 0" in str(failed.value)
+    assert "exit -6" in str(failed.value)  # it was aborted, as a rank still running at its limit is
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("core")]
