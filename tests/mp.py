@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -220,7 +220,8 @@ def start_ranks(
     log_dir: Optional[str] = None,
     fail_fast: Optional[bool] = None,
 ) -> Ranks:
-    """Start ``world`` ranks of ``tests/workers/<script>``; the timeout counts from now.
+    """Start ``world`` ranks of ``tests/workers/<script>`` (or of the script at that absolute
+    path); the timeout counts from now.
 
     ``fail_fast`` (default: ``expect_success``): once a rank exits non-zero, the others get
     FAIL_GRACE_S to finish, then are killed. Off where a rank dies on purpose."""
@@ -404,3 +405,70 @@ def ddp_parity_with_torch_nccl(timeout: float, *train_args: str) -> float:
     assert found, result.stdout[-4000:]
     return float(found.group(1))
 
+
+FSDP_EXAMPLE = ROOT / "examples" / "train_fsdp.py"
+
+
+@dataclasses.dataclass
+class FsdpLaunch:
+    """One launch of examples/train_fsdp.py: how its ranks ended, and rank 0's results
+    (``--params-out``: {"backends": {backend: {"runs": {"MESH PRECISION": {"params",
+    "losses", "layouts"}}, "checkpoints": {"MESH": counts}}}}), or None."""
+    ranks: List[RankResult]
+    failure: Optional[WorkersFailed]
+    results: Optional[dict]
+
+    def explain(self) -> str:
+        return str(self.failure) if self.failure else _report(self.ranks, "train_fsdp.py: the ranks' output")
+
+    def crashed(self) -> Optional[str]:
+        """The crash signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE) that ended a rank, or None: an
+        error exit, a kill or an abort is not a crash."""
+        for rank in self.ranks:
+            if rank.returncode is not None and -rank.returncode in CRASH_SIGNALS:
+                return signal.Signals(-rank.returncode).name
+        return None
+
+
+@dataclasses.dataclass
+class FsdpStart:
+    """A launch of examples/train_fsdp.py in flight (:func:`start_train_fsdp`)."""
+    job: Ranks
+    results: Path
+    again: Callable[[], Ranks]  # the same launch on a port drawn anew
+
+
+def start_train_fsdp(world: int, out_dir: Path, *train_args: str, timeout: float, share_gpu: bool = False,
+                     env: Optional[Dict[str, str]] = None) -> FsdpStart:
+    """examples/train_fsdp.py with ``train_args`` as ``world`` ranks (the harness's: free
+    port, time limit, stacks of a hung rank), rank 0's results to ``out_dir/results.pt``.
+    With ``share_gpu`` the ranks share one GPU. :func:`wait_train_fsdp` collects it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.pt"
+    args = [*train_args, "--params-out", str(results), *(["--share-gpu"] if share_gpu else [])]
+
+    def start() -> Ranks:
+        return start_ranks(str(FSDP_EXAMPLE), world, args, timeout=timeout, env=env, expect_success=True,
+                           share_gpu=share_gpu, log_dir=str(out_dir / "logs"))
+    return FsdpStart(start(), results, start)
+
+
+def wait_train_fsdp(started: FsdpStart) -> FsdpLaunch:
+    """Wait for a launch of :func:`start_train_fsdp`; a failed launch is returned, not raised,
+    so that launches started side by side are each judged. A launch whose port was taken
+    (:data:`PORT_TAKEN`) runs once more, as in :func:`run_ranks`."""
+    job = started.job
+    for attempt in range(2):
+        try:
+            ranks, failure = job.wait(), None
+        except WorkersFailed as exc:
+            ranks, failure = job.results or [], exc
+        if failure is None or PORT_TAKEN not in str(failure) or attempt:
+            break
+        job = started.again()
+    loaded = None
+    if failure is None and started.results.exists():
+        import torch
+
+        loaded = torch.load(started.results)
+    return FsdpLaunch(ranks, failure, loaded)

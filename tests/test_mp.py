@@ -68,6 +68,42 @@ def test_an_error_a_kill_or_an_abort_is_not_a_crash(exitcode):
     assert _trained(1, f"exitcode  : {exitcode} (pid: 542)").crashed() is None
 
 
+def _fsdp_launch(*returncodes):
+    return mp.FsdpLaunch([mp.RankResult(rank, code, "", "") for rank, code in enumerate(returncodes)], None, None)
+
+
+def test_a_train_fsdp_rank_that_crashed_is_named_and_other_ends_are_not_crashes():
+    assert _fsdp_launch(0, -11).crashed() == "SIGSEGV"
+    assert _fsdp_launch(-7, 0).crashed() == "SIGBUS"
+    # an error exit; SIGKILL (a timeout, the OOM killer); SIGABRT (the harness's stack dump)
+    assert _fsdp_launch(1, -9, -6, 0).crashed() is None
+    assert _fsdp_launch().crashed() is None  # a launch that never started a rank
+
+
+class _Job:
+    """A launch's stand-in for wait_train_fsdp: ``wait`` raises ``outcome``, an error, or returns."""
+
+    def __init__(self, outcome):
+        self.outcome, self.results = outcome, None
+
+    def wait(self):
+        self.results = [mp.RankResult(0, 1 if isinstance(self.outcome, Exception) else 0, "", "")]
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.results
+
+
+def test_a_train_fsdp_launch_whose_port_was_taken_runs_once_more_and_other_failures_are_returned(tmp_path):
+    taken = mp.WorkersFailed("--- rank 0: exit 1 ---\nDistNetworkError: ... name: EADDRINUSE")
+    again = []
+    launch = mp.wait_train_fsdp(mp.FsdpStart(_Job(taken), tmp_path / "results.pt",
+                                             lambda: again.append(1) or _Job(None)))
+    assert again == [1] and launch.failure is None and launch.results is None  # no results file was written
+    failed = mp.wait_train_fsdp(mp.FsdpStart(_Job(mp.WorkersFailed("AssertionError")), tmp_path / "r.pt",
+                                             lambda: again.append(2) or _Job(None)))
+    assert again == [1] and "AssertionError" in str(failed.failure) and failed.ranks[0].returncode == 1
+
+
 def test_runs_differ_by_their_largest_parameter_difference():
     import torch
 
