@@ -60,7 +60,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def fail(message: str) -> None:
-    print(f"train_ddp.py: error: {message}", file=sys.stderr)
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -93,15 +94,22 @@ def _report(results: Sequence[RankResult], headline: str) -> str:
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _end_with_parent() -> None:
-    """In a child before exec: get SIGTERM when the test process dies, however it dies.
+def _child_setup() -> None:
+    """In a child before exec: get SIGTERM when the test process dies, however it dies, and
+    never write a core file.
 
     Each child leads its own session (so one killpg ends what it started), which puts it
     outside the process group a tier part's time limit kills; without this, a killed part
     would leave its ranks holding the GPU while the next part runs. SIGTERM, not SIGKILL:
     torchrun ends its own workers on SIGTERM. ``prctl`` is looked up in the parent, once: a
-    dlopen in a child forked while another thread held the loader's lock would never return."""
+    dlopen in a child forked while another thread held the loader's lock would never return.
+
+    No core file: a rank still running at its limit gets SIGABRT for its stacks, which the
+    fault handler prints and then lets end the process the default way, with a core dump;
+    a rank with a CUDA context dumps about a GB. The soft limit is 0 for the child and all
+    it starts (torchrun's workers inherit it); the hard limit stays as it was."""
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
 
 
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
@@ -149,7 +157,8 @@ class Ranks:
 
     def _dump_stacks(self) -> None:
         """Ask each rank still running for its threads' Python stacks (SIGABRT, which the
-        fault handler prints before the process ends): where a hang was, in its stderr."""
+        fault handler prints before the process ends, writing no core: _child_setup): where
+        a hang was, in its stderr."""
         running = [p for p in self.procs if p.poll() is None]
         for proc in running:
             try:
@@ -211,7 +220,8 @@ def start_ranks(
     log_dir: Optional[str] = None,
     fail_fast: Optional[bool] = None,
 ) -> Ranks:
-    """Start ``world`` ranks of ``tests/workers/<script>``; the timeout counts from now.
+    """Start ``world`` ranks of ``tests/workers/<script>`` (or of the script at that absolute
+    path); the timeout counts from now.
 
     ``fail_fast`` (default: ``expect_success``): once a rank exits non-zero, the others get
     FAIL_GRACE_S to finish, then are killed. Off where a rank dies on purpose."""
@@ -245,7 +255,7 @@ def start_ranks(
                 procs.append(subprocess.Popen(
                     [sys.executable, str(WORKERS / script), *args], env=child_env,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                    preexec_fn=_end_with_parent,
+                    preexec_fn=_child_setup,
                 ))
     except BaseException:
         for proc in procs:
@@ -295,7 +305,7 @@ def run_python(*args: str, timeout: float, env: Optional[Dict[str, str]] = None)
     # communicate() drains both pipes together, so one child cannot block on a full pipe.
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_end_with_parent)
+                            preexec_fn=_child_setup)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -376,9 +386,13 @@ def train_ddp_side_by_side(timeout: float, backends: Sequence[str], out_dir: Pat
 
 
 def largest_difference(params: list, reference: list) -> float:
-    """The largest absolute difference between two runs' parameters (the same model)."""
+    """The largest absolute difference between two runs' parameters (the same model); NaN
+    where either run has one (a diverged run)."""
+    import torch
+
     assert len(params) == len(reference), (len(params), len(reference))
-    return max((a - b).abs().max().item() for a, b in zip(params, reference))
+    # torch's max keeps a NaN; Python's max would keep whichever value came first
+    return torch.stack([(a - b).abs().max() for a, b in zip(params, reference)]).max().item()
 
 
 def ddp_parity_with_torch_nccl(timeout: float, *train_args: str) -> float:
@@ -390,3 +404,71 @@ def ddp_parity_with_torch_nccl(timeout: float, *train_args: str) -> float:
     found = re.search(r"max \|param difference\| cupycoll vs nccl: ([0-9.eE+-]+)", result.stdout)
     assert found, result.stdout[-4000:]
     return float(found.group(1))
+
+
+FSDP_EXAMPLE = ROOT / "examples" / "train_fsdp.py"
+
+
+@dataclasses.dataclass
+class FsdpLaunch:
+    """One launch of examples/train_fsdp.py: how its ranks ended, and rank 0's results
+    (``--params-out``: {"backends": {backend: {"runs": {"MESH PRECISION": {"params",
+    "losses", "layouts"}}, "checkpoints": {"MESH": counts}}}}), or None."""
+    ranks: List[RankResult]
+    failure: Optional[WorkersFailed]
+    results: Optional[dict]
+
+    def explain(self) -> str:
+        return str(self.failure) if self.failure else _report(self.ranks, "train_fsdp.py: the ranks' output")
+
+    def crashed(self) -> Optional[str]:
+        """The crash signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE) that ended a rank, or None: an
+        error exit, a kill or an abort is not a crash."""
+        for rank in self.ranks:
+            if rank.returncode is not None and -rank.returncode in CRASH_SIGNALS:
+                return signal.Signals(-rank.returncode).name
+        return None
+
+
+@dataclasses.dataclass
+class FsdpStart:
+    """A launch of examples/train_fsdp.py in flight (:func:`start_train_fsdp`)."""
+    job: Ranks
+    results: Path
+    again: Callable[[], Ranks]  # the same launch on a port drawn anew
+
+
+def start_train_fsdp(world: int, out_dir: Path, *train_args: str, timeout: float, share_gpu: bool = False,
+                     env: Optional[Dict[str, str]] = None) -> FsdpStart:
+    """examples/train_fsdp.py with ``train_args`` as ``world`` ranks (the harness's: free
+    port, time limit, stacks of a hung rank), rank 0's results to ``out_dir/results.pt``.
+    With ``share_gpu`` the ranks share one GPU. :func:`wait_train_fsdp` collects it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.pt"
+    args = [*train_args, "--params-out", str(results), *(["--share-gpu"] if share_gpu else [])]
+
+    def start() -> Ranks:
+        return start_ranks(str(FSDP_EXAMPLE), world, args, timeout=timeout, env=env, expect_success=True,
+                           share_gpu=share_gpu, log_dir=str(out_dir / "logs"))
+    return FsdpStart(start(), results, start)
+
+
+def wait_train_fsdp(started: FsdpStart) -> FsdpLaunch:
+    """Wait for a launch of :func:`start_train_fsdp`; a failed launch is returned, not raised,
+    so that launches started side by side are each judged. A launch whose port was taken
+    (:data:`PORT_TAKEN`) runs once more, as in :func:`run_ranks`."""
+    job = started.job
+    for attempt in range(2):
+        try:
+            ranks, failure = job.wait(), None
+        except WorkersFailed as exc:
+            ranks, failure = job.results or [], exc
+        if failure is None or PORT_TAKEN not in str(failure) or attempt:
+            break
+        job = started.again()
+    loaded = None
+    if failure is None and started.results.exists():
+        import torch
+
+        loaded = torch.load(started.results)
+    return FsdpLaunch(ranks, failure, loaded)

@@ -329,7 +329,7 @@ def test_a_pair_communicator_creation_that_times_out_faults_the_group(monkeypatc
 
 
 def test_the_tier_runs_semantics_first_and_every_part_fits_one_command():
-    assert [name for name, _, _ in GPU_TIER] == ["semantics", "api", "ring", "faults", "bench", "compile"]
+    assert [name for name, _, _ in GPU_TIER] == ["semantics", "api", "ring", "faults", "bench", "compile", "fsdp"]
     for name, path, budget in GPU_TIER:
         assert (ROOT / path).is_file(), path
         assert 0 < budget <= COMMAND_LIMIT_S < 600, name
@@ -341,7 +341,8 @@ def test_the_tier_runs_semantics_first_and_every_part_fits_one_command():
 
 def test_parts_that_only_read_finished_runs_judge_every_test():
     stops = {name: "-x" in pytest_command(path, "py") for name, path, _ in GPU_TIER}
-    assert stops == {"semantics": True, "api": False, "ring": True, "faults": False, "bench": True, "compile": True}
+    assert stops == {"semantics": True, "api": False, "ring": True, "faults": False, "bench": True, "compile": True,
+                     "fsdp": False}
 
 
 # How each part's subprocesses run, read from its test file: stages one after another, the
@@ -360,6 +361,8 @@ RUN_STAGES = {
     "faults": [["suite launch", "cold skip", "kill mid-DDP", "cycles", "CUDA hang"], [60]],
     # two torchruns side by side (one per backend), then one torchrun training on both
     "compile": [["side by side"], ["one process"]],
+    # the `trained` fixture starts the four train_fsdp.py launches at once, then waits
+    "fsdp": [["launches"]],
 }
 
 
@@ -448,7 +451,7 @@ def test_the_tier_runs_in_one_command_when_parts_take_their_estimates(capsys):
     statuses, ran = _simulate(GPU_TIER, COMMAND_LIMIT_S, lambda name, budget: GPU_TIER_ESTIMATES_S[name])
     assert ran == [name for name, _, _ in GPU_TIER]
     assert tier.summary(statuses) == ("=== GPU tier: semantics passed, api passed, ring passed, faults passed, "
-                                      "bench passed, compile passed", 0)
+                                      "bench passed, compile passed, fsdp passed", 0)
     assert "NOT RUN" not in capsys.readouterr().out
 
 
@@ -461,7 +464,8 @@ def test_a_part_that_no_longer_fits_is_not_run_and_named(capsys):
     line, status = tier.summary(statuses)
     assert status == tier.NOT_RUN_EXIT == 3
     assert line.endswith("faults passed, bench not run: over the command budget, run `make test-gpu-bench`, "
-                         "compile not run: over the command budget, run `make test-gpu-compile`")
+                         "compile not run: over the command budget, run `make test-gpu-compile`, "
+                         "fsdp not run: over the command budget, run `make test-gpu-fsdp`")
     out = capsys.readouterr().out
     assert "part 'bench' NOT RUN" in out and "run `make test-gpu-bench`" in out
     # ... and it fits a command of its own

@@ -22,7 +22,10 @@ The full run goes measurements first (env, semantics, demo, the world-1 scenario
 the sweeps), then the long tier parts, so that a budget that runs short costs test parts
 (``--stage tier`` re-runs them in one command) rather than the only figures. A step that
 cannot start in the time left is recorded "skipped: out of time budget". The estimates
-(``--list``; the tier's from tests/gpu/tier.py) add up to about 535 s of the 540.
+(``--list``; the tier's from tests/gpu/tier.py) add up to about 580 s of the 540: the last
+tier part, fsdp, is what the full run leaves to ``--stage tier.fsdp`` when the others take
+their estimates. ``--lease`` runs what the GPU runs still owe first (env, probe, api, faults,
+compile, fsdp, ring), then the rest while each step's whole limit fits.
 
 Output, ``--out DIR`` (default verify-gpu-out/), at most 8 files and no folder:
 summary.md (table of steps, targets PASS/MISS, the docs/gpu-verification.md row),
@@ -99,6 +102,7 @@ TIMINGS = {
     "tier.ring": Timing(None, 43),
     "tier.faults": Timing(None, 95, measured=False),  # its runs took 142 s, 130 s of that a hung launch
     "tier.compile": Timing(None, 70, measured=False),  # its one run ended at 32 s in a crash
+    "tier.fsdp": Timing(None, 45, measured=False),  # never run: pytest's start and ~30 s launches (tier.py)
     "demo.demo": Timing(120, 29),
     "faults.fault_bench": Timing(150, 65),
     "bench.row": Timing(60, 23),
@@ -232,17 +236,21 @@ def plan(mode: str, py: str, work: str, out: str, tier_module=None) -> List[Step
                           ["--scenario", "coalescing,overhead", "--ranks", "2", "--coalesce-bytes", "16M",
                            "--scenario-iters", "10", "--overhead-calls", "100"], py, work))
     if mode == "lease":
-        # One all_reduce row per candidate at 1 MiB and 64 MiB: a benchmark figure early.
+        # One all_reduce row per candidate at 1 MiB and 64 MiB.
         row = _timed(_bench("row", 0, 0, "sweep-row.json",
                             ["all_reduce", "--ranks", "2", "--minbytes", "1M", "--maxbytes", "64M", "--stepfactor",
                              "64", "--iters", "3", "--warmup_iters", "1", "--check", "1", "--backends", CANDIDATES],
                             py, work))
-        first = [env, probe, *[parts.pop(n) for n in ("api",) if n in parts], demo, faults, row]
-        # Then what the runs still owe before further benchmark figures (earlier leases
-        # measured those): the faults part, the compile part, the ring bit for bit.
-        rest = [*[parts.pop(n) for n in ("semantics", "faults", "compile", "ring") if n in parts],
+        # What the runs still owe, first: the environment, the probe and the api part (quick,
+        # and what everything after them stands on), then the faults part (the blocking
+        # recovery, shrink and killed-rank scenarios, the cycles, the stuck call's abort), the
+        # compile part, the fsdp part and the ring bit for bit. Then what earlier leases
+        # measured, as time allows: the demo, fault_bench, a benchmark row, the semantics part
+        # (it owes only a check that needs two GPUs) and the benchmark's further figures.
+        owed = [env, probe, *[parts.pop(n) for n in ("api", "faults", "compile", "fsdp", "ring") if n in parts]]
+        rest = [demo, faults, row, *[parts.pop(n) for n in ("semantics",) if n in parts],
                 scen1, large, scen2, small, *parts.values()]
-        steps = first + rest
+        steps = owed + rest
         for step in steps:
             # Never start a step that could not finish: a step starts only with its whole limit left.
             step.min_s = step.limit_s

@@ -3,7 +3,7 @@
 One pytest command per part, quick semantic checks first. A part whose tests run one
 after another stops at its first failure (``-x``), so that the failure prints at once and
 the next part still runs; a part whose tests only read what runs started together recorded
-(api, faults) goes on, since one failed assertion must not hide the verdicts after it. The
+(api, faults, fsdp) goes on, since one failed assertion must not hide the verdicts after it. The
 budget is the wall-clock limit of the part's command: every subprocess limit inside a
 part's tests is below it, so a hang fails inside the part, with the ranks' output.
 
@@ -58,6 +58,11 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 #   faults     15 + every launch together 130 + the trace analysis after the CUDA hang 60
 #   bench      15 + six runs one after another, 255 (tests/gpu/test_gpu_bench.py)
 #   compile    15 + two runs side by side 50 + one run on both backends 50
+#   fsdp       15 + four launches side by side 90 (examples/train_fsdp.py, 12 ranks in all) + 5 s
+#              to compare what they saved. Not yet run on a GPU: the launches should take ~30 s,
+#              what one torchrun launch of train_ddp.py took there (demo 29 s, compile 32 s); on
+#              a loaded 2-core CPU the same runs take 7 s (2 ranks) and 16 s (4 ranks), both
+#              backends each. 90 s is 3x the expectation (tests/gpu/test_gpu_fsdp.py).
 GPU_TIER: List[Tuple[str, str, int]] = [
     ("semantics", "tests/gpu/test_gpu_semantics.py", 90),
     ("api", "tests/gpu/test_gpu_api.py", 120),
@@ -65,13 +70,16 @@ GPU_TIER: List[Tuple[str, str, int]] = [
     ("faults", "tests/gpu/test_gpu_faults.py", 205),
     ("bench", "tests/gpu/test_gpu_bench.py", 270),
     ("compile", "tests/gpu/test_gpu_compile.py", 120),
+    ("fsdp", "tests/gpu/test_gpu_fsdp.py", 110),
 ]
 GPU_TIER_BUDGETS_S = {name: budget for name, _path, budget in GPU_TIER}
 # What each part takes (s). Measured on one H200 (docs/gpu-verification.md, 2026-11-26):
 # semantics 16 without its DDP parity run (~25 s more), api 24, ring 31. Estimated: faults
-# (its one run lost 130 s to a hang; its launches run side by side, the longest ~80 s) and
-# bench (never run).
-GPU_TIER_ESTIMATES_S = {"semantics": 40, "api": 30, "ring": 35, "faults": 95, "bench": 140, "compile": 70}
+# (its one run lost 130 s to a hang; its launches run side by side, the longest ~80 s),
+# bench (never run), compile (its one run crashed) and fsdp (never run: pytest's start and
+# the ~30 s launches).
+GPU_TIER_ESTIMATES_S = {"semantics": 40, "api": 30, "ring": 35, "faults": 95, "bench": 140, "compile": 70,
+                        "fsdp": 45}
 
 # pytest's own start in a part's command, before its first subprocess: the interpreter,
 # torch and CuPy imported, test collection (more on a cold page cache).
@@ -99,7 +107,7 @@ OPTIONAL = {
 
 # Parts whose tests only read what the runs a fixture started recorded: one failed
 # assertion must not hide the verdicts after it, the device time is already spent.
-READS_FINISHED_RUNS = {"tests/gpu/test_gpu_api.py", "tests/gpu/test_gpu_faults.py"}
+READS_FINISHED_RUNS = {"tests/gpu/test_gpu_api.py", "tests/gpu/test_gpu_faults.py", "tests/gpu/test_gpu_fsdp.py"}
 
 
 def pytest_command(path: str, python: Optional[str] = None, extra: Sequence[str] = ()) -> List[str]:
