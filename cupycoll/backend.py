@@ -32,7 +32,7 @@ so torch may keep this object without keeping the group alive, and no reference 
 
 Deliberately left out: torch's routing and its coalescing-manager protocol (the group's,
 :mod:`cupycoll.process_group`), what each collective launches (:mod:`cupycoll.collectives`),
-and recovery (a faulted group stays dead; build a new one, see docs/design.md).
+and recovery (a faulted group is shrunk to its survivors or replaced: docs/faults.md).
 """
 
 from __future__ import annotations
