@@ -1,8 +1,10 @@
-# The two commands the README promises:
-#   make test   install what the CPU test suite needs (into .venv) and run it
-#   make demo   DDP training on cupycoll on the GPUs present
+# The commands (docs/development.md explains each and its variables):
+#   make test         install what the CPU tier needs (into .venv) and run it
+#   make test-quick   the same install, then a first check of a few tests (about a minute)
+#   make demo         DDP training on cupycoll on the GPUs present
+#   make bench        cupycoll-bench on the GPUs present, or on 2 CPU ranks without one
 # and, on a GPU machine:
-#   make test-gpu   the GPU tier, with what is already installed (installs nothing)
+#   make test-gpu     the GPU tier, with what is already installed (installs nothing)
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -41,8 +43,22 @@ TEST_MARKS ?= not gpu
 # 20 s earlier, also from a thread stuck in C), and the run goes on, instead of one hung test
 # holding the whole run.
 TEST_TIMEOUT ?= 300
+# The venv sees the machine's packages (--system-site-packages), pytest plugins among them:
+# autoloading is off, and the tier's two plugins are named (pytest-xdist, pytest-timeout).
+PYTEST = PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m pytest -p xdist.plugin -p pytest_timeout \
+	-n $(TEST_WORKERS) --dist worksteal --timeout $(TEST_TIMEOUT) -o faulthandler_timeout=$$(( $(TEST_TIMEOUT) - 20 ))
+# make test-quick: registration and both routes' logic (the CUDA path on stand-ins), every
+# collective on 2 CPU ranks against gloo, DDP on the CPU route against gloo. Test ids;
+# tests/test_makefile.py checks that each still names a test.
+QUICK_TESTS ?= tests/test_collectives.py \
+	"tests/test_multiprocess_cpu.py::test_all_apis_match_gloo[2-cuda:cupycoll]" \
+	"tests/test_examples.py::test_train_ddp_on_cpu_matches_gloo[cupycoll]"
+# make bench: the benchmark's arguments (bench/README.md). Without nvidia-smi it runs on 2 CPU
+# ranks over gloo (--device cpu, development mode: its figures say nothing of a GPU).
+BENCH_ARGS  ?= all_reduce -b 1K -e 16M -f 4
+BENCH_DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,--device cpu)
 
-.PHONY: install test test-torch-suite test-gpu test-gpu-quick demo verify-gpu verify-gpu-lease bench clean
+.PHONY: install test test-quick test-torch-suite test-gpu test-gpu-quick demo bench verify-gpu verify-gpu-lease clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -53,17 +69,20 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# An existing CuPy (e.g. cupy-cuda13x on a GPU machine) is kept: no second CuPy on top.
 	@# The editable install writes cupycoll.egg-info into the checkout: two venvs installed
 	@# at once from one checkout (CI builds two) take turns, holding a lock on pyproject.toml.
+	@# pip shows its progress: the CUDA extra is about 1 GB (CuPy, NCCL, NVRTC).
 	extra="$(CUDA_EXTRA)"; \
 	[ -n "$$extra" ] || extra=$$($(PY) -c "import torch; print('cuda' + (torch.version.cuda or '12').split('.')[0])"); \
 	if $(PY) -c "import cupy" 2>/dev/null; then extras="test"; else extras="test,$$extra"; fi; \
-	$(TURN) $(PY) -m pip install --quiet -e ".[$$extras]" $(PIP_PINS)
+	$(TURN) $(PY) -m pip install -e ".[$$extras]" $(PIP_PINS)
 	touch $@
 
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -m "$(TEST_MARKS)" -n $(TEST_WORKERS) --dist worksteal \
-		--timeout $(TEST_TIMEOUT) -o faulthandler_timeout=$$(( $(TEST_TIMEOUT) - 20 )) $(PYTEST_ARGS)
+	$(PYTEST) -m "$(TEST_MARKS)" $(PYTEST_ARGS)
+
+test-quick: $(VENV)/.installed
+	$(PYTEST) -m "$(TEST_MARKS)" $(QUICK_TESTS) $(PYTEST_ARGS)
 
 # torch's whole DistributedTest suite against cupycoll's CPU route at world size 2 (about 280
 # tests, each spawning its ranks: most of an hour on 2 cores); `make test` runs the part that
@@ -91,6 +110,9 @@ test-gpu-%:
 
 demo:
 	@PYTHONPATH=$(CURDIR) $(RUN_PY) examples/demo.py
+
+bench:
+	PYTHONPATH=$(CURDIR) $(RUN_PY) -m bench $(BENCH_DEVICE) $(BENCH_ARGS)
 
 # The GPU proof (tools/verify_gpu.py): environment, GPU tier, demo, benchmarks, faults, each
 # under its time limit, <= 9 min in all; results (<= 8 files) in verify-gpu-out/.

@@ -32,6 +32,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -41,6 +42,8 @@ DEVICE_ENV = "CUPYCOLL_BENCH_DEVICE"      # the CUDA device index of that rank
 TRANSPORT_ENV = "CUPYCOLL_BENCH_TRANSPORT"
 LAUNCHER_ENV = "CUPYCOLL_BENCH_LAUNCHER"  # the launcher's pid, for bind_to_launcher
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# What torch's elastic launcher handles (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
+_ELASTIC_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # holds bench/ (checkout) or cupycoll_bench/
 
 
@@ -96,8 +99,8 @@ def cuda_devices() -> int:
 
 def plan_spawn(device: str, ranks: Optional[int], ngpus: Optional[int]) -> Plan:
     """How many ranks to start and on which GPUs, for the launcher."""
-    if device == "cpu":
-        world = ranks or 2
+    if device == "cpu":  # -g N: N ranks, as on GPUs (one process each); --ranks wins
+        world = ranks or ngpus or 2
         return Plan(world, [], False, f"{world} CPU processes over gloo (development mode)")
     visible = cuda_devices()
     if ngpus is not None and ngpus > visible:
@@ -223,6 +226,9 @@ def spawn(plan: Plan, argv: List[str], package: str, deadline: float = 0.0) -> i
 
     # Its own reports (one per stopped rank) would bury the one line this command promises.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # start_processes turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into its SignalException for
+    # good; the caller's handlers come back when the ranks are done (a test process, a script).
+    handlers = {sig: signal.getsignal(sig) for sig in _ELASTIC_SIGNALS}
     store = TCPStore("127.0.0.1", 0, plan.world, is_master=True, wait_for_workers=False)
     ranks = range(plan.world)
     with tempfile.TemporaryDirectory(prefix="cupycoll-bench-") as logs:
@@ -240,6 +246,9 @@ def spawn(plan: Plan, argv: List[str], package: str, deadline: float = 0.0) -> i
         finally:
             context.close(timeout=5)
             del store
+            if threading.current_thread() is threading.main_thread():  # where it set them
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
 
 
 def _wait(context, deadline: float) -> int:

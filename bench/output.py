@@ -194,11 +194,13 @@ def nccl_tests_tables(collective: str, rows: Sequence[Dict], candidates: Sequenc
     return lines
 
 
-def scenario_lines(title: str, rows: Sequence[Dict], baseline: str) -> List[str]:
-    """A scenario's cases, one line per case and candidate, with the ratio to the baseline."""
+def scenario_lines(title: str, rows: Sequence[Dict], baseline: str, clock: str = "GPU") -> List[str]:
+    """A scenario's cases, one line per case and candidate, with the ratio to the baseline.
+    ``clock`` heads the first time column: "GPU" (CUDA events), "wall" with --device cpu."""
     lines = ["#", f"# scenario {title}: medians per iteration; ratio = candidate / {baseline} "
                   "(< 1: less time than the baseline)",
-             f"# {'case':<34} {'candidate':<14} {'GPU us':>11} {'CPU us':>11} {'GPU ratio':>9} {'CPU ratio':>9}"]
+             f"# {'case':<34} {'candidate':<14} {clock + ' us':>11} {'CPU us':>11} {clock + ' ratio':>10} "
+             f"{'CPU ratio':>9}"]
     for r in rows:
         if r.get("kind") != "scenario":
             continue
@@ -206,7 +208,7 @@ def scenario_lines(title: str, rows: Sequence[Dict], baseline: str) -> List[str]
             lines.append(f"  {r['case']:<34} {r['candidate']:<14} {r['status']}: {r.get('note', '')}")
             continue
         lines.append(f"  {r['case']:<34} {r['candidate']:<14} {fmt_num(r.get('gpu_us'), 11, 2)} "
-                     f"{fmt_num(r.get('cpu_us'), 11, 2)} {fmt_num(r.get('gpu_ratio'), 9, 3)} "
+                     f"{fmt_num(r.get('cpu_us'), 11, 2)} {fmt_num(r.get('gpu_ratio'), 10, 3)} "
                      f"{fmt_num(r.get('cpu_ratio'), 9, 3)}")
     for r in rows:
         if r.get("kind") == "target":

@@ -117,6 +117,11 @@ def _ratios(rows: List[Dict], baseline: str) -> None:
             r["cpu_ratio"] = r["cpu_us"] / base["cpu_us"] if base["cpu_us"] else None
 
 
+def _clock(ctx) -> str:
+    """What the first time column measures: CUDA events on a GPU, the wall clock on CPU."""
+    return "GPU" if ctx.device.type == "cuda" else "wall"
+
+
 def _tiny_cases(ctx, group, dtype=torch.float32):
     tiny = torch.zeros(1, dtype=dtype, device=ctx.device)
     return [
@@ -197,7 +202,8 @@ def coalescing(ctx: Rank) -> List[Dict]:
             ctx.progress.update(f"coalescing {case} {cand.name}")
     _ratios(rows, cfg.baseline)
     rows += _targets(rows, cfg.baseline, ours)
-    lines = output.scenario_lines(f"coalescing ({ctx.world} ranks, {ctx.transport})", rows, cfg.baseline)
+    lines = output.scenario_lines(f"coalescing ({ctx.world} ranks, {ctx.transport})", rows, cfg.baseline,
+                                  _clock(ctx))
     lines.insert(2, f"# flat = one all_reduce of {output.format_bytes(total * 4)} float32; coalesced and "
                     f"uncoalesced = {label} all_reduce calls; 1-element: CPU time of one call")
     for line in lines:
@@ -253,7 +259,7 @@ def overhead(ctx: Rank) -> List[Dict]:
             ctx.progress.update(f"overhead {case} {cand.name}")
     _ratios(rows, cfg.baseline)
     for line in output.scenario_lines(f"overhead ({ctx.world} ranks, {ctx.transport}; "
-                                      "CPU = host time of one call)", rows, cfg.baseline):
+                                      "CPU = host time of one call)", rows, cfg.baseline, _clock(ctx)):
         ctx.say(line)
     return rows
 

@@ -4,7 +4,7 @@
 ``torch.distributed.init_process_group("cuda:cupycoll")`` (or ``"cupycoll"``, or
 ``"cpu:gloo,cuda:cupycoll"``) builds a cupycoll group: from torch 2.14 torch's own ProcessGroup
 holding cupycoll's c10d Backend (:mod:`cupycoll.py_backend`), before it a
-:class:`ProcessGroupCupycoll` (README, "Two shapes"). Importing the package
+:class:`ProcessGroupCupycoll` (docs/usage.md, "Two shapes"). Importing the package
 does not import CuPy (that happens at the first CUDA collective), nor the process-group
 module: ``ProcessGroupCupycoll``, ``abort_all`` and ``shrink_group`` load it on first access (PEP 562), so the
 ``torch.backends`` entry point, which runs during ``import torch``, stays cheap.

@@ -33,8 +33,8 @@ so torch may keep this object without keeping the group alive, and no reference 
 
 Deliberately left out: torch's routing and its coalescing-manager protocol (the group's,
 :mod:`cupycoll.shell`), what each collective launches (:mod:`cupycoll.collectives`), and the
-group's state and end (its lifetime's; a faulted group is replaced by a shrink or a new one,
-see docs/design.md).
+group's state and end (its lifetime's; a faulted group is shrunk to its survivors or replaced:
+docs/faults.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 private state, in one place.
 
 cupycoll supports torch 2.7.1 to 2.15, CuPy 13 (from 13.0) and 14 (from 14.2), NCCL 2.26.2
-onwards (the versions CI runs: see the README's compatibility table). Where those versions
+onwards (the versions CI runs: see docs/compatibility.md). Where those versions
 differ in something cupycoll uses, the difference is handled here, once, with a comment
 naming the version that changed it; the rest of the package calls these functions and never
 probes versions itself. What torch keeps only in its own Python (a caller's frame, the

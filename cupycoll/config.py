@@ -18,7 +18,7 @@ applies then. (An explicit ``timeout=timedelta(minutes=30)`` reads as not given:
 the watchdog interval to 60 s; ``inf`` is rejected, naming the value.
 
 Every variable that configures cupycoll is read here, only here, and listed in
-:data:`ENVIRONMENT` (the README's table is checked against it):
+:data:`ENVIRONMENT` (the table in docs/usage.md is checked against it):
 
 ``CUPYCOLL_TIMEOUT``
     Seconds cupycoll waits for peers and the GPU (watchdog, communicator creation) when
@@ -31,10 +31,10 @@ Every variable that configures cupycoll is read here, only here, and listed in
     Path of the ``libnccl.so.2`` to bind with ctypes. By default cupycoll binds the library
     CuPy already loaded, so that CuPy, torch and cupycoll share one NCCL.
 ``CUPYCOLL_SHAPE``
-    How torch holds a new group: ``process_group`` (default), a cupycoll ProcessGroup that
-    is the whole group and routes CPU tensors to its own gloo; ``backend`` (torch 2.14+),
-    cupycoll's c10d Backend inside the ProcessGroup torch builds. Read at each group's
-    creation.
+    How torch holds a new group: ``backend`` (the default on torch 2.14+), cupycoll's c10d
+    Backend inside the ProcessGroup torch builds; ``process_group`` (the default before), a
+    cupycoll ProcessGroup that is the whole group and routes CPU tensors to its own gloo.
+    Read at each group's creation.
 ``CUPYCOLL_NONBLOCKING`` (``TORCH_NCCL_USE_COMM_NONBLOCKING``)
     ``1`` creates communicators nonblocking (``ncclCommInitRankConfig`` with
     ``blocking = 0``): cupycoll polls ``ncclInProgress``, bounded by the timeout, so even
@@ -75,6 +75,13 @@ Every variable that configures cupycoll is read here, only here, and listed in
     ``1``: before each collective the ranks compare op, shapes, dtypes and root over the
     group's gloo half, and a mismatch raises on every rank instead of hanging. ``0``
     (default): no check (it costs a CPU round trip per call).
+``CUPYCOLL_LOG_LEVEL``
+    ``debug``, ``info``, ``warning``, ``error`` or ``critical``: the level of the
+    ``cupycoll`` logger and its children, as ``TORCH_CPP_LOG_LEVEL`` sets torch's. Where no
+    logging is configured (the root logger has no handler), one stderr handler is added to
+    the ``cupycoll`` logger, so that ``info`` shows the line each group logs when it is
+    created (:func:`log_group`). Unset (default): the loggers are left as they are, and
+    Python prints WARNING and above. Read at each group's creation.
 
 Deliberately left out: the per-type parsers (:mod:`cupycoll._parsers`; they read nothing),
 NCCL's own ``NCCL_*`` variables (they reach NCCL unchanged), and
@@ -123,6 +130,8 @@ ENVIRONMENT = {
     "CUPYCOLL_TRACE_BUFFER": "flight-recorder entries per group (default 2000; 0: none)",
     "CUPYCOLL_TRACE_DIR": "folder for per-rank flight-recorder dumps on timeout (default: none)",
     "CUPYCOLL_CHECK_COLLECTIVES": "1: ranks compare op/shapes/dtypes/root before each call; 0 (default)",
+    "CUPYCOLL_LOG_LEVEL": "debug, info, warning, error or critical: the cupycoll loggers' level "
+                          "(info: one line per group created); unset (default): left as it is",
     "TORCH_NCCL_USE_COMM_NONBLOCKING": "as CUPYCOLL_NONBLOCKING, when that is not set",
     "TORCH_NCCL_BLOCKING_WAIT": "as CUPYCOLL_BLOCKING_WAIT, when that is not set",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1 or 3: CUPYCOLL_ON_TIMEOUT=terminate; 0 or 2: raise",
@@ -181,6 +190,8 @@ _SHAPE_ENV = "CUPYCOLL_SHAPE"
 SHAPES = ("process_group", "backend")
 _TRACE_DIR_ENV, _TORCH_DUMP_ENV, _TORCH_DUMP_FILE_ENV = (
     "CUPYCOLL_TRACE_DIR", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+_LOG_LEVEL_ENV = "CUPYCOLL_LOG_LEVEL"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclasses.dataclass
@@ -308,6 +319,7 @@ def resolve(
             f"pg_options={options!r}: cupycoll expects a cupycoll.Options instance"
         )
     env = os.environ if environ is None else environ
+    apply_log_level(env)  # first: the level applies to the warnings below too
     warn_unread(env)
     options = options or Options()
     values = {}
@@ -324,6 +336,40 @@ def resolve(
     return Settings(timeout=_timeout(options, group_timeout, env),
                     nccl_library=env.get(_LIBRARY_ENV) or None,
                     trace_dir=_trace_dir(options, env), **values)
+
+
+# The stderr handler apply_log_level added to the "cupycoll" logger (at most one per process).
+_LOG_HANDLER: list = []
+
+
+def apply_log_level(env: Mapping[str, str]) -> None:
+    """``CUPYCOLL_LOG_LEVEL``: set the ``cupycoll`` logger's level; where no logging is
+    configured (no handler on the root logger), also give it one stderr handler, so that
+    INFO lines show (Python's last-resort output prints WARNING and above only)."""
+    if not env.get(_LOG_LEVEL_ENV):
+        return
+    level = parse_choice(LOG_LEVELS)(_LOG_LEVEL_ENV, env[_LOG_LEVEL_ENV]).upper()
+    package = logging.getLogger(BACKEND_NAME)
+    package.setLevel(level)
+    if not _LOG_HANDLER and not logging.getLogger().handlers and not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        package.addHandler(handler)
+        _LOG_HANDLER.append(handler)
+
+
+def log_group(group: str, rank: int, size: int, shape: str, settings: Settings) -> str:
+    """Log (INFO, on the ``cupycoll`` logger) and return the line that says how a group just
+    created runs: its shape, timeout, routes and fault policy."""
+    communicators = "nonblocking" if settings.nonblocking else "blocking"
+    message = (f"process group {group!r}: rank {rank} of {size}, {shape} shape, timeout "
+               f"{settings.timeout.total_seconds():g} s; CUDA tensors to NCCL ({communicators} "
+               f"communicators, algorithm {settings.algorithm}), CPU tensors to gloo; a timeout or "
+               f"NCCL error aborts the group and "
+               f"{'ends the process' if settings.on_timeout == 'terminate' else 'raises'}"
+               + (", collectives checked across ranks" if settings.check_collectives else ""))
+    logging.getLogger(BACKEND_NAME).info(message)
+    return message
 
 
 _WARNED: set = set()  # the names warn_unread has already named in this process
@@ -383,6 +429,6 @@ def shape(py_backend: bool, env: Mapping[str, str] = os.environ) -> str:
     creation): ``"backend"``, cupycoll's c10d Backend inside the ProcessGroup torch builds,
     the default where torch dispatches to a Python Backend (``py_backend``: torch 2.14+,
     :data:`cupycoll.compat.PY_BACKEND`), or ``"process_group"``, a cupycoll ProcessGroup that
-    is the whole group, the default before (README, "Two shapes")."""
+    is the whole group, the default before (docs/usage.md, "Two shapes")."""
     default = "backend" if py_backend else "process_group"
     return parse_choice(SHAPES)(_SHAPE_ENV, env.get(_SHAPE_ENV) or default)

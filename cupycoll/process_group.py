@@ -1,4 +1,4 @@
-"""The torch ProcessGroup adapter: the shape of a cupycoll group on torch 2.4 - 2.13.
+"""The torch ProcessGroup adapter: a cupycoll group's shape before torch 2.14 (after it, an opt-out).
 
 :class:`ProcessGroupCupycoll` is a Python subclass of ``torch.distributed.ProcessGroup``.
 torch makes such an object the *whole* group (see docs/design.md), so it routes every call

@@ -15,7 +15,7 @@ registers cupycoll's backend in it, as it does its own:
 What differs from the adapter, because torch's ProcessGroup stands in front: a Work reaches
 the caller wrapped in torch's holder, which forwards ``wait`` and ``get_future`` only (its
 ``is_completed`` stays False; wait or use the future); ``type(group)`` is torch's
-``ProcessGroup``. The README's compatibility notes list both.
+``ProcessGroup``. docs/usage.md ("Two shapes") lists both.
 
 Deliberately left out: everything the shell does and below; reconfigure, merge, windows
 and tensor allocation, which torch's trampoline offers and cupycoll does not implement

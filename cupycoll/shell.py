@@ -134,6 +134,8 @@ class GroupShell:
         except BaseException:
             self._trace.close("failed")  # no half-built group left answering its peers
             raise
+        config.log_group(group_id, rank, size, "backend" if isinstance(self, c10d.Backend) else "process_group",
+                         self.settings)
 
     def _torch_group(self) -> Optional[ProcessGroup]:
         """The ProcessGroup torch holds for this group (its coalescing state is keyed by it)."""

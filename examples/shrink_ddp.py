@@ -12,6 +12,10 @@ and train the remaining steps as a job of two. No process is restarted and no ne
     python examples/shrink_ddp.py                      # 3 ranks on CPU, the last one killed
     python examples/shrink_ddp.py --out /tmp/run       # and keep the checkpoint and results
 
+It ends with its verdict: ``shrink_ddp: OK`` (exit 0) when the killed rank died, every other
+rank recovered and they all ended with the same parameters, else ``shrink_ddp: FAILED``
+saying why (exit 1). Without ``--out`` its temporary folder is deleted at the end.
+
 ``--from-checkpoint FILE --nproc 2`` trains a plain job of two from a checkpoint: the
 reference whose final parameters the survivors' must equal (tests/test_examples.py).
 
@@ -30,6 +34,7 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 
@@ -148,10 +153,41 @@ def launch(args, argv) -> int:
     ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=dict(env, RANK=str(r)))
              for r in range(args.nproc)]
     codes = [rank.wait() for rank in ranks]
-    print(f"exit codes: {codes}  (results in {args.out})")
+    problems = verdict(args, codes)
+    print(f"shrink_ddp: {'FAILED: ' + '; '.join(problems) if problems else 'OK'}")
+    return 1 if problems else 0
+
+
+def verdict(args, codes) -> list:
+    """What went wrong, from the ranks' exit codes and result files (an empty list: nothing).
+    Prints what the survivors did."""
     killed = args.nproc - 1 if args.kill_step >= 0 else None
     expected = [-signal.SIGKILL if r == killed else 0 for r in range(args.nproc)]
-    return 0 if codes == expected else 1
+    if codes != expected:
+        return [f"exit codes {codes}, expected {expected}"]
+    reports = []
+    for rank in range(args.nproc):
+        if rank != killed:
+            with open(os.path.join(args.out, f"rank{rank}.json")) as fh:
+                reports.append(json.load(fh))
+    problems = []
+    if killed is not None:
+        for report in reports:
+            recovered = report["recovered"]
+            if recovered is None:
+                problems.append(f"rank {report['rank']} never saw rank {killed} die")
+            elif recovered["shrunk_size"] != args.nproc - 1:
+                problems.append(f"rank {report['rank']} shrank to {recovered['shrunk_size']} ranks")
+        if not problems:
+            first = reports[0]["recovered"]
+            print(f"rank {killed} was killed in step {first['failed_step']}; ranks "
+                  f"{', '.join(str(r['rank']) for r in reports)} shrank the group to {first['shrunk_size']}, "
+                  f"restored step {first['restored_step']} and trained to step {args.steps} "
+                  f"({first['seconds_death_to_shrunk_group']:.1f} s from the death to the shrunk group's first "
+                  "collective)")
+    if any(report["params"] != reports[0]["params"] for report in reports):
+        problems.append("the ranks ended with different parameters")
+    return problems
 
 
 def main(argv=None) -> int:
@@ -162,10 +198,16 @@ def main(argv=None) -> int:
     if "RANK" in os.environ:
         args.out = os.environ["CUPYCOLL_SHRINK_DDP_OUT"]
         return run_rank(args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    if args.out is None:
-        args.out = tempfile.mkdtemp(prefix="shrink_ddp-")
-    os.makedirs(args.out, exist_ok=True)
-    return launch(args, argv)
+    if args.out is not None:
+        os.makedirs(args.out, exist_ok=True)
+        status = launch(args, argv)
+        print(f"checkpoint and each rank's results: {args.out}")
+        return status
+    args.out = tempfile.mkdtemp(prefix="shrink_ddp-")
+    try:
+        return launch(args, argv)
+    finally:
+        shutil.rmtree(args.out, ignore_errors=True)
 
 
 if __name__ == "__main__":

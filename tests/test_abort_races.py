@@ -317,10 +317,14 @@ def test_abort_all_aborts_every_group_when_one_abort_hangs(monkeypatch):
     other._cuda.comm = FakeComm()
     start = time.monotonic()
     try:
-        assert cupycoll.abort_all(timeout=1.0) >= 2
-        assert time.monotonic() - start < 3
-        assert other._cuda.comm.aborted.is_set() and other._cuda.state == "aborted"
-        assert hung._cuda.state == "aborted" and hung._cuda.comm.entered.is_set()
+        with pytest.warns(RuntimeWarning, match="has not returned after 0.5 s") as said:
+            assert cupycoll.abort_all(timeout=1.0) >= 2
+            assert time.monotonic() - start < 3
+            assert other._cuda.comm.aborted.is_set() and other._cuda.state == "aborted"
+            assert hung._cuda.state == "aborted" and hung._cuda.comm.entered.is_set()
+            # the hung abort's thread says so (its deadline is shorter than abort_all's wait,
+            # but a loaded machine may run it later): here, not at the end of the run
+            assert eventually(lambda: len(said) > 0)
     finally:
         hung._cuda.comm.release.set()
 

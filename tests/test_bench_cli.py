@@ -309,6 +309,12 @@ def test_plan_spawn_real_gpus(monkeypatch):
     assert plan.devices == [0, 1, 0] and plan.shared
 
 
+def test_plan_spawn_on_cpu_starts_g_ranks_unless_ranks_says_otherwise():
+    assert launch.plan_spawn("cpu", None, None).world == 2
+    assert launch.plan_spawn("cpu", None, 3).world == 3  # -g 3: three ranks, as on three GPUs
+    assert launch.plan_spawn("cpu", 4, 3).world == 4
+
+
 def test_plan_spawn_refuses_more_gpus_than_visible(monkeypatch):
     monkeypatch.setattr(launch, "cuda_devices", lambda: 1)
     with pytest.raises(launch.LaunchError, match="pass --ranks 4"):

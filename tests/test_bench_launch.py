@@ -76,6 +76,18 @@ def test_ranks_sharing_a_gpu_get_their_own_hostid_and_a_store(fake_package, monk
     assert [s["LOCAL_RANK"] for s in seen] == ["0", "1"] and seen[0]["argv"] == ["all_reduce", "-b", "8"]
 
 
+def test_the_launcher_gives_back_the_callers_signal_handlers(fake_package, monkeypatch):
+    # torch's start_processes turns these signals into its SignalException and never undoes it:
+    # a later Ctrl-C, or the SIGTERM that ends a test worker, would print its traceback
+    import signal
+
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    before = {sig: signal.getsignal(sig) for sig in signals}
+    monkeypatch.setenv("FAKE_MODE", "env")
+    assert launch.spawn(launch.Plan(2, [], False, "test"), [], "fakebench") == 0
+    assert {sig: signal.getsignal(sig) for sig in signals} == before
+
+
 def test_a_failing_rank_stops_the_others_and_shows_its_stderr(fake_package, monkeypatch, capfd):
     monkeypatch.setenv("FAKE_MODE", "fail")
     plan = launch.Plan(2, [], False, "test")

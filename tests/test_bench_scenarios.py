@@ -87,6 +87,18 @@ def test_scenario_lines_print_every_target():
     assert text.count("# target:") == 6 and "MISS" in text and "PASS" in text
 
 
+def test_scenario_lines_head_the_time_column_by_the_clock_that_measured_it():
+    rows = coalescing_rows()
+    scenarios._ratios(rows, "torch:nccl")
+    gpu = output.scenario_lines("overhead", rows, "torch:nccl")[2]
+    wall = output.scenario_lines("overhead", rows, "torch:nccl", "wall")[2]
+    assert "GPU us" in gpu and "GPU ratio" in gpu
+    assert "GPU" not in wall and "wall us" in wall and "wall ratio" in wall
+    assert len(gpu) == len(wall)  # the columns stay where they were
+    assert scenarios._clock(types.SimpleNamespace(device=torch.device("cpu"))) == "wall"
+    assert scenarios._clock(types.SimpleNamespace(device=torch.device("cuda", 0))) == "GPU"
+
+
 class _Ctx:
     """Just enough of rank.Rank for the kernel scenario's rank-0 part."""
 

@@ -1,12 +1,12 @@
 """The CI version matrix is written in four places that must agree: the legs of ``.ci/run``
-(each leg's ``leg`` line, and the table in its header comment), the README's
-compatibility table, the floors and Python classifiers in ``pyproject.toml``, and the torch
+(each leg's ``leg`` line, and the table in its header comment), the table of
+docs/compatibility.md, the floors and Python classifiers in ``pyproject.toml``, and the torch
 that ``tools/install_torch.py`` falls back to (a CI leg's). Read from the files (nothing is
 installed or run), so a version changed in one place and not the others fails here, on every
 CI leg.
 
 Left out: whether a leg installs what it declares (``.ci/run`` checks that itself when it
-runs) and the README's prose beyond the floors it names.
+runs) and that page's prose beyond the floors it names.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: on
 
 ROOT = Path(__file__).resolve().parent.parent
 LEGS = ("today", "gpu-twin", "newest", "oldest")
+COMPATIBILITY = "docs/compatibility.md"
 
 
 def _version(text: str) -> Tuple[int, ...]:
@@ -71,9 +72,9 @@ def ci_header_rows(text: str) -> Dict[str, str]:
     return rows
 
 
-def readme_rows(text: str) -> Dict[str, dict]:
-    """The README's compatibility table: leg -> python, torch, CuPy and NCCL as written."""
-    section = text.split("### Compatibility: what CI tests", 1)[1].split("\n#", 1)[0]
+def doc_rows(text: str) -> Dict[str, dict]:
+    """docs/compatibility.md's table of CI legs: leg -> python, torch, CuPy and NCCL as written."""
+    section = text.split("\n## What CI tests\n", 1)[1].split("\n#", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -83,7 +84,7 @@ def readme_rows(text: str) -> Dict[str, dict]:
         torch = re.match(r"[\d.]+", cells[2]).group(0)  # "2.13.0+cpu", "2.11.0, CUDA 13.0"
         cupy_package, cupy_version = cells[3].split()
         nccl = re.fullmatch(r"([\d.]+) \(([\w-]+)\)", cells[4])
-        assert nccl, f"README row {match.group(1)}: NCCL cell {cells[4]!r}"
+        assert nccl, f"docs/compatibility.md row {match.group(1)}: NCCL cell {cells[4]!r}"
         rows[match.group(1)] = {"python": cells[1], "torch": torch,
                                 "cupy": (cupy_package, cupy_version),
                                 "nccl": (nccl.group(2), nccl.group(1))}
@@ -123,7 +124,7 @@ def install_fallback(text: str) -> Tuple[str, str]:
 def matrix():
     run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     return {"legs": ci_legs(run), "header": ci_header_rows(run),
-            "readme": readme_rows((ROOT / "README.md").read_text(encoding="utf-8")),
+            "doc": doc_rows((ROOT / COMPATIBILITY).read_text(encoding="utf-8")),
             "floors": pyproject_floors((ROOT / "pyproject.toml").read_text(encoding="utf-8")),
             "fallback": install_fallback((ROOT / "tools" / "install_torch.py").read_text(encoding="utf-8"))}
 
@@ -131,11 +132,11 @@ def matrix():
 # ------------------------------------------------------------------------------- checks
 
 
-def check_readme(readme: Dict[str, dict], legs: Dict[str, dict]) -> None:
-    assert sorted(readme) == sorted(legs)
+def check_doc(doc: Dict[str, dict], legs: Dict[str, dict]) -> None:
+    assert sorted(doc) == sorted(legs)
     for name, leg in legs.items():
         expected = {k: leg[k] for k in ("python", "torch", "cupy", "nccl")}
-        assert readme[name] == expected, f"README row {name} differs from .ci/run"
+        assert doc[name] == expected, f"docs/compatibility.md row {name} differs from .ci/run"
 
 
 def check_header(header: Dict[str, str], legs: Dict[str, dict]) -> None:
@@ -198,8 +199,8 @@ def test_each_leg_pins_packages_of_its_cuda_extra(matrix):
             assert re.fullmatch(r"\d+\.\d+\.\d+", version), (name, leg)
 
 
-def test_readme_table_is_the_ci_legs(matrix):
-    check_readme(matrix["readme"], matrix["legs"])
+def test_the_documented_table_is_the_ci_legs(matrix):
+    check_doc(matrix["doc"], matrix["legs"])
 
 
 def test_ci_header_table_is_the_ci_legs(matrix):
@@ -227,11 +228,11 @@ def _changed(path: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
-def test_a_readme_bump_alone_is_caught(matrix):
-    bumped = readme_rows(_changed("README.md", "| cupy-cuda13x 14.2.0 | 2.30.7",
-                                  "| cupy-cuda13x 14.3.0 | 2.30.7"))
-    with pytest.raises(AssertionError, match="README row newest"):
-        check_readme(bumped, matrix["legs"])
+def test_a_bump_in_the_docs_alone_is_caught(matrix):
+    bumped = doc_rows(_changed(COMPATIBILITY, "| cupy-cuda13x 14.2.0 | 2.30.7",
+                               "| cupy-cuda13x 14.3.0 | 2.30.7"))
+    with pytest.raises(AssertionError, match="docs/compatibility.md row newest"):
+        check_doc(bumped, matrix["legs"])
 
 
 def test_a_ci_bump_alone_is_caught(matrix):
@@ -239,7 +240,7 @@ def test_a_ci_bump_alone_is_caught(matrix):
                    "cupy-cuda12x==13.6.0 nvidia-nccl-cu12==2.26.2 ;;")
     legs = ci_legs(run)
     assert legs["oldest"]["cupy"] == ("cupy-cuda12x", "13.6.0")
-    for check, data in ((check_readme, matrix["readme"]), (check_header, ci_header_rows(run)),
+    for check, data in ((check_doc, matrix["doc"]), (check_header, ci_header_rows(run)),
                         (check_floors, matrix["floors"])):
         with pytest.raises(AssertionError):
             check(data, legs)

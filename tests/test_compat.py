@@ -366,7 +366,7 @@ def test_pg_options_reach_the_group_settings():
         assert world.settings.timeout == datetime.timedelta(seconds=42)
         assert world.settings.algorithm == "ring"
         # the shell's gloo half runs with the same timeout (in the Backend shape, torch's own
-        # gloo serves "cpu:gloo" calls with init_process_group's timeout: README, "Two shapes")
+        # gloo serves "cpu:gloo" calls with init_process_group's timeout: docs/usage.md, "Two shapes")
         assert world._cpu._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=42)
         sub = dist.new_group([0], pg_options=cupycoll.Options(timeout=17, check_collectives=True))
         plain = dist.new_group([0])

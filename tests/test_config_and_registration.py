@@ -196,15 +196,19 @@ def test_nccl_library_from_env():
     ({"TORCH_NCCL_BLOCKING_WAIT": "sometimes"}, "TORCH_NCCL_BLOCKING_WAIT"),
     ({"CUPYCOLL_WATCHDOG_INTERVAL": "1e-9"}, "from 0.001 to 60"),
     ({"CUPYCOLL_TRACE_DIR": __file__}, "CUPYCOLL_TRACE_DIR=.* exists and is not a folder"),
+    ({"CUPYCOLL_LOG_LEVEL": "loud"}, "CUPYCOLL_LOG_LEVEL='loud': expected one of debug, info"),
 ])
 def test_bad_environment(env, match):
     with pytest.raises(CupycollValueError, match=match):
         config.resolve(None, None, env)
 
 
-def _readme_variables():
-    readme = os.path.join(os.path.dirname(config.__file__), "..", "README.md")
-    section = open(readme, encoding="utf-8").read().split("### Configuration", 1)[1].split("\n### ", 1)[0]
+USAGE = os.path.join(os.path.dirname(config.__file__), "..", "docs", "usage.md")
+
+
+def _documented_variables():
+    """The variables of docs/usage.md's configuration table."""
+    section = open(USAGE, encoding="utf-8").read().split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     names = set()
     for row in rows:
@@ -219,12 +223,77 @@ def test_every_variable_is_documented_and_read():
     docstring = config.__doc__
     read = {f.env for f in config._FIELDS.values()} | {f.torch_env for f in config._FIELDS.values() if f.torch_env}
     read |= {config._TIMEOUT_ENV, config._LIBRARY_ENV, config._SHAPE_ENV, config._TRACE_DIR_ENV,
-             config._TORCH_DUMP_ENV, config._TORCH_DUMP_FILE_ENV}
+             config._TORCH_DUMP_ENV, config._TORCH_DUMP_FILE_ENV, config._LOG_LEVEL_ENV}
     assert read == set(config.ENVIRONMENT)  # what is read is listed, and nothing else
     for name in config.ENVIRONMENT:
         assert name in docstring, name
-    assert _readme_variables() == set(config.ENVIRONMENT)
+    assert _documented_variables() == set(config.ENVIRONMENT)
     assert "os.environ" in source
+
+
+@pytest.fixture
+def cupycoll_logger():
+    """The ``cupycoll`` logger, its level and handlers restored after the test."""
+    import logging
+
+    logger = logging.getLogger("cupycoll")
+    level, handlers = logger.level, list(logger.handlers)
+    yield logger
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+    config._LOG_HANDLER.clear()
+
+
+def test_log_level_sets_the_cupycoll_loggers_level_and_unset_leaves_it(cupycoll_logger):
+    import logging
+
+    cupycoll_logger.setLevel(logging.NOTSET)
+    config.resolve(None, None, {})
+    assert cupycoll_logger.level == logging.NOTSET
+    config.resolve(None, None, {"CUPYCOLL_LOG_LEVEL": " Debug "})
+    assert cupycoll_logger.level == logging.DEBUG
+    config.resolve(None, None, {"CUPYCOLL_LOG_LEVEL": "error"})
+    assert cupycoll_logger.level == logging.ERROR
+    # pytest's own handler sits on the root logger: an application's configuration prints
+    # the records, so cupycoll adds no handler of its own
+    assert cupycoll_logger.handlers == [h for h in cupycoll_logger.handlers if h not in config._LOG_HANDLER]
+
+
+def test_the_group_line_says_shape_timeout_routes_and_policy(cupycoll_logger, caplog):
+    settings = config.resolve(cupycoll.Options(timeout=5, nonblocking=True, on_timeout="terminate"), None, {})
+    with caplog.at_level("INFO", logger="cupycoll"):
+        line = config.log_group("7", 1, 3, "backend", settings)
+    assert caplog.records[-1].getMessage() == line and caplog.records[-1].levelname == "INFO"
+    assert line == ("process group '7': rank 1 of 3, backend shape, timeout 5 s; CUDA tensors to NCCL "
+                    "(nonblocking communicators, algorithm auto), CPU tensors to gloo; a timeout or NCCL "
+                    "error aborts the group and ends the process")
+
+
+def test_a_group_created_logs_its_line_at_info_when_the_log_level_asks_for_it():
+    # No logging configured, as in a user's script: the first group is created without the
+    # variable (nothing printed), the second with CUPYCOLL_LOG_LEVEL=info.
+    code = ("import os, torch.distributed as dist, cupycoll\n"
+            "dist.init_process_group('cupycoll', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "os.environ['CUPYCOLL_LOG_LEVEL'] = 'info'\n"
+            "dist.new_group([0], pg_options=cupycoll.Options(timeout=30))\n"
+            "dist.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUPYCOLL_LOG_LEVEL"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "process group" in line]
+    shape = "backend" if backend_shape() else "process_group"
+    assert lines == [f"INFO cupycoll: process group '1': rank 0 of 1, {shape} shape, timeout 30 s; CUDA "
+                     "tensors to NCCL (blocking communicators, algorithm auto), CPU tensors to gloo; a "
+                     "timeout or NCCL error aborts the group and raises"], result.stderr
+
+
+def test_python_m_cupycoll_prints_the_version_and_where_the_commands_are():
+    version = subprocess.run([sys.executable, "-m", "cupycoll", "--version"], capture_output=True, text=True,
+                             timeout=120, cwd=CHECKOUT)
+    assert (version.returncode, version.stdout) == (0, f"cupycoll {cupycoll.__version__}\n"), version.stderr
+    usage = subprocess.run([sys.executable, "-m", "cupycoll"], capture_output=True, text=True, timeout=120,
+                           cwd=CHECKOUT)
+    assert usage.returncode == 0 and "python -m cupycoll.trace" in usage.stdout and "cupycoll-bench" in usage.stdout
 
 
 def test_no_other_module_reads_the_environment_for_settings():
@@ -247,10 +316,9 @@ def test_backend_errors_are_torch_dist_backend_errors():
     assert not isinstance(CupycollValueError("x"), dist.DistBackendError)
 
 
-def _readme_error_table():
-    """The README's errors table as {class name: the names in "also an instance of"}."""
-    readme = os.path.join(os.path.dirname(config.__file__), "..", "README.md")
-    section = open(readme, encoding="utf-8").read().split("\n### Errors\n", 1)[1].split("\n### ", 1)[0]
+def _documented_error_table():
+    """docs/usage.md's errors table as {class name: the names in "also an instance of"}."""
+    section = open(USAGE, encoding="utf-8").read().split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
     table = {}
     for row in section.splitlines():
         if not row.startswith("| `"):
@@ -264,7 +332,7 @@ def _readme_error_table():
     return table
 
 
-def test_every_exported_error_is_in_the_readme_errors_table_and_nothing_else():
+def test_every_exported_error_is_in_the_documented_errors_table_and_nothing_else():
     from cupycoll import errors
 
     defined = {name for name, value in vars(errors).items()
@@ -272,7 +340,7 @@ def test_every_exported_error_is_in_the_readme_errors_table_and_nothing_else():
     exported = {name for name in cupycoll.__all__ if name not in cupycoll._LAZY
                 and isinstance(getattr(cupycoll, name), type) and issubclass(getattr(cupycoll, name), BaseException)}
     assert exported == defined  # every public class of errors.py is exported, and only those
-    table = _readme_error_table()
+    table = _documented_error_table()
     assert set(table) == exported
     for name, documented in table.items():
         # "also an instance of" lists exactly the class's bases from outside the family
@@ -556,16 +624,14 @@ def test_the_package_index_page_has_license_classifiers_keywords_authors_and_url
                     "Source": REPOSITORY, "Issues": f"{REPOSITORY}/issues"}
 
 
-def test_readme_links_are_absolute_and_name_files_of_the_checkout():
-    # The README is the package index's page, where a link relative to the checkout breaks.
+def test_readme_links_name_files_of_the_checkout_relative_to_it():
+    # Read in the checkout (or its repository's page), the README links to the docs beside it;
+    # tests/test_docs.py checks that each such file exists.
     text = (CHECKOUT / "README.md").read_text(encoding="utf-8")
     links = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert links
+    assert "docs/design.md" in links
     for link in links:
-        assert re.match(r"https?://", link), f"README links to {link!r}: relative, broken on a package index"
-        if link.startswith(f"{REPOSITORY}/blob/main/"):
-            path = link[len(f"{REPOSITORY}/blob/main/"):].split("#")[0]
-            assert (CHECKOUT / path).is_file(), f"README links to {link}, which this checkout lacks"
+        assert not link.startswith(REPOSITORY), f"README links to {link!r}: a file of this checkout, by URL"
 
 
 def test_the_shape_defaults_to_the_backend_where_torch_dispatches_to_one_and_names_a_bad_value():

@@ -78,6 +78,7 @@ def test_shrink_ddp_survivors_of_a_killed_rank_end_as_a_job_of_two_from_the_chec
     shrunk, reference = tmp_path / "shrunk", tmp_path / "reference"
     proc = run_python(str(SHRINK), "--out", str(shrunk))
     assert proc.returncode == 0, explain(proc)  # the launcher checks: 0, 0 and SIGKILL
+    assert proc.stdout.splitlines()[-2] == "shrink_ddp: OK", explain(proc)  # its verdict, then the folder
     plain = run_python(str(SHRINK), "--nproc", "2", "--from-checkpoint", str(shrunk / "checkpoint.pt"),
                        "--out", str(reference))
     assert plain.returncode == 0, explain(plain)
@@ -164,6 +165,53 @@ def _load(path: Path):
 
 def _load_train_ddp():
     return _load(TRAIN)
+
+
+def _shrink_report(rank, params, recovered=True):
+    report = {"rank": rank, "params": params, "recovered": None}
+    if recovered:
+        report["recovered"] = {"failed_step": 12, "restored_step": 10, "shrunk_size": 2,
+                               "seconds_death_to_shrunk_group": 4.0}
+    return report
+
+
+@pytest.mark.any_stack  # the script's own bookkeeping, no training
+def test_shrink_ddp_says_ok_only_when_every_survivor_recovered_with_the_same_parameters(tmp_path, capsys):
+    shrink = _load(SHRINK)
+    args = shrink.parse_args(["--out", str(tmp_path)])
+
+    def write(*reports):
+        for report in reports:
+            (tmp_path / f"rank{report['rank']}.json").write_text(json.dumps(report))
+
+    write(_shrink_report(0, [1.0]), _shrink_report(1, [1.0]))
+    assert shrink.verdict(args, [0, 0, -9]) == []
+    assert "rank 2 was killed in step 12; ranks 0, 1 shrank the group to 2, restored step 10" in capsys.readouterr().out
+    assert shrink.verdict(args, [0, 0, 0]) == ["exit codes [0, 0, 0], expected [0, 0, -9]"]
+    write(_shrink_report(1, [2.0]))
+    assert shrink.verdict(args, [0, 0, -9]) == ["the ranks ended with different parameters"]
+    write(_shrink_report(1, [1.0], recovered=False))
+    assert shrink.verdict(args, [0, 0, -9]) == ["rank 1 never saw rank 2 die"]
+
+
+@pytest.mark.any_stack  # the script's own bookkeeping, no training
+def test_shrink_ddp_deletes_its_temporary_folder_and_keeps_one_given_with_out(tmp_path, monkeypatch):
+    shrink = _load(SHRINK)
+    seen = []
+
+    def launch(args, argv):  # the ranks' part: they write their results into args.out
+        (Path(args.out) / "checkpoint.pt").write_text("")
+        seen.append(Path(args.out))
+        return 0
+
+    monkeypatch.setattr(shrink, "launch", launch)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(shrink.tempfile, "tempdir", str(tmp_path))
+    assert shrink.main([]) == 0
+    assert seen[0].parent == tmp_path and not seen[0].exists()
+    kept = tmp_path / "kept"
+    assert shrink.main(["--out", str(kept)]) == 0
+    assert (kept / "checkpoint.pt").exists()
 
 
 def test_share_gpu_env_gives_each_rank_a_host_on_loopback_without_infiniband():

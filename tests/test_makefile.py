@@ -45,7 +45,7 @@ def test_install_picks_the_extra_from_torch_and_honours_pins(tmp_path):
     assert "--extra-index-url" not in out
     assert "torch.version.cuda" in out  # CUDA_EXTRA empty: derived from the torch build
     assert 'extras="test,$extra"' in out
-    assert 'pip install --quiet -e ".[$extras]" cupy-cuda12x==13.0.0' in out
+    assert 'pip install -e ".[$extras]" cupy-cuda12x==13.0.0' in out  # not --quiet: its progress shows
     # two installs from one checkout (CI builds two venvs at once) take turns at the
     # editable step, which writes cupycoll.egg-info into the checkout
     if shutil.which("flock"):
@@ -89,3 +89,41 @@ def test_demo_without_torch_says_how_to_install():
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "has no torch" in proc.stderr and "make install" in proc.stderr
+
+
+def _recipe(out: str, marker: str) -> str:
+    """The one recipe line of a dry run that holds ``marker``, continuation lines joined."""
+    (line,) = [line for line in out.replace("\\\n", " ").splitlines() if marker in line]
+    return " ".join(line.split())
+
+
+def test_make_test_runs_the_tier_with_its_own_plugins_only(tmp_path):
+    line = _recipe(_dry_run("test", f"VENV={tmp_path / 'v'}", "PYTEST_ARGS=-q"), "-m pytest")
+    # the machine's pytest plugins (the venv sees its site-packages) stay out; the two the
+    # tier uses are named
+    assert line.startswith(f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {tmp_path / 'v'}/bin/python -m pytest ")
+    assert "-p xdist.plugin -p pytest_timeout -n 2 --dist worksteal --timeout 300" in line
+    assert line.endswith('-m "not gpu" -q')
+
+
+def test_make_test_quick_runs_tests_that_exist(tmp_path):
+    line = _recipe(_dry_run("test-quick", f"VENV={tmp_path / 'v'}"), "-m pytest")
+    ids = [word.strip('"') for word in line.split() if word.strip('"').startswith("tests/")]
+    assert len(ids) >= 3
+    for test_id in ids:
+        path, _, name = test_id.partition("::")
+        assert os.path.isfile(os.path.join(ROOT, path)), f"QUICK_TESTS names {path}, which is gone"
+        if name:
+            function = name.split("[")[0]
+            with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+                assert f"def {function}(" in f.read(), f"QUICK_TESTS names {test_id}, which is gone"
+
+
+def test_make_bench_runs_the_benchmark_on_cpu_where_there_is_no_gpu(tmp_path):
+    out = _dry_run("bench", f"VENV={tmp_path / 'none'}", "PYTHON=/opt/site/python3")
+    line = _recipe(out, "-m bench")
+    device = "" if shutil.which("nvidia-smi") else "--device cpu "
+    assert line.endswith(f"/opt/site/python3 -m bench {device}all_reduce -b 1K -e 16M -f 4")
+    line = _recipe(_dry_run("bench", f"VENV={tmp_path / 'none'}", "BENCH_ARGS=--scenario overhead",
+                            "BENCH_DEVICE="), "-m bench")
+    assert line.endswith("-m bench --scenario overhead")

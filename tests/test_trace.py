@@ -277,4 +277,8 @@ def test_command_line(tmp_path):
     assert "rank 1 never reached it" in result.stdout
     result = run_python("-m", "cupycoll.trace", "--bench", timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "record_us:" in result.stdout
+    from cupycoll.trace import analyze
+    figures = result.stdout.splitlines()[1:]
+    assert [line.split()[0] for line in figures] == [f"{name}:" for name in analyze.BENCH_FIGURES]
+    for line, meaning in zip(figures, analyze.BENCH_FIGURES.values()):
+        assert line.endswith(meaning)  # each figure says what it timed

@@ -8,7 +8,7 @@ tests/test_watchdog.py's.
 
 In the Backend shape the caller holds torch's wrapper of cupycoll's Work, which passes on
 ``wait()`` and ``get_future()`` alone and answers the rest itself (:data:`HOLDER_ANSWERS`;
-README, "Two shapes").
+docs/usage.md, "Two shapes").
 """
 
 from __future__ import annotations

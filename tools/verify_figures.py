@@ -4,7 +4,7 @@ Readers turn one step's output (its log tail, or the JSON file it wrote) into a 
 of key figures for the summary table: pytest's counts, the demo's largest parameter
 difference, a benchmark run's ok / error / n/a / #wrong counts, the probe's checks.
 :func:`evaluate_targets` then judges the figures of one run against the targets below
-(README, "Benchmarks"), each PASS, MISS or "not measured" (with why), never left out:
+(bench/README.md, "Targets"), each PASS, MISS or "not measured" (with why), never left out:
 
 * host µs per synchronous all_reduce, cupycoll / torch:nccl <= 1.0 (1 and 2 ranks);
 * 64-op coalesced host time, cupycoll / torch:nccl <= 1.0 (sync and async, worse of two);

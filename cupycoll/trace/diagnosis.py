@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 # How long a diagnosis waits for the other ranks' records. A silent rank costs the whole
 # wait, and the rest of the diagnosis up to a second more: at 4 s a timeout's error comes
-# within the group timeout + 5 s, the bound the README states.
+# within the group timeout + 5 s, the bound docs/faults.md states.
 DEFAULT_WAIT_S = 4.0
 RESPONDER_INTERVAL_S = 1.0
 POLL_S = 0.05
