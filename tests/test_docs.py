@@ -243,7 +243,7 @@ def test_every_relative_link_of_a_doc_resolves_to_a_file_and_heading():
 def test_a_moved_module_a_renamed_name_and_a_gone_test_are_caught(namespace, tmp_path):
     text = ("`cupycoll/kernels/*.cu*` and `cupycoll/faults/lifecycle.py`; `lifecycle.GroupLifetime` "
             "and `lifecycle.GroupLifetimes`; `cupycoll.Options(timeout=5)` and `cupycoll.Option`; "
-            "`faults.watchdog.Watched`; `nccl.bootstrap.StoreBootstrap` and `nccl.bootstrap.Bootstrap`; "
+            "`faults.watchdog.Watch`; `nccl.bootstrap.StoreBootstrap` and `nccl.bootstrap.Bootstrap`; "
             "`group_trace.GroupTrace.call`; "
             "`CudaBackend.submit` and `CudaBackend.sumbit`; "
             "`test_faults.py::test_abort_all_reaches_every_live_group`, `test_faults.py::test_gone`")

@@ -1,12 +1,14 @@
 """CPU tier: the cupycoll package's import rules (docs/design.md, "The house").
 
 Read from the source (module- and function-level imports alike), so nothing is imported:
-no module imports one that imports it back, and torch's private state is read in
-cupycoll/compat.py alone.
+no module imports one that imports it back, nor one of a layer above it; the NCCL layer,
+fault handling and the flight recorder keep apart; the package imports neither bench/ nor
+tools/, and bench/ no tool; torch's private state is read in cupycoll/compat.py alone.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -36,3 +38,66 @@ def test_torchs_private_state_is_read_in_compat_alone():
         if found:
             readers[path.name] = found
     assert readers == {"compat.py": ["sys._getframe", "_world", "_get_default_group", "_get_default_store"]}
+
+
+# docs/design.md's house, top to bottom: a module may import its own layer and those below,
+# never one above (an arrow back up is a callback's business, handed down as an argument).
+LAYERS = (
+    {"", "__main__", "_registration", "process_group", "py_backend", "shrink", "trace.__main__", "trace.analyze"},
+    {"shell"},
+    {"collectives"},
+    {"backend"},
+    {"call_queue", "faults.lifecycle", "nccl.bootstrap", "ring", "ring.algorithm"},
+    {"_args", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda", "nccl", "nccl.communicator",
+     "nccl.call_guard", "nccl.group", "trace", "trace.group", "trace.diagnosis", "trace.mismatch", "ring.schedule",
+     "ring.kernels"},
+    {"work", "_cuda", "compat", "config", "_parsers", "bounds", "errors", "hooks", "algorithms", "nccl.bindings",
+     "trace.recorder", "_version"},
+)
+# Subpackages that never import each other, whatever their layers: the NCCL layer knows no
+# policy, fault handling no flight recorder (the diagnosis is handed in), and back.
+NEVER = {"nccl": ("faults", "trace"), "faults": ("backend", "trace"), "trace": ("faults",)}
+
+
+def _layer(module: str) -> int:
+    found = [index for index, layer in enumerate(LAYERS) if module in layer]
+    assert found, f"{module} is in no layer of the house: add it to LAYERS (and docs/design.md)"
+    return found[0]
+
+
+def test_no_package_module_imports_one_above_it():
+    graph = imports(PACKAGE, "cupycoll")
+    upward = sorted((module, target) for module, targets in graph.items() for target in targets
+                    if _layer(target) < _layer(module))
+    assert upward == []
+
+
+def test_the_subpackages_that_must_not_know_each_other_do_not():
+    graph = imports(PACKAGE, "cupycoll")
+    crossing = sorted((module, target) for module, targets in graph.items() for target in targets
+                      for low, forbidden in NEVER.items()
+                      if module.split(".")[0] == low and target.split(".")[0] in forbidden)
+    assert crossing == []
+
+
+def _imported_top_names(folder: Path) -> dict:
+    """file -> the top-level names (cupycoll, bench, tools, ...) its imports reach."""
+    found = {}
+    for path in folder.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+        found[path.relative_to(folder.parent).as_posix()] = names
+    return found
+
+
+def test_the_package_imports_no_tool_and_the_benchmark_no_tool_of_the_checkout():
+    # tools/ (the checkout's own scripts) stand above bench/ (the benchmark, shipped as a
+    # command), which stands above the package: nothing imports upward.
+    root = PACKAGE.parent
+    package = {path: names & {"bench", "tools"} for path, names in _imported_top_names(PACKAGE).items()}
+    bench = {path: names & {"tools"} for path, names in _imported_top_names(root / "bench").items()}
+    assert {path: names for path, names in {**package, **bench}.items() if names} == {}

@@ -191,6 +191,10 @@ class Watch:
             self._released = self.closed is not None
         for slot in slots:
             self._free_slot(slot, completed=False)
+        if self._released:  # nothing is issued any more: the pooled events go (not on the watchdog's thread)
+            free, self._free = self._free, []
+            for slot in free:
+                slot.event.destroy()
 
     def _free_slot(self, slot: InFlight, completed: bool) -> None:
         records, slot.records, slot.keepalive = slot.records, None, None
