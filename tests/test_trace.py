@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from cupycoll import config
 from cupycoll.trace import recorder as rec_mod
 from cupycoll.trace import analyze as trace
 from cupycoll.errors import CupycollTypeError, CupycollValueError
