@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from cupycoll import _cuda
+from cupycoll import _cuda, compat
 from cupycoll.backend import CudaBackend
 from cupycoll.errors import CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
@@ -113,3 +113,4 @@ def use_cuda_standins(setattr, event=RecordedEvent) -> None:
     setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     setattr(_cuda, "new_event", event)
     setattr(_cuda, "capturing", lambda stream: False)
+    setattr(compat, "current_raw_stream", lambda device_index: FakeStream.cuda_stream)
