@@ -106,6 +106,20 @@ def async_requested(opts) -> bool:
 # a whole ProcessGroup (cupycoll.process_group). 2.14.0 is not run; 2.14.1 and 2.15 are.
 PY_BACKEND = TORCH >= (2, 14)
 
+# Which shape a group takes by default. The trampoline wraps whatever Work a Python Backend
+# returns in its PyWorkHolder (torch/csrc/distributed/c10d/py/PyProcessGroup.hpp, the same in
+# 2.14.1, 2.15.0 and torch's main of November 2026), which passes on wait() and get_future()
+# alone and answers the rest from its own state, never set: is_completed() False for good
+# (after wait() too), is_success() True and exception() None whatever happened, result()
+# "not implemented". No Work a backend returns changes that, C++ ones included
+# (_create_work_from_future, whose own answers differ but never reach the caller). So no
+# release yet gives true Works in the Backend shape, and the ProcessGroup shape, whose Works
+# reach the caller unwrapped, is the default on every release; the Backend shape is there
+# for CUPYCOLL_SHAPE=backend. tests/test_work_answers.py pins the holder's answers on each
+# release that has it: the release that passes them on fails it, and its gate goes here.
+PY_BACKEND_WORKS_ANSWER_TRUE = False
+BACKEND_SHAPE_BY_DEFAULT = PY_BACKEND and PY_BACKEND_WORKS_ANSWER_TRUE
+
 
 def has_backend(group: ProcessGroup, device: torch.device) -> bool:
     """Has ``group`` a backend registered for ``device``'s type?"""

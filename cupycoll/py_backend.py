@@ -1,4 +1,5 @@
-"""cupycoll as a c10d Backend: the shape of a cupycoll group on torch 2.14 and later.
+"""cupycoll as a c10d Backend: the shape of a cupycoll group on torch 2.14 and later when
+``CUPYCOLL_SHAPE=backend`` asks for it (the ProcessGroup shape is the default: see below).
 
 From torch 2.14 a Python subclass of ``torch._C._distributed_c10d.Backend`` is dispatched to
 through torch's PyBackend trampoline, so torch builds the group's ProcessGroup itself and
@@ -13,9 +14,11 @@ registers cupycoll's backend in it, as it does its own:
   torch's own gloo serves CPU tensors.
 
 What differs from the adapter, because torch's ProcessGroup stands in front: a Work reaches
-the caller wrapped in torch's holder, which forwards ``wait`` and ``get_future`` only (its
-``is_completed`` stays False; wait or use the future); ``type(group)`` is torch's
-``ProcessGroup``. The README's compatibility notes list both.
+the caller wrapped in torch's holder, which forwards ``wait`` and ``get_future`` only: its
+``is_completed`` stays False, ``is_success``/``exception`` say success whatever happened and
+``result`` raises; no Work a backend returns changes that (:data:`cupycoll.compat.BACKEND_SHAPE_BY_DEFAULT`),
+which is why this shape is not the default. ``type(group)`` is torch's ``ProcessGroup``.
+The README's "Two shapes" lists what each shape gives.
 
 Deliberately left out: everything the shell does and below; reconfigure, merge, windows
 and tensor allocation, which torch's trampoline offers and cupycoll does not implement

@@ -3,7 +3,9 @@
 :class:`GroupShell` is what a cupycoll group does with each call torch hands it:
 
 * CPU tensors, CPU barriers and (through them) the object collectives go to the group's
-  gloo half (a gloo group built on the same store): they behave exactly as ``"cpu:gloo"``;
+  gloo half (a gloo group built on the same store): they behave exactly as ``"cpu:gloo"``,
+  but for ReduceOp.AVG, which gloo cannot do on integers and cupycoll averages
+  (:mod:`cupycoll.cpu_average`), as the CUDA route does;
 * CUDA tensors go to the group's :class:`~cupycoll.backend.CudaBackend`, through the
   collective's body in :mod:`cupycoll.collectives`;
 * every call is recorded first in the group's flight recorder (:mod:`cupycoll.trace.group`),
@@ -42,7 +44,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import PrefixStore, ProcessGroup
 
-from . import _args, collectives, compat, config
+from . import _args, collectives, compat, config, cpu_average
 from .backend import CudaBackend
 from .errors import CupycollValueError
 from .trace.group import GroupTrace
@@ -177,6 +179,13 @@ class GroupShell:
         """``call(*args)`` on the gloo half, its Work traced."""
         return self._trace.gloo(call(*args))
 
+    def _gloo_reduction(self, call, outputs, *args) -> dist.Work:
+        """``call(*args)`` (options last) on the gloo half, a reduction into ``outputs``: AVG,
+        which gloo cannot do on every dtype, as a sum divided here (:mod:`cupycoll.cpu_average`)."""
+        if cpu_average.wanted(args[-1], outputs):
+            return self._trace.gloo(cpu_average.summed_then_divided(call, args, outputs, self._size))
+        return self._trace.gloo(call(*args))
+
     def _classify(self, flat, op_name: str) -> bool:
         """Is the call of the tensors ``flat`` a CUDA call? Rejects calls that mix device
         types or CUDA devices."""
@@ -206,13 +215,13 @@ class GroupShell:
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.AllreduceOptions()
         if not self._is_cuda(tensors, "all_reduce", opts):
-            return self._gloo(self._cpu.allreduce, tensors, opts)
+            return self._gloo_reduction(self._cpu.allreduce, tensors, tensors, opts)
         return collectives.all_reduce(self._cuda, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         if not self._is_cuda(tensors, "all_reduce_coalesced", opts):
-            return self._gloo(self._cpu.allreduce_coalesced, tensors, opts)
+            return self._gloo_reduction(self._cpu.allreduce_coalesced, tensors, tensors, opts)
         return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
 
     def broadcast(self, tensors, opts=None):
@@ -224,7 +233,7 @@ class GroupShell:
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.ReduceOptions()
         if not self._is_cuda(tensors, "reduce", opts):
-            return self._gloo(self._cpu.reduce, tensors, opts)
+            return self._gloo_reduction(self._cpu.reduce, tensors, tensors, opts)
         return collectives.reduce(self._cuda, tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -258,19 +267,22 @@ class GroupShell:
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([output_tensors, input_tensors], "reduce_scatter", opts):
-            return self._gloo(self._cpu.reduce_scatter, output_tensors, input_tensors, opts)
+            return self._gloo_reduction(self._cpu.reduce_scatter, output_tensors, output_tensors,
+                                        input_tensors, opts)
         return collectives.reduce_scatter(self._cuda, output_tensors, input_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([output, input], "reduce_scatter_tensor", opts):
-            return self._gloo(compat.gloo_reduce_scatter_tensor, self._cpu, output, input, opts)
+            return self._gloo_reduction(compat.gloo_reduce_scatter_tensor, [output], self._cpu, output,
+                                        input, opts)
         return collectives.reduce_scatter_tensor(self._cuda, output, input, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         if not self._is_cuda([outputs, inputs], "reduce_scatter_tensor_coalesced", opts):
-            return self._gloo(self._cpu.reduce_scatter_tensor_coalesced, outputs, inputs, opts)
+            return self._gloo_reduction(self._cpu.reduce_scatter_tensor_coalesced, outputs, outputs,
+                                        inputs, opts)
         return self._coalesced(lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):

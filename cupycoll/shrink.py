@@ -24,8 +24,8 @@ rules (torch >= 2.11 has that function; this one runs on every torch cupycoll su
   survivors. The parent's Works in flight fail first, with a reason that says it was shrunk;
   its CPU half is replaced by a gloo group of the survivors.
 
-In the c10d Backend shape (the default on torch 2.14+) torch's ``dist.shrink_group`` is the
-one to call and this function hands over to it.
+In the c10d Backend shape (torch 2.14+, ``CUPYCOLL_SHAPE=backend``) torch's
+``dist.shrink_group`` is the one to call and this function hands over to it.
 
 Deliberately left out: growing a group back (NCCL 2.29's grow), revoking a communicator,
 and a store that died with an excluded rank (the store must outlive every rank it serves:
