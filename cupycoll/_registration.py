@@ -25,7 +25,10 @@ def _create(dist_backend_opts, pg_options):
 
     from . import compat, config
     from .errors import CupycollValueError
+    from .shrink import SurvivorsWorld
 
+    if isinstance(pg_options, SurvivorsWorld):  # a shrink of the default group built it already
+        return pg_options.take(dist_backend_opts.group_rank, dist_backend_opts.group_size)
     if config.shape(compat.BACKEND_SHAPE_BY_DEFAULT) == "backend":
         if not compat.PY_BACKEND:
             raise CupycollValueError(

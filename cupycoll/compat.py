@@ -195,6 +195,23 @@ def gloo_reduce_scatter_tensor(gloo: ProcessGroup, output: torch.Tensor, input: 
     return FutureWork(work.get_future().then(keep_chunk))
 
 
+def gloo_ranks_absent(store, rank: int, size: int) -> Optional[List[int]]:
+    """The ranks that never published their address into ``store`` (the store a
+    ProcessGroupGloo was built on) while this ``rank`` waited in its rendezvous; None when
+    that cannot be told (the layout below does not hold, or the store does not answer)."""
+    # torch 2.7.1 - 2.15's ProcessGroupGloo runs gloo's rendezvous once per device under a
+    # prefix of the device's index: one device, so rank r's addresses are key "0/<r>" (a
+    # timed-out creation names it: "wait timeout ... keys: .../0/2"). This rank's own key
+    # must be there; if it is not, the layout changed and no rank is named.
+    try:
+        present = [store.check([f"0/{r}"]) for r in range(size)]
+    except Exception:  # noqa: BLE001 - a dead store: nothing can be told
+        return None
+    if not present[rank]:
+        return None
+    return [r for r, there in enumerate(present) if not there]
+
+
 def set_default_backend(group: ProcessGroup, backend_type) -> None:
     """Make ``backend_type`` (one registered on ``group``) its default backend.
 

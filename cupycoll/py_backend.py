@@ -41,7 +41,7 @@ from .config import BACKEND_NAME
 from .errors import CollectiveTimeoutError, PeerFailedError
 from .faults.lifecycle import GroupState
 from .shell import GroupShell, build_gloo_half, group_arguments, shrinking
-from .shrink import SHRINK_ABORT, check_options
+from .shrink import SHRINK_ABORT, check_options, survivors_arrive
 
 _CPU = torch.device("cpu")
 _GLOO = ProcessGroup.BackendType.GLOO
@@ -135,6 +135,8 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
         exclude = sorted(ranks_to_exclude)
         survivors = [r for r in range(self._size) if r not in exclude]
         store = PrefixStore(f"cupycoll-shrink/{','.join(map(str, survivors))}/", self._store)
+        survivors_arrive(self, exclude, store, survivors.index(self._rank), len(survivors),
+                         self.settings.timeout.total_seconds())
         with shrinking(self, exclude, shrink_flags == SHRINK_ABORT):
             return CupycollBackend(store, survivors.index(self._rank), len(survivors), self.settings.timeout,
                                    opts if opts is not None else self.pg_options,

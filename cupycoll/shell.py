@@ -46,7 +46,8 @@ from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _args, collectives, compat, config, cpu_average
 from .backend import CudaBackend
-from .errors import CupycollValueError
+from .errors import CollectiveTimeoutError, CupycollValueError
+from .trace.diagnosis import ranks_text
 from .trace.group import GroupTrace
 from .faults.lifecycle import GroupState
 from .work import CudaWork
@@ -75,10 +76,14 @@ def shrinking(parent: "GroupShell", exclude: Sequence[int], abort_first: bool) -
         _SHRINKING.source = None
 
 
+# The prefix of a group's gloo half in the group's store.
+_CPU_PREFIX = "cupycoll-cpu/"
+
+
 def build_gloo_half(store, rank: int, size: int, timeout) -> Tuple[ProcessGroup, ProcessGroup]:
     """A group's gloo half on ``store`` (its own prefix): the plain ProcessGroup the shell
     routes CPU calls to, and the gloo backend registered in it."""
-    cpu_store = PrefixStore("cupycoll-cpu/", store)
+    cpu_store = PrefixStore(_CPU_PREFIX, store)
     gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
     inner = ProcessGroup(cpu_store, rank, size)
     compat.set_default_backend(inner, _GLOO)
@@ -113,7 +118,10 @@ class GroupShell:
         self._group_id = group_id
         self._group_name = group_id
         self._group_desc = ""
-        self._cpu = self._build_cpu_group(store, rank, size, self.settings.timeout)
+        try:
+            self._cpu = self._build_cpu_group(store, rank, size, self.settings.timeout)
+        except dist.DistStoreError as exc:  # gloo's rendezvous timed out: a rank never came
+            raise self._gloo_never_joined(store) from exc
         # The backend holds these callbacks weakly: torch may keep it, never the group through it.
         self._cuda = self.backend_class(store, rank, size, self.settings, self._global_ranks, group_id,
                                         name=self.getGroupName, on_abort=self._cpu_shutdown,
@@ -123,9 +131,6 @@ class GroupShell:
         # How this group's communicator was made from another's: "ncclCommShrink", "new"
         # (a shrink that made it anew) or None (a group of its own, or split).
         self.shrunk_by: Optional[str] = None
-        # Set on a default group being shrunk: torch destroys it before the survivors' group
-        # exists, and that group takes its communicator (ncclCommShrink), then ends it.
-        self._ended_by_shrink = False
 
         try:
             shrink = getattr(_SHRINKING, "source", None)
@@ -140,6 +145,17 @@ class GroupShell:
         except BaseException:
             self._trace.close("failed")  # no half-built group left answering its peers
             raise
+
+    def _gloo_never_joined(self, store) -> CollectiveTimeoutError:
+        """gloo's rendezvous on ``store`` timed out (gloo's error names a store key, never a
+        rank): the error naming the ranks that never joined."""
+        absent = compat.gloo_ranks_absent(PrefixStore(_CPU_PREFIX, store), self._rank, self._size)
+        who = (f"{ranks_text([self._global_ranks[r] for r in absent])} never joined it"
+               if absent else "not every rank joined it")
+        return CollectiveTimeoutError(
+            f"process group {self._group_name!r}: creating its CPU half (gloo) timed out after "
+            f"{self.settings.timeout.total_seconds():g} s on rank {self._global_ranks[self._rank]}: "
+            f"{who} (dead, or not creating this group)")
 
     def _torch_group(self) -> Optional[ProcessGroup]:
         """The ProcessGroup torch holds for this group (its coalescing state is keyed by it)."""
@@ -386,17 +402,9 @@ class GroupShell:
         timeout; then shut the gloo half down. The group is unusable afterwards."""
         if self._cuda.state not in (GroupState.OK, GroupState.ABORTING):  # aborting: the shutdown aborts now
             return
-        if self._ended_by_shrink:  # the shrink under way ends it, after its survivors' group took the communicator
-            return
         self._cuda.shutdown()  # an abort instead shuts gloo down through on_abort
         if self._cuda.state is GroupState.SHUT_DOWN:
             self._cpu_shutdown()
-
-    def hand_over_to_shrink(self) -> None:
-        """Leave this group's end to the shrink of it under way (:mod:`cupycoll.shrink`):
-        torch's ``destroy_process_group`` then shuts nothing down, so the survivors' group
-        can still take the communicator; the shrink ends this group either way."""
-        self._ended_by_shrink = True
 
     def abort(self) -> None:
         """Abort the NCCL communicators at once, without waiting for peers or the GPU: a

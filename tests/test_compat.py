@@ -505,3 +505,12 @@ def test_run_eagerly_under_compile_wraps_only_what_overrides_torchs_process_grou
     assert members["allreduce"].__wrapped__ and members["_allgather_base"].__wrapped__
     assert not hasattr(members["helper"], "__wrapped__")
     assert Group.allreduce(None, []) == "allreduce"  # still the method, called through the wrapper
+
+
+def test_gloos_rendezvous_keys_tell_which_ranks_never_came():
+    # compat.gloo_ranks_absent reads gloo's rendezvous keys as this torch lays them out
+    store = dist.HashStore()
+    with pytest.raises(dist.DistStoreError):
+        dist.ProcessGroupGloo(dist.PrefixStore("g/", store), 1, 3, datetime.timedelta(seconds=0.5))
+    assert compat.gloo_ranks_absent(dist.PrefixStore("g/", store), 1, 3) == [0, 2]
+    assert compat.gloo_ranks_absent(dist.PrefixStore("other/", store), 1, 3) is None  # not its store

@@ -264,3 +264,23 @@ def test_which_backend_strings_give_cpu_calls_the_recorder_and_diagnosis_in_each
             assert cpu_backend == ("ProcessGroupGloo" if torchs_gloo else "CpuView"), cpu_backend
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_rank_that_never_joins_a_new_group_is_named(monkeypatch, shape):
+    # gloo's own error names a store key (".../cuda//cupycoll-cpu//0/1", a "cuda" key even in a
+    # CPU-only job); cupycoll's names the rank, with the group and the timeout
+    import datetime
+
+    from cupycoll.errors import CollectiveTimeoutError
+
+    monkeypatch.setenv("CUPYCOLL_SHAPE", shape)
+    with pytest.raises(CollectiveTimeoutError) as raised:
+        dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=3,
+                                timeout=datetime.timedelta(seconds=1))
+    text = str(raised.value)
+    assert "creating its CPU half (gloo) timed out after 1 s on rank 0: ranks 1,2 never joined it " \
+           "(dead, or not creating this group)" in text, text
+    assert isinstance(raised.value.__cause__, dist.DistStoreError)
+    assert not dist.is_initialized()
+
