@@ -165,12 +165,18 @@ def test_losing_the_decision_to_a_rank_that_gave_up_makes_no_id(counted_ids):
     assert counted_ids == []
 
 
-def test_a_creation_leaves_only_its_generation_in_the_store(counted_ids):
+def test_a_creation_leaves_no_key_in_the_store(counted_ids):
     store = dist.HashStore()
+    made = []
     for _ in range(8):
-        assert len(set(run_ranks(store, [0, 1], members=2, timeout=10).values())) == 1
-        # the last rank to read the id deleted it; the generation stays (see the module)
-        assert store.num_keys() == 1 and store.get("cupycoll/comm/generation")
+        ids = set(run_ranks(store, [0, 1], members=2, timeout=10).values())
+        assert len(ids) == 1 and ids.isdisjoint(made)  # each creation its own id
+        made.extend(ids)
+        assert store.num_keys() == 0  # the last rank to read the id deleted every key
+    failed = run_ranks(store, [0], members=2, timeout=0.2)  # a failed creation leaves its keys ...
+    assert isinstance(failed[0], CollectiveTimeoutError) and store.num_keys() > 0
+    assert len(set(run_ranks(store, [0, 1], members=2, timeout=10).values())) == 1
+    assert store.num_keys() == 0  # ... which the next one deletes
 
 
 def _arrive(store, ranks, members, timeout=10, check=lambda: None):

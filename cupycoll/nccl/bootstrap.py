@@ -23,11 +23,13 @@ Four things make it more than a set/get:
   decides for everyone, so a rank that gave up never leaves the others inside NCCL init
   waiting for it. One that *timed out* just after the id was published joins; an abort or
   a ``KeyboardInterrupt`` never does (it abandons an undecided generation and re-raises);
-* **bounded keys**: the last member to read a generation's id deletes that generation's
-  keys, and a creator that succeeds in generation g deletes g-1's (one that was abandoned).
-  What stays is one key per communicator name, its generation: deleting that too could
-  split a group re-created at once (one rank re-creating it while another still finishes the
-  last creation) across two generations;
+* **no keys left**: the last member to read a generation's id deletes that generation's keys
+  and the generation itself (the next creation under the name starts again at 0), and a
+  creator that succeeds in generation g deletes g-1's (one that was abandoned). Deleting the
+  generation is safe because no rank can start the next creation under the same name before
+  every member has finished this one: that next creation belongs to a new incarnation of the
+  group, whose making (its gloo half's rendezvous) needs every member, each past this call.
+  A creation that failed leaves its keys, for the next one to read;
 * **abortable waits**: the store is polled in short slices, and before each one the owner's
   ``check`` callback runs, so ``abort()`` from another thread ends the wait.
 
@@ -132,11 +134,13 @@ class StoreBootstrap:
         return decided
 
     def _read(self, base: str, generation: int, members: int) -> None:
-        """This member has the id of ``generation``: the last of ``members`` to read it
-        deletes the generation's keys (everyone has read them by then)."""
+        """This member has the id of ``generation`` (and moved the generation on): the last
+        of ``members`` to read it deletes the generation's keys and the generation (everyone
+        has read and moved them by then; see the module)."""
         read_key = f"{base}/{generation}/read"
         if self._store.add(read_key, 1) >= members:
-            self._delete([f"{base}/{generation}/uid", f"{base}/{generation}/arrived", read_key])
+            self._delete([f"{base}/{generation}/uid", f"{base}/{generation}/arrived", read_key,
+                          f"{base}/generation"])
 
     def all_arrive(self, key: str, members: int, describe: Callable[[List[int]], str]) -> None:
         """Return once every one of ``members`` ranks (each calls this, with its own rank)
