@@ -212,6 +212,15 @@ def gloo_ranks_absent(store, rank: int, size: int) -> Optional[List[int]]:
     return [r for r, there in enumerate(present) if not there]
 
 
+# gloo runs ReduceOp.AVG as its sum divided in place by the group size (`tensor /= size`):
+# floating tensors average on torch 2.13 and 2.15 (run here), integer ones fail there
+# ("result type Float can't be cast to the desired output type Long"), and torch 2.7.1's
+# gloo refuses AVG on any dtype ("Cannot use ReduceOp.AVG with Gloo"). 2.8 - 2.12 are not
+# known here (2.11 runs in CI): treated as 2.7.1. The CPU route averages itself
+# (cupycoll.cpu_average) every dtype before 2.13 and, from 2.13, the ones gloo cannot.
+GLOO_AVERAGES_FLOATS = TORCH >= (2, 13)
+
+
 def set_default_backend(group: ProcessGroup, backend_type) -> None:
     """Make ``backend_type`` (one registered on ``group``) its default backend.
 

@@ -9,8 +9,9 @@ integers. So the CPU route asks gloo for a sum and divides here, once gloo has f
 floating and complex tensors by true division, as gloo's own AVG does (the same bits), and
 integer tensors toward zero, as NCCL's ``ncclAvg`` does (it divides the integer sum).
 
-Every reduction with AVG takes this path, on every release, so the answer never depends on
-which gloo runs. bool tensors are left to gloo (it refuses them, as NCCL does).
+A reduction with AVG takes this path unless gloo averages its dtype itself (floating
+tensors from torch 2.13: :data:`cupycoll.compat.GLOO_AVERAGES_FLOATS`; the two give the same
+bits). bool tensors are left to gloo (it refuses them, as NCCL does).
 
 Deliberately left out: the other ops (gloo's own), and the CUDA route (NCCL averages).
 """
@@ -25,12 +26,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from .compat import GLOO_AVERAGES_FLOATS
+
 _AVG = ReduceOp.AVG
 
 
 def wanted(opts, outputs: Sequence[torch.Tensor]) -> bool:
-    """Does the call whose options are ``opts`` average into ``outputs`` (tensors of a dtype
-    this module divides)?"""
+    """Does the call whose options are ``opts`` average, into ``outputs``, what gloo cannot
+    (:data:`cupycoll.compat.GLOO_AVERAGES_FLOATS`)?"""
+    # Every CPU reduction asks: a floating tensor, where gloo averages it, is answered without
+    # reading the options (a third of a microsecond through pybind).
+    if GLOO_AVERAGES_FLOATS and len(outputs) == 1 and outputs[0].is_floating_point():
+        return False
     return opts.reduceOp == _AVG and not any(t.dtype == torch.bool for t in outputs)
 
 

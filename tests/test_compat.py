@@ -160,6 +160,15 @@ def test_gloo_reduce_scatter_tensor_fallback_averages(gloo_cases):
         assert torch.equal(results[rank], _expected("SUM", rank) / 2), (rank, results[rank])
 
 
+def test_gloo_averages_floats_from_2_13_and_never_integers(gloo_cases):
+    # where compat says gloo averages floating tensors, cupycoll.cpu_average leaves them to it
+    floats = gloo_cases["average_float32"]
+    if compat.GLOO_AVERAGES_FLOATS:
+        assert all(torch.equal(r["value"], torch.tensor([1.5, 5.5])) for r in floats), floats
+    # integers: gloo fails on every release (2.7.1: no AVG at all), so cupycoll averages them
+    assert all("error" in r for r in gloo_cases["average_int64"]), gloo_cases["average_int64"]
+
+
 class _FailingGloo:
     """A gloo group whose every call fails as a timed-out one does: its Work's future
     completes with the error."""

@@ -174,18 +174,22 @@ class TracedWork(dist.Work):
     ``wait()``, ``exception()`` and the future meets it first, and all three give that
     same error.
 
-    Made on every CPU call, so it costs little: no lock (the first failure makes one), and
-    its group tracks it in a plain dict that its completion leaves."""
+    Made on every CPU call, so it costs little: slots, no lock (the first failure makes
+    one), and its group tracks it in a plain dict that its completion leaves."""
+
+    __slots__ = ("_work", "_entry", "_trace", "_waited", "_failing", "_key")
 
     def __init__(self, work: dist.Work, entry: list, trace: GroupTrace):
         super().__init__()
-        self._work, self._entry, self._trace = work, entry, trace
+        self._work = work
+        self._entry = entry
+        self._trace = trace
         # [error or None] once wait() returned or raised, or the group closed before it finished
         self._waited: Optional[list] = None
         self._failing: Optional[threading.Lock] = None  # made by the first failure
-        self._key = entry[E_SEQ] if entry is not None else id(self)
+        key = self._key = entry[E_SEQ] if entry is not None else id(self)
         opened = trace._open
-        opened[self._key] = ref(self)
+        opened[key] = ref(self)
         if len(opened) > trace._prune_at:
             trace._prune_open()
 
