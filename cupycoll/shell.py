@@ -66,9 +66,10 @@ _SHRINKING = threading.local()
 
 @contextlib.contextmanager
 def shrinking(parent: "GroupShell", exclude: Sequence[int], abort_first: bool) -> Iterator[None]:
-    """The cupycoll group torch makes on this thread inside the block is ``parent`` without
-    its ranks ``exclude``: it takes its communicator from the parent's (and ends the parent;
-    see :meth:`~cupycoll.backend.CudaBackend.shrink_from`)."""
+    """The cupycoll group made on this thread inside the block (by torch, or by the shrink of a
+    default group itself) is ``parent`` without its ranks ``exclude``: it takes its
+    communicator from the parent's (and ends the parent; see
+    :meth:`~cupycoll.backend.CudaBackend.shrink_from`)."""
     _SHRINKING.source = (parent, list(exclude), abort_first)
     try:
         yield

@@ -21,7 +21,7 @@ rules (torch >= 2.11 has that function; this one runs on every torch cupycoll su
   the default through ``init_process_group`` on the group's store under a new prefix;
   another group becomes a ``new_group`` of the survivors made among them alone
   (``use_local_synchronization``);
-* the group torch makes takes its NCCL communicator from the parent's (see
+* the survivors' group takes its NCCL communicator from the parent's (see
   :func:`cupycoll.shell.shrinking` and ``CudaBackend.shrink_from``): ``ncclCommShrink`` when
   every survivor's communicator is healthy and NCCL has it (2.27+), with
   ``NCCL_SHRINK_ABORT`` for ``SHRINK_ABORT`` or work in flight; otherwise (a fault already
@@ -124,7 +124,9 @@ def survivors_arrive(parent: "GroupShell", exclude: Sequence[int], store, rank: 
     watched = life.usable  # a parent a fault aborted already has no abort left to end this
 
     def check() -> None:
-        if watched and not life.usable:
+        # an abort asked for (abort_all), not a fault of the parent: a shrink is what a fault
+        # calls for, so the watchdog failing the parent meanwhile does not end it
+        if watched and not life.usable and life.fault is None:
             raise CommunicatorAbortedError(
                 f"shrinking process group {name!r} ended: the group was aborted while its "
                 "survivors gathered")
