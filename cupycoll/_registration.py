@@ -17,16 +17,19 @@ logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 def _create(dist_backend_opts, pg_options):
     """torch's creator call. The group's shape (``CUPYCOLL_SHAPE``, :func:`cupycoll.config.shape`):
-    from torch 2.14 by default a c10d Backend in the ProcessGroup torch builds
-    (:mod:`cupycoll.py_backend`), before it the whole ProcessGroup
-    (:mod:`cupycoll.process_group`). Decided here, not at registration, which runs inside
-    ``import torch`` and must not import cupycoll.compat."""
+    by default the whole ProcessGroup (:mod:`cupycoll.process_group`), on torch 2.14+ on
+    request a c10d Backend in the ProcessGroup torch builds (:mod:`cupycoll.py_backend`).
+    Decided here, not at registration, which runs inside ``import torch`` and must not
+    import cupycoll.compat."""
     import torch
 
     from . import compat, config
     from .errors import CupycollValueError
+    from .shrink import SurvivorsWorld
 
-    if config.shape(compat.PY_BACKEND) == "backend":
+    if isinstance(pg_options, SurvivorsWorld):  # a shrink of the default group built it already
+        return pg_options.take(dist_backend_opts.group_rank, dist_backend_opts.group_size)
+    if config.shape(compat.BACKEND_SHAPE_BY_DEFAULT) == "backend":
         if not compat.PY_BACKEND:
             raise CupycollValueError(
                 f"CUPYCOLL_SHAPE=backend needs torch 2.14 or later (its PyBackend trampoline); "

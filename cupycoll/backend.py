@@ -254,8 +254,7 @@ class CudaBackend:
         had a device, on first use when it had none. The shrink is this group's call: its
         watch times it out."""
         comm = parent.comm
-        live = (comm is not None and parent.life.state in (GroupState.OK, GroupState.HANDED_OVER)
-                and comm.state == "ok" and comm.can_shrink())
+        live = comm is not None and parent.life.usable and comm.state == "ok" and comm.can_shrink()
         reason = CommunicatorAbortedError(
             f"process group {parent._name()!r} was shrunk (ranks {sorted(exclude)} left out); "
             "use the group shrink_group returned")

@@ -122,6 +122,20 @@ def current_raw_stream(device_index: int) -> int:
 # a whole ProcessGroup (cupycoll.process_group). 2.14.0 is not run; 2.14.1 and 2.15 are.
 PY_BACKEND = TORCH >= (2, 14)
 
+# Which shape a group takes by default. The trampoline wraps whatever Work a Python Backend
+# returns in its PyWorkHolder (torch/csrc/distributed/c10d/py/PyProcessGroup.hpp, the same in
+# 2.14.1, 2.15.0 and torch's main of November 2026), which passes on wait() and get_future()
+# alone and answers the rest from its own state, never set: is_completed() False for good
+# (after wait() too), is_success() True and exception() None whatever happened, result()
+# "not implemented". No Work a backend returns changes that, C++ ones included
+# (_create_work_from_future, whose own answers differ but never reach the caller). So no
+# release yet gives true Works in the Backend shape, and the ProcessGroup shape, whose Works
+# reach the caller unwrapped, is the default on every release; the Backend shape is there
+# for CUPYCOLL_SHAPE=backend. tests/test_work_answers.py pins the holder's answers on each
+# release that has it: the release that passes them on fails it, and its gate goes here.
+PY_BACKEND_WORKS_ANSWER_TRUE = False
+BACKEND_SHAPE_BY_DEFAULT = PY_BACKEND and PY_BACKEND_WORKS_ANSWER_TRUE
+
 
 # torch 2.7.1 - 2.15: the Work ``_create_work_from_future`` makes returns True from wait()
 # even when its future failed, so a gloo error computed through a future would read as success.
@@ -232,6 +246,32 @@ def gloo_reduce_scatter_tensor(gloo: ProcessGroup, output: torch.Tensor, input: 
         return [output]
 
     return FutureWork(work.get_future().then(keep_chunk))
+
+
+def gloo_ranks_absent(store, rank: int, size: int) -> Optional[List[int]]:
+    """The ranks that never published their address into ``store`` (the store a
+    ProcessGroupGloo was built on) while this ``rank`` waited in its rendezvous; None when
+    that cannot be told (the layout below does not hold, or the store does not answer)."""
+    # torch 2.7.1 - 2.15's ProcessGroupGloo runs gloo's rendezvous once per device under a
+    # prefix of the device's index: one device, so rank r's addresses are key "0/<r>" (a
+    # timed-out creation names it: "wait timeout ... keys: .../0/2"). This rank's own key
+    # must be there; if it is not, the layout changed and no rank is named.
+    try:
+        present = [store.check([f"0/{r}"]) for r in range(size)]
+    except Exception:  # noqa: BLE001 - a dead store: nothing can be told
+        return None
+    if not present[rank]:
+        return None
+    return [r for r, there in enumerate(present) if not there]
+
+
+# gloo runs ReduceOp.AVG as its sum divided in place by the group size (`tensor /= size`):
+# floating tensors average on torch 2.13 and 2.15 (run here), integer ones fail there
+# ("result type Float can't be cast to the desired output type Long"), and torch 2.7.1's
+# gloo refuses AVG on any dtype ("Cannot use ReduceOp.AVG with Gloo"). 2.8 - 2.12 are not
+# known here (2.11 runs in CI): treated as 2.7.1. The CPU route averages itself
+# (cupycoll.cpu_average) every dtype before 2.13 and, from 2.13, the ones gloo cannot.
+GLOO_AVERAGES_FLOATS = TORCH >= (2, 13)
 
 
 def set_default_backend(group: ProcessGroup, backend_type) -> None:

@@ -31,9 +31,11 @@ Every variable that configures cupycoll is read here, only here, and listed in
     Path of the ``libnccl.so.2`` to bind with ctypes. By default cupycoll binds the library
     CuPy already loaded, so that CuPy, torch and cupycoll share one NCCL.
 ``CUPYCOLL_SHAPE``
-    How torch holds a new group: ``backend`` (the default on torch 2.14+), cupycoll's c10d
-    Backend inside the ProcessGroup torch builds; ``process_group`` (the default before), a
-    cupycoll ProcessGroup that is the whole group and routes CPU tensors to its own gloo.
+    How torch holds a new group: ``process_group`` (default on every release), a cupycoll
+    ProcessGroup that is the whole group and routes CPU tensors to its own gloo; ``backend``
+    (torch 2.14+), cupycoll's c10d Backend inside the ProcessGroup torch builds, whose Works
+    reach the caller inside torch's holder (its ``is_completed``, ``is_success``,
+    ``exception`` and ``result`` do not tell the truth: :data:`cupycoll.compat.BACKEND_SHAPE_BY_DEFAULT`).
     Read at each group's creation.
 ``CUPYCOLL_NONBLOCKING`` (``TORCH_NCCL_USE_COMM_NONBLOCKING``)
     ``1`` creates communicators nonblocking (``ncclCommInitRankConfig`` with
@@ -117,8 +119,9 @@ ENVIRONMENT = {
     "CUPYCOLL_TIMEOUT": "seconds; used when neither Options nor init_process_group gives a timeout",
     "CUPYCOLL_COMM_SPLIT": "1 (default): subgroups split the parent's communicator; 0: never",
     "CUPYCOLL_NCCL_LIBRARY": "path of libnccl.so.2 for the ctypes bindings (default: CuPy's)",
-    "CUPYCOLL_SHAPE": "backend (default on torch 2.14+): cupycoll's c10d Backend in the ProcessGroup "
-                      "torch builds; process_group (default before): a cupycoll ProcessGroup",
+    "CUPYCOLL_SHAPE": "process_group (default): a cupycoll ProcessGroup; backend (torch 2.14+): "
+                      "cupycoll's c10d Backend in the ProcessGroup torch builds (its Works: wait "
+                      "and get_future only)",
     "CUPYCOLL_NONBLOCKING": "1: nonblocking communicators (abortable even in init); 0 (default)",
     "CUPYCOLL_BLOCKING_WAIT": "1: Work.wait() blocks the CPU until done; 0 (default): stream wait",
     "CUPYCOLL_ON_TIMEOUT": "raise (default): abort and fail the Works; terminate: also exit",
@@ -424,11 +427,12 @@ def algorithm_override() -> Optional[str]:
     return _algorithm_override[-1] if _algorithm_override else None
 
 
-def shape(py_backend: bool, env: Mapping[str, str] = os.environ) -> str:
+def shape(backend_by_default: bool, env: Mapping[str, str] = os.environ) -> str:
     """The shape new groups take (``CUPYCOLL_SHAPE``; process-wide, read at each group's
-    creation): ``"backend"``, cupycoll's c10d Backend inside the ProcessGroup torch builds,
-    the default where torch dispatches to a Python Backend (``py_backend``: torch 2.14+,
-    :data:`cupycoll.compat.PY_BACKEND`), or ``"process_group"``, a cupycoll ProcessGroup that
-    is the whole group, the default before (docs/usage.md, "Two shapes")."""
-    default = "backend" if py_backend else "process_group"
+    creation): ``"process_group"``, a cupycoll ProcessGroup that is the whole group, or
+    ``"backend"``, cupycoll's c10d Backend inside the ProcessGroup torch builds (torch
+    2.14+). The default is the Backend shape only where ``backend_by_default``
+    (:data:`cupycoll.compat.BACKEND_SHAPE_BY_DEFAULT`: where its Works would tell the truth,
+    no release yet), else the ProcessGroup shape (docs/usage.md, "Two shapes")."""
+    default = "backend" if backend_by_default else "process_group"
     return parse_choice(SHAPES)(_SHAPE_ENV, env.get(_SHAPE_ENV) or default)

@@ -1,4 +1,4 @@
-"""The torch ProcessGroup adapter: a cupycoll group's shape before torch 2.14 (after it, an opt-out).
+"""The torch ProcessGroup adapter: the default shape of a cupycoll group on every torch.
 
 :class:`ProcessGroupCupycoll` is a Python subclass of ``torch.distributed.ProcessGroup``.
 torch makes such an object the *whole* group (see docs/design.md), so it routes every call
@@ -8,8 +8,9 @@ same store, CUDA tensors to the group's :class:`~cupycoll.backend.CudaBackend` (
 must answer for itself: its identity (names, rank, size), the gloo half registered as its
 CPU backend, and the parent it splits its communicator from.
 
-From torch 2.14 torch dispatches to a Python c10d Backend instead, and cupycoll is that
-(:mod:`cupycoll.py_backend`); the adapter stays importable there and runs the same shell.
+From torch 2.14 torch can dispatch to a Python c10d Backend instead, and cupycoll can be
+that (:mod:`cupycoll.py_backend`, ``CUPYCOLL_SHAPE=backend``); the adapter stays the default
+there because the Works it returns reach the caller unwrapped and answer every method truly.
 
 Deliberately left out: everything the shell does (routing, coalescing, lifetime) and below.
 """

@@ -1,4 +1,5 @@
-"""cupycoll as a c10d Backend: the shape of a cupycoll group on torch 2.14 and later.
+"""cupycoll as a c10d Backend: the shape of a cupycoll group on torch 2.14 and later when
+``CUPYCOLL_SHAPE=backend`` asks for it (the ProcessGroup shape is the default: see below).
 
 From torch 2.14 a Python subclass of ``torch._C._distributed_c10d.Backend`` is dispatched to
 through torch's PyBackend trampoline, so torch builds the group's ProcessGroup itself and
@@ -13,9 +14,11 @@ registers cupycoll's backend in it, as it does its own:
   torch's own gloo serves CPU tensors.
 
 What differs from the adapter, because torch's ProcessGroup stands in front: a Work reaches
-the caller wrapped in torch's holder, which forwards ``wait`` and ``get_future`` only (its
-``is_completed`` stays False; wait or use the future); ``type(group)`` is torch's
-``ProcessGroup``. docs/usage.md ("Two shapes") lists both.
+the caller wrapped in torch's holder, which forwards ``wait`` and ``get_future`` only: its
+``is_completed`` stays False, ``is_success``/``exception`` say success whatever happened and
+``result`` raises; no Work a backend returns changes that (:data:`cupycoll.compat.BACKEND_SHAPE_BY_DEFAULT`),
+which is why this shape is not the default. ``type(group)`` is torch's ``ProcessGroup``.
+docs/usage.md ("Two shapes") lists what each shape gives.
 
 Deliberately left out: everything the shell does and below; reconfigure, merge, windows
 and tensor allocation, which torch's trampoline offers and cupycoll does not implement
@@ -38,7 +41,7 @@ from .config import BACKEND_NAME
 from .errors import CollectiveTimeoutError, PeerFailedError
 from .faults.lifecycle import GroupState
 from .shell import GroupShell, build_gloo_half, group_arguments, shrinking
-from .shrink import SHRINK_ABORT, check_options
+from .shrink import SHRINK_ABORT, check_options, survivors_arrive
 
 _CPU = torch.device("cpu")
 _GLOO = ProcessGroup.BackendType.GLOO
@@ -132,6 +135,8 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
         exclude = sorted(ranks_to_exclude)
         survivors = [r for r in range(self._size) if r not in exclude]
         store = PrefixStore(f"cupycoll-shrink/{','.join(map(str, survivors))}/", self._store)
+        survivors_arrive(self, exclude, store, survivors.index(self._rank), len(survivors),
+                         self.settings.timeout.total_seconds())
         with shrinking(self, exclude, shrink_flags == SHRINK_ABORT):
             return CupycollBackend(store, survivors.index(self._rank), len(survivors), self.settings.timeout,
                                    opts if opts is not None else self.pg_options,

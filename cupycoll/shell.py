@@ -3,7 +3,9 @@
 :class:`GroupShell` is what a cupycoll group does with each call torch hands it:
 
 * CPU tensors, CPU barriers and (through them) the object collectives go to the group's
-  gloo half (a gloo group built on the same store): they behave exactly as ``"cpu:gloo"``;
+  gloo half (a gloo group built on the same store): they behave exactly as ``"cpu:gloo"``,
+  but for ReduceOp.AVG, which gloo cannot do on integers and cupycoll averages
+  (:mod:`cupycoll.cpu_average`), as the CUDA route does;
 * CUDA tensors go to the group's :class:`~cupycoll.backend.CudaBackend`, through the
   collective's body in :mod:`cupycoll.collectives`;
 * every call is recorded first in the group's flight recorder (:mod:`cupycoll.trace.group`),
@@ -42,9 +44,10 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import PrefixStore, ProcessGroup
 
-from . import _args, collectives, compat, config
+from . import _args, collectives, compat, config, cpu_average
 from .backend import CudaBackend
-from .errors import CupycollValueError
+from .errors import CollectiveTimeoutError, CupycollValueError
+from .trace.diagnosis import ranks_text
 from .trace.group import GroupTrace
 from .faults.lifecycle import GroupState
 from .work import CudaWork
@@ -63,9 +66,10 @@ _SHRINKING = threading.local()
 
 @contextlib.contextmanager
 def shrinking(parent: "GroupShell", exclude: Sequence[int], abort_first: bool) -> Iterator[None]:
-    """The cupycoll group torch makes on this thread inside the block is ``parent`` without
-    its ranks ``exclude``: it takes its communicator from the parent's (and ends the parent;
-    see :meth:`~cupycoll.backend.CudaBackend.shrink_from`)."""
+    """The cupycoll group made on this thread inside the block (by torch, or by the shrink of a
+    default group itself) is ``parent`` without its ranks ``exclude``: it takes its
+    communicator from the parent's (and ends the parent; see
+    :meth:`~cupycoll.backend.CudaBackend.shrink_from`)."""
     _SHRINKING.source = (parent, list(exclude), abort_first)
     try:
         yield
@@ -73,10 +77,14 @@ def shrinking(parent: "GroupShell", exclude: Sequence[int], abort_first: bool) -
         _SHRINKING.source = None
 
 
+# The prefix of a group's gloo half in the group's store.
+_CPU_PREFIX = "cupycoll-cpu/"
+
+
 def build_gloo_half(store, rank: int, size: int, timeout) -> Tuple[ProcessGroup, ProcessGroup]:
     """A group's gloo half on ``store`` (its own prefix): the plain ProcessGroup the shell
     routes CPU calls to, and the gloo backend registered in it."""
-    cpu_store = PrefixStore("cupycoll-cpu/", store)
+    cpu_store = PrefixStore(_CPU_PREFIX, store)
     gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
     inner = ProcessGroup(cpu_store, rank, size)
     compat.set_default_backend(inner, _GLOO)
@@ -111,7 +119,10 @@ class GroupShell:
         self._group_id = group_id
         self._group_name = group_id
         self._group_desc = ""
-        self._cpu = self._build_cpu_group(store, rank, size, self.settings.timeout)
+        try:
+            self._cpu = self._build_cpu_group(store, rank, size, self.settings.timeout)
+        except dist.DistStoreError as exc:  # gloo's rendezvous timed out: a rank never came
+            raise self._gloo_never_joined(store) from exc
         self._trace = GroupTrace(store, group_id, self._global_ranks, rank, self.settings)
         # The backend holds these callbacks weakly: torch may keep it, never the group through it.
         self._cuda = self.backend_class(store, rank, size, self.settings, self._global_ranks, group_id,
@@ -136,6 +147,17 @@ class GroupShell:
             raise
         config.log_group(group_id, rank, size, "backend" if isinstance(self, c10d.Backend) else "process_group",
                          self.settings)
+
+    def _gloo_never_joined(self, store) -> CollectiveTimeoutError:
+        """gloo's rendezvous on ``store`` timed out (gloo's error names a store key, never a
+        rank): the error naming the ranks that never joined."""
+        absent = compat.gloo_ranks_absent(PrefixStore(_CPU_PREFIX, store), self._rank, self._size)
+        who = (f"{ranks_text([self._global_ranks[r] for r in absent])} never joined it"
+               if absent else "not every rank joined it")
+        return CollectiveTimeoutError(
+            f"process group {self._group_name!r}: creating its CPU half (gloo) timed out after "
+            f"{self.settings.timeout.total_seconds():g} s on rank {self._global_ranks[self._rank]}: "
+            f"{who} (dead, or not creating this group)")
 
     def _torch_group(self) -> Optional[ProcessGroup]:
         """The ProcessGroup torch holds for this group (its coalescing state is keyed by it)."""
@@ -188,6 +210,13 @@ class GroupShell:
             raise
         return self._trace.gloo(work, entry)
 
+    def _gloo_reduction(self, entry: Optional[list], call, outputs, *args) -> dist.Work:
+        """``call(*args)`` (options last) on the gloo half, a reduction into ``outputs``: AVG,
+        which gloo cannot do on every dtype, as a sum divided here (:mod:`cupycoll.cpu_average`)."""
+        if cpu_average.wanted(args[-1], outputs):
+            return self._gloo(entry, cpu_average.summed_then_divided, call, args, outputs, self._size)
+        return self._gloo(entry, call, *args)
+
     def _classify(self, flat, op_name: str) -> bool:
         """Is the call of the tensors ``flat`` a CUDA call? Rejects calls that mix device
         types or CUDA devices."""
@@ -223,14 +252,14 @@ class GroupShell:
         opts = opts if opts is not None else c10d.AllreduceOptions()
         cuda, entry = self._route(tensors, "all_reduce", opts)
         if not cuda:
-            return self._gloo(entry, self._cpu.allreduce, tensors, opts)
+            return self._gloo_reduction(entry, self._cpu.allreduce, tensors, tensors, opts)
         return self._issue(entry, collectives.all_reduce, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
         cuda, entry = self._route(tensors, "all_reduce_coalesced", opts)
         if not cuda:
-            return self._gloo(entry, self._cpu.allreduce_coalesced, tensors, opts)
+            return self._gloo_reduction(entry, self._cpu.allreduce_coalesced, tensors, tensors, opts)
         return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
 
     def broadcast(self, tensors, opts=None):
@@ -244,7 +273,7 @@ class GroupShell:
         opts = opts if opts is not None else c10d.ReduceOptions()
         cuda, entry = self._route(tensors, "reduce", opts)
         if not cuda:
-            return self._gloo(entry, self._cpu.reduce, tensors, opts)
+            return self._gloo_reduction(entry, self._cpu.reduce, tensors, tensors, opts)
         return self._issue(entry, collectives.reduce, tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -283,21 +312,24 @@ class GroupShell:
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         cuda, entry = self._route([output_tensors, input_tensors], "reduce_scatter", opts)
         if not cuda:
-            return self._gloo(entry, self._cpu.reduce_scatter, output_tensors, input_tensors, opts)
+            return self._gloo_reduction(entry, self._cpu.reduce_scatter, output_tensors, output_tensors,
+                                        input_tensors, opts)
         return self._issue(entry, collectives.reduce_scatter, output_tensors, input_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         cuda, entry = self._route([output, input], "reduce_scatter_tensor", opts)
         if not cuda:
-            return self._gloo(entry, compat.gloo_reduce_scatter_tensor, self._cpu, output, input, opts)
+            return self._gloo_reduction(entry, compat.gloo_reduce_scatter_tensor, [output], self._cpu, output,
+                                        input, opts)
         return self._issue(entry, collectives.reduce_scatter_tensor, output, input, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         cuda, entry = self._route([outputs, inputs], "reduce_scatter_tensor_coalesced", opts)
         if not cuda:
-            return self._gloo(entry, self._cpu.reduce_scatter_tensor_coalesced, outputs, inputs, opts)
+            return self._gloo_reduction(entry, self._cpu.reduce_scatter_tensor_coalesced, outputs, outputs,
+                                        inputs, opts)
         return self._coalesced(lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
@@ -406,19 +438,12 @@ class GroupShell:
     def shutdown(self) -> None:
         """Finalize and destroy the NCCL communicators once their work is done (healthy),
         or abort them when the group has faulted or its work does not finish within the
-        timeout; then shut the gloo half down. The group is unusable afterwards. A group
-        handed over to a shrink is left to it (the survivors' group takes the communicator)."""
+        timeout; then shut the gloo half down. The group is unusable afterwards."""
         if self._cuda.state not in (GroupState.OK, GroupState.ABORTING):  # aborting: the shutdown aborts now
             return
         self._cuda.shutdown()  # an abort instead shuts gloo down through on_abort
         if self._cuda.state is GroupState.SHUT_DOWN:
             self._cpu_shutdown()
-
-    def hand_over_to_shrink(self) -> None:
-        """Leave this group's end to the shrink of it under way (:mod:`cupycoll.shrink`):
-        torch's ``destroy_process_group`` then shuts nothing down, so the survivors' group
-        can still take the communicator; the shrink ends this group either way."""
-        self._cuda.life.hand_over()
 
     def abort(self) -> None:
         """Abort the NCCL communicators at once, without waiting for peers or the GPU: a

@@ -11,12 +11,17 @@ rules (torch >= 2.11 has that function; this one runs on every torch cupycoll su
   naming every rank (ValueError), an unknown ``shrink_flags`` (ValueError), a call from an
   excluded rank (RuntimeError), a group that is not cupycoll's (TypeError) or was destroyed
   (ValueError);
-* the new group is made by torch's own calls, so torch knows it as it knows any group: a
-  shrunk default group is destroyed with every other group (torch's rule: global ranks
-  change) and the survivors' group becomes the default (``init_process_group`` on the
-  group's store, under a new prefix); another group becomes a ``new_group`` of the
-  survivors made among them alone (``use_local_synchronization``);
-* the group torch makes takes its NCCL communicator from the parent's (see
+* the survivors first gather (:func:`survivors_arrive`): one that does not come within the
+  timeout is named in a CollectiveTimeoutError, an abort of the group (``abort_all()``) ends
+  the wait, and either way the group is left as it was, so the shrink can be called again
+  (without the missing rank); a failed shrink leaves no store key of its own;
+* torch knows the new group as it knows any group: a shrunk default group is destroyed with
+  every other group (torch's rule: global ranks change) and the survivors' group, built
+  before that (so that what can fail on a peer fails while the world still stands), becomes
+  the default through ``init_process_group`` on the group's store under a new prefix;
+  another group becomes a ``new_group`` of the survivors made among them alone
+  (``use_local_synchronization``);
+* the survivors' group takes its NCCL communicator from the parent's (see
   :func:`cupycoll.shell.shrinking` and ``CudaBackend.shrink_from``): ``ncclCommShrink`` when
   every survivor's communicator is healthy and NCCL has it (2.27+), with
   ``NCCL_SHRINK_ABORT`` for ``SHRINK_ABORT`` or work in flight; otherwise (a fault already
@@ -24,11 +29,13 @@ rules (torch >= 2.11 has that function; this one runs on every torch cupycoll su
   survivors. The parent's Works in flight fail first, with a reason that says it was shrunk;
   its CPU half is replaced by a gloo group of the survivors.
 
-In the c10d Backend shape (the default on torch 2.14+) torch's ``dist.shrink_group`` is the
-one to call and this function hands over to it.
+In the c10d Backend shape (torch 2.14+, ``CUPYCOLL_SHAPE=backend``) torch's
+``dist.shrink_group`` is the one to call and this function hands over to it.
 
 Deliberately left out: growing a group back (NCCL 2.29's grow), revoking a communicator,
-and a store that died with an excluded rank (the store must outlive every rank it serves:
+ending the survivors' wait by ``abort_all()`` when a fault had aborted the group before the
+shrink began (the wait is then bounded by the timeout alone), and a store that died with an
+excluded rank (the store must outlive every rank it serves:
 torchrun's agent store does, a TCPStore hosted by the excluded rank 0 does not).
 """
 
@@ -36,16 +43,18 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
 from . import compat, config
+from .errors import CollectiveTimeoutError, CommunicatorAbortedError
 from .faults.lifecycle import GroupState
-from .nccl.bootstrap import delete_keys
+from .nccl.bootstrap import StoreBootstrap, delete_keys
 from .shell import GroupShell, shrinking
+from .trace.diagnosis import ranks_text
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
@@ -100,6 +109,61 @@ def survivors_prefix(store, survivors: int) -> str:
     return f"cupycoll-shrink/{token.decode() if isinstance(token, bytes) else token}/"
 
 
+def survivors_arrive(parent: "GroupShell", exclude: Sequence[int], store, rank: int, size: int,
+                     timeout_s: float) -> None:
+    """Return once every survivor of ``parent``'s shrink (``exclude`` left out; each survivor
+    calls this, as ``rank`` of the ``size`` survivors, on the new group's ``store``) has come.
+    It runs before any rendezvous of the new group: gloo's waits out the whole timeout for a
+    missing rank, names it only by a store key, and nothing can interrupt it. Here a survivor
+    missing after the timeout is named (CollectiveTimeoutError), and an abort of the parent
+    while it waits (``cupycoll.abort_all()``) ends the wait at once; the parent is left as it
+    was either way, so the shrink can be called again."""
+    name = parent.getGroupName()
+    survivors = [r for r in range(parent._size) if r not in exclude]
+    life = parent._cuda.life
+    watched = life.usable  # a parent a fault aborted already has no abort left to end this
+
+    def check() -> None:
+        # an abort asked for (abort_all), not a fault of the parent: a shrink is what a fault
+        # calls for, so the watchdog failing the parent meanwhile does not end it
+        if watched and not life.usable and life.fault is None:
+            raise CommunicatorAbortedError(
+                f"shrinking process group {name!r} ended: the group was aborted while its "
+                "survivors gathered")
+
+    missing: List[int] = []
+
+    def describe(absent) -> str:
+        missing[:] = [parent._global_ranks[survivors[r]] for r in absent]
+        return f"missing: {ranks_text(missing)}"
+
+    try:
+        StoreBootstrap(store, rank, timeout_s, lambda: name, check).all_arrive("shrink-arrival", size, describe)
+    except CollectiveTimeoutError as exc:
+        them = "it" if len(missing) == 1 else "them"
+        raise CollectiveTimeoutError(
+            f"shrinking process group {name!r} (leaving out its ranks {sorted(exclude)}) failed: "
+            f"{ranks_text(missing)} of the survivors did not join it within {timeout_s:g} s (dead, "
+            f"or not calling shrink_group); the group is as it was: shrink it again without "
+            f"{them}") from exc
+
+
+class SurvivorsWorld:
+    """What a shrink of the default group hands ``init_process_group`` as ``pg_options``
+    (the one argument torch passes to a backend's creator unchanged): the survivors' group,
+    built already, which the creator returns (:mod:`cupycoll._registration`)."""
+
+    def __init__(self, group: GroupShell):
+        self.group = group
+
+    def take(self, rank: int, size: int) -> GroupShell:
+        group = self.group
+        if (group._rank, group._size) != (rank, size):
+            raise ValueError(f"the survivors' group is rank {group._rank} of {group._size}; torch "
+                             f"asked for rank {rank} of {size}")
+        return group
+
+
 def check_options(pg_options) -> None:
     if pg_options is not None and not isinstance(pg_options, config.Options):
         raise TypeError(f"pg_options must be cupycoll.Options, got {type(pg_options).__name__}")
@@ -150,6 +214,9 @@ def shrink_group(ranks_to_exclude: List[int], group=None, shrink_flags: int = SH
     logger.info("shrinking process group %r to %d of its %d ranks (leaving out %s)",
                 name, len(survivors), group.size(), exclude)
     if group is not compat.default_group():
+        # gathered on the parent's store first: see survivors_arrive
+        survivors_arrive(shell, exclude, PrefixStore(f"cupycoll-shrink/{','.join(map(str, survivors))}/", shell._store),
+                         new_rank, len(survivors), shell.settings.timeout.total_seconds())
         with shrinking(shell, exclude, abort_first):
             child = dist.new_group(ranks=[shell._global_ranks[r] for r in survivors], backend=backend,
                                    timeout=shell.settings.timeout, pg_options=options,
@@ -157,22 +224,32 @@ def shrink_group(ranks_to_exclude: List[int], group=None, shrink_flags: int = SH
         dist.destroy_process_group(group)
         return child
 
-    # The default group: torch's world goes (every other group with it: their ranks were
-    # global ranks that change), then the survivors' world is initialized on its store.
+    # The default group. The survivors' group is built first, while torch's world still
+    # stands: what can fail on a peer (the survivors' gathering, gloo's rendezvous, the
+    # communicator's shrink) fails with the world whole, so the shrink can be called again.
+    # Then torch's world goes (every other group with it: their ranks were global ranks that
+    # change), and init_process_group makes the built group the survivors' world.
     store = compat.default_store()
+    prefix = survivors_prefix(store, len(survivors))
+    survivors_store = PrefixStore(prefix, store)
+    timeout = shell.settings.timeout
+    try:
+        survivors_arrive(shell, exclude, survivors_store, new_rank, len(survivors), timeout.total_seconds())
+        with shrinking(shell, exclude, abort_first):
+            world = type(shell)(survivors_store, new_rank, len(survivors), timeout, options,
+                                global_ranks=list(range(len(survivors))), group_id=shell._group_id)
+    except BaseException:
+        delete_keys(store, (_PREFIX_KEY, _PREFIX_READ_KEY))  # a failed shrink leaves no key behind
+        raise
     for other in compat.registered_groups():
         if other is not group and isinstance(other, GroupShell):
             other.abort()  # an excluded rank may never take part in their shutdown
-    prefix = survivors_prefix(store, len(survivors))
-    shell.hand_over_to_shrink()
     try:
         dist.destroy_process_group()
-        with shrinking(shell, exclude, abort_first):
-            kwargs = {"device_id": bound} if bound is not None else {}
-            dist.init_process_group(backend, store=PrefixStore(prefix, store),
-                                    rank=new_rank, world_size=len(survivors), timeout=shell.settings.timeout,
-                                    pg_options=options, **kwargs)
+        kwargs = {"device_id": bound} if bound is not None else {}
+        dist.init_process_group(backend, store=survivors_store, rank=new_rank, world_size=len(survivors),
+                                timeout=timeout, pg_options=SurvivorsWorld(world), **kwargs)
     except BaseException:
-        shell.abort()  # the parent is out of torch's world: nothing else would end it
+        world.abort()  # outside torch's world: nothing else would end it
         raise
     return compat.default_group()

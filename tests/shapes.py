@@ -14,7 +14,7 @@ from cupycoll import compat, config
 
 def backend_shape(env: Optional[Dict[str, str]] = None) -> bool:
     """Does a process with this environment plus ``env`` build groups in the Backend shape?"""
-    return config.shape(compat.PY_BACKEND, {**os.environ, **(env or {})}) == "backend"
+    return config.shape(compat.BACKEND_SHAPE_BY_DEFAULT, {**os.environ, **(env or {})}) == "backend"
 
 
 def cupycoll_group_type(env: Optional[Dict[str, str]] = None) -> str:

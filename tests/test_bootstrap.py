@@ -165,11 +165,67 @@ def test_losing_the_decision_to_a_rank_that_gave_up_makes_no_id(counted_ids):
     assert counted_ids == []
 
 
-def test_store_keys_stay_bounded_over_many_creations(counted_ids):
+def test_a_creation_leaves_no_key_in_the_store(counted_ids):
     store = dist.HashStore()
+    made = []
     for _ in range(8):
-        assert len(set(run_ranks(store, [0, 1], members=2, timeout=10).values())) == 1
-    assert store.num_keys() <= 4  # the generation and the last generation's keys
+        ids = set(run_ranks(store, [0, 1], members=2, timeout=10).values())
+        assert len(ids) == 1 and ids.isdisjoint(made)  # each creation its own id
+        made.extend(ids)
+        assert store.num_keys() == 0  # the last rank to read the id deleted every key
+    failed = run_ranks(store, [0], members=2, timeout=0.2)  # a failed creation leaves its keys ...
+    assert isinstance(failed[0], CollectiveTimeoutError) and store.num_keys() > 0
+    assert len(set(run_ranks(store, [0, 1], members=2, timeout=10).values())) == 1
+    assert store.num_keys() == 0  # ... which the next one deletes
+
+
+def _arrive(store, ranks, members, timeout=10, check=lambda: None):
+    """Each of ``ranks`` (a thread) arrives at "shrink"; rank -> None or the error raised."""
+    outcome = {}
+
+    def one(rank):
+        try:
+            StoreBootstrap(store, rank, timeout, lambda: "g", check).all_arrive(
+                "shrink", members, lambda missing: f"missing {missing}")
+            outcome[rank] = None
+        except Exception as exc:  # noqa: BLE001 - returned
+            outcome[rank] = exc
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return outcome
+
+
+def test_all_arrive_returns_once_all_are_there_and_leaves_no_keys():
+    store = dist.HashStore()
+    assert _arrive(store, [0, 1, 2], 3) == {0: None, 1: None, 2: None}
+    assert store.num_keys() == 0
+
+
+def test_all_arrive_names_the_ranks_that_never_came_and_leaves_none_of_its_keys():
+    store = dist.HashStore()
+    started = time.monotonic()
+    outcome = _arrive(store, [0, 2], 4, timeout=0.3)
+    assert time.monotonic() - started < 5
+    for rank in (0, 2):
+        assert isinstance(outcome[rank], CollectiveTimeoutError), outcome
+        assert "timed out after 0.3 s waiting for all 4 ranks at 'shrink' (missing [1, 3])" in str(outcome[rank])
+    assert store.num_keys() == 0  # a later gathering under the same name starts afresh
+    assert _arrive(store, [0, 1], 2) == {0: None, 1: None}
+
+
+def test_all_arrive_ends_when_its_owner_is_aborted():
+    aborted = threading.Event()
+
+    def check():
+        if aborted.is_set():
+            raise CommunicatorAbortedError("process group 'g' was aborted")
+    threading.Timer(0.2, aborted.set).start()
+    started = time.monotonic()
+    outcome = _arrive(dist.HashStore(), [0], 2, timeout=30, check=check)
+    assert isinstance(outcome[0], CommunicatorAbortedError) and time.monotonic() - started < 5
 
 
 def _agree(store, answers, key, timeout=10):

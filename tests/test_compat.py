@@ -161,6 +161,15 @@ def test_gloo_reduce_scatter_tensor_fallback_averages(gloo_cases):
         assert torch.equal(results[rank], _expected("SUM", rank) / 2), (rank, results[rank])
 
 
+def test_gloo_averages_floats_from_2_13_and_never_integers(gloo_cases):
+    # where compat says gloo averages floating tensors, cupycoll.cpu_average leaves them to it
+    floats = gloo_cases["average_float32"]
+    if compat.GLOO_AVERAGES_FLOATS:
+        assert all(torch.equal(r["value"], torch.tensor([1.5, 5.5])) for r in floats), floats
+    # integers: gloo fails on every release (2.7.1: no AVG at all), so cupycoll averages them
+    assert all("error" in r for r in gloo_cases["average_int64"]), gloo_cases["average_int64"]
+
+
 class _FailingGloo:
     """A gloo group whose every call fails as a timed-out one does: its Work's future
     completes with the error."""
@@ -533,3 +542,12 @@ def test_a_group_made_without_dynamo_does_not_import_it_and_is_wrapped_when_it_c
     assert "dynamo at init False" in result.stdout, result.stdout
     wrapped = result.stdout.split("wrapped after dynamo")[1]
     assert "ProcessGroupCupycoll" in wrapped or "CupycollBackend" in wrapped, result.stdout
+
+
+def test_gloos_rendezvous_keys_tell_which_ranks_never_came():
+    # compat.gloo_ranks_absent reads gloo's rendezvous keys as this torch lays them out
+    store = dist.HashStore()
+    with pytest.raises(dist.DistStoreError):
+        dist.ProcessGroupGloo(dist.PrefixStore("g/", store), 1, 3, datetime.timedelta(seconds=0.5))
+    assert compat.gloo_ranks_absent(dist.PrefixStore("g/", store), 1, 3) == [0, 2]
+    assert compat.gloo_ranks_absent(dist.PrefixStore("other/", store), 1, 3) is None  # not its store

@@ -634,8 +634,11 @@ def test_readme_links_name_files_of_the_checkout_relative_to_it():
         assert not link.startswith(REPOSITORY), f"README links to {link!r}: a file of this checkout, by URL"
 
 
-def test_the_shape_defaults_to_the_backend_where_torch_dispatches_to_one_and_names_a_bad_value():
+def test_the_shape_defaults_to_the_backend_only_where_its_works_tell_the_truth_and_names_a_bad_value():
     assert config.shape(True, {}) == "backend" and config.shape(False, {}) == "process_group"
+    # no torch release yet passes a Python Backend's Work state on (compat's gate)
+    assert compat.BACKEND_SHAPE_BY_DEFAULT is False
+    assert config.shape(compat.BACKEND_SHAPE_BY_DEFAULT, {}) == "process_group"
     assert config.shape(False, {"CUPYCOLL_SHAPE": " Backend "}) == "backend"
     assert config.shape(True, {"CUPYCOLL_SHAPE": "process_group"}) == "process_group"
     with pytest.raises(CupycollValueError, match="CUPYCOLL_SHAPE='c10d': expected one of process_group, backend"):

@@ -105,6 +105,32 @@ def test_shrinking_a_subgroup_leaves_the_default_group_whole_and_bad_arguments_c
             assert error is not None and kind in error["mro"] and words in error["text"], (name, error)
 
 
+SHAPES = ["process_group"] + (["backend"] if compat.PY_BACKEND else [])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_second_fault_during_a_shrink_is_named_ends_on_abort_and_leaves_the_group_to_shrink_again(
+        tmp_path, shape):
+    report = _run(tmp_path, "cupycoll", "second_fault", env={"CUPYCOLL_SHAPE": shape})[0]
+    # abort_all() ends a shrink whose survivors are not all there, at once (timeout 20 s)
+    aborted = report["aborted"]
+    assert aborted is not None and aborted["type"] == "CommunicatorAbortedError", report
+    assert "ended: the group was aborted while its survivors gathered" in aborted["text"], report
+    assert report["aborted_s"] < 10, report
+    # a survivor that is gone: the typed error names it, after the group's timeout (3 s) ...
+    missing = report["missing"]
+    assert missing is not None and missing["type"] == "CollectiveTimeoutError", report
+    assert "DistBackendError" in missing["mro"] and "TimeoutError" in missing["mro"], report
+    assert "rank 1 of the survivors did not join it within 3 s" in missing["text"], report
+    assert "shrink it again without it" in missing["text"], report
+    assert report["missing_s"] < 3 + 10, report
+    # ... and the world stands, with nothing of the failed shrink in the store
+    assert report["world_kept"] and report["prefix_keys"] == [], report
+    # so the shrink without it works
+    assert (report["size"], report["world_size"], report["is_default"]) == (1, 1, True), report
+    assert report["after"] == [5.0] * 3, report
+
+
 # -- the CUDA half: CudaBackend.shrink_from on a scripted NCCL ---------------------------
 
 
@@ -213,26 +239,6 @@ def test_survivors_agree_on_one_fresh_prefix_whatever_each_shrank_before():
     assert store.num_keys() == 0  # the last survivor to read it deleted it
     again = [survivors_prefix(store, 3) for _survivor in range(3)]
     assert again[0] == again[1] == again[2] != first[0]  # a later shrink on the same store draws anew
-
-
-@pytest.mark.parametrize("handed_over", [False, True])
-def test_torchs_destroy_leaves_a_group_being_shrunk_to_the_shrink(made, handed_over):
-    # torch destroys a shrunk default group before the survivors' group exists; that group
-    # takes the communicator (ncclCommShrink) only if the destroy left it alive.
-    from standins import CpuAsCudaGroup
-    group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=5))
-    comm = made()
-    group._cuda.comm, group._cuda.device = comm, torch.device("cuda", 0)
-    if handed_over:
-        group.hand_over_to_shrink()
-    group.shutdown()  # what destroy_process_group calls
-    if handed_over:
-        assert comm.state == "ok" and group._cuda.state is GroupState.HANDED_OVER
-        group.abort()  # the shrink's end of it
-        assert comm.state == "aborted"
-    else:
-        assert comm.state == "shut down" and group._cuda.state is GroupState.SHUT_DOWN
-        assert ("ncclCommDestroy", 0x5000) in comm._lib.calls
 
 
 def test_a_blocking_shrink_stuck_on_a_survivor_is_timed_out_on_the_new_groups_terms(made, monkeypatch):

@@ -226,6 +226,46 @@ def test_analyzer_names_the_rank_that_never_reached_a_collective(tmp_path, capsy
            "completed)" in out
 
 
+def test_analyzer_names_a_rank_that_never_reached_the_groups_first_collective(tmp_path, capsys):
+    # the most common hang: one rank stuck in data loading or setup before collective #1
+    for rank in range(3):
+        write_rank(tmp_path, rank, 3, CALLS[:1] if rank != 1 else [], done=0)
+    assert trace.main([str(tmp_path)]) == trace.EXIT_DISAGREE
+    out = capsys.readouterr().out
+    assert "group '0': first disagreement at all_reduce #1 (float32[1024]): issued on ranks 0,2; " \
+           "rank 1 never reached it (it made no collective on this group)" in out, out
+    assert "agree" not in out.replace("disagree", ""), out
+
+
+def test_analyzer_compares_the_counters_of_ranks_that_kept_no_entries(tmp_path):
+    # buffers of size 0 keep no entries but count: rank 1 stopped at #40, the others at #42
+    for rank in range(3):
+        write_rank(tmp_path, rank, 3, CALLS if rank != 1 else CALLS[:40], size=0)
+    found, text = analyze_dir(tmp_path)
+    assert found, text
+    assert "group '0': first disagreement at #41: rank 1 never reached it (its last collective " \
+           "was #40; its buffer kept no entries)" in text, text
+
+
+def test_analyzer_says_a_single_rank_agrees(tmp_path):
+    write_rank(tmp_path, 0, 1, CALLS[:2])
+    found, text = analyze_dir(tmp_path)
+    assert not found and "group '0': rank 0 agrees on collectives #1-#2" in text, text
+
+
+def test_analyzer_prints_each_ranks_last_entries_when_asked(tmp_path, capsys):
+    for rank in range(2):
+        write_rank(tmp_path, rank, 2, CALLS)
+    assert trace.main([str(tmp_path), "--last", "2"]) == trace.EXIT_AGREE
+    out = capsys.readouterr().out
+    for rank in range(2):
+        block = out.split(f"group '0', rank {rank}: last 2 of 43 entries kept (last collective issued "
+                          f"#42, completed #41)\n")[1].splitlines()[:2]
+        assert block == ["  all_reduce #42 (float32[1048576]): issued (nccl)",
+                         f"  send #1 (float32[1]) with rank {(rank + 1) % 2}: queued (nccl)"], block
+    assert trace.main([str(tmp_path), "--last", "-1"]) == trace.EXIT_ERROR
+
+
 @pytest.mark.parametrize("field, change, expected", [
     ("shape", ("all_reduce", (1024, 2), torch.float32, None),
      "all_reduce #7: rank 1 passed shape (1024, 2), ranks 0,2 passed (1024,)"),

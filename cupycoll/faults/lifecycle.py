@@ -4,9 +4,9 @@ only thing that does. It owns the group's state, its fault, its watch (what is i
 (:class:`cupycoll.nccl.communicator.Communicators`). Others find and report (the watchdog's
 pass, a communicator that fails, a user's abort); the lifetime decides what follows, once.
 
-States (:class:`GroupState`): ``ok``; ``handed over`` (a shrink under way takes the
-communicator; calls are refused, a shutdown does nothing); ``aborting`` (a fault was claimed
-and is being explained); ``aborted``; ``shut down``.
+States (:class:`GroupState`): ``ok``; ``aborting`` (a fault was claimed and is being
+explained); ``aborted``; ``shut down``. A shrink ends its parent as an abort does, with its
+own reason (:meth:`GroupLifetime.replace`).
 
 **One end.** Every way a group can end runs the same steps, in this order, once:
 
@@ -71,10 +71,9 @@ logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 
 class GroupState(str, enum.Enum):
-    """A group's state; equal to its text ("ok", "handed over", "aborting", "shut down", "aborted")."""
+    """A group's state; equal to its text ("ok", "aborting", "shut down", "aborted")."""
 
     OK = "ok"
-    HANDED_OVER = "handed over"  # a shrink under way takes its communicator, then ends it
     ABORTING = "aborting"  # a fault was claimed; it is being explained
     SHUT_DOWN = "shut down"
     ABORTED = "aborted"
@@ -164,9 +163,6 @@ class GroupLifetime:
             return
         if self.replaced is not None:
             raise CommunicatorAbortedError(str(self.replaced)) from self.fault
-        if state is GroupState.HANDED_OVER:
-            raise CommunicatorAbortedError(f"process group {self.name!r} is being shrunk; use the "
-                                           "group shrink_group returns")
         reason = f": {self.fault}" if self.fault is not None else ""
         shown = GroupState.ABORTED if state is GroupState.ABORTING else state
         raise CommunicatorAbortedError(f"process group {self.name!r} was {shown}{reason}") from self.fault
@@ -388,14 +384,6 @@ class GroupLifetime:
                   f"{bounds.ABORT_DEADLINE:g} s; its Works have failed, and their tensors stay held until it does")
         else:
             ender.join(bounds.ABORT_DEADLINE)
-
-    def hand_over(self) -> None:
-        """A shrink of this group is under way and will end it (:mod:`cupycoll.shrink`): calls
-        are refused, and a shutdown does nothing, so the survivors' group can still take the
-        communicator."""
-        with self._lock:
-            if self.state is GroupState.OK:
-                self.state = GroupState.HANDED_OVER
 
     def replace(self, reason: BaseException, before_kernels_end: Optional[Callable[[], None]] = None) -> None:
         """The group ends because another takes its place (a shrink): aborted with ``reason``

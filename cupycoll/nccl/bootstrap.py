@@ -23,7 +23,13 @@ Four things make it more than a set/get:
   decides for everyone, so a rank that gave up never leaves the others inside NCCL init
   waiting for it. One that *timed out* just after the id was published joins; an abort or
   a ``KeyboardInterrupt`` never does (it abandons an undecided generation and re-raises);
-* **bounded keys**: a creator that succeeds in generation g deletes g-1's keys;
+* **no keys left**: the last member to read a generation's id deletes that generation's keys
+  and the generation itself (the next creation under the name starts again at 0), and a
+  creator that succeeds in generation g deletes g-1's (one that was abandoned). Deleting the
+  generation is safe because no rank can start the next creation under the same name before
+  every member has finished this one: that next creation belongs to a new incarnation of the
+  group, whose making (its gloo half's rendezvous) needs every member, each past this call.
+  A creation that failed leaves its keys, for the next one to read;
 * **abortable waits**: the store is polled in short slices, and before each one the owner's
   ``check`` callback runs, so ``abort()`` from another thread ends the wait.
 
@@ -33,6 +39,9 @@ generation and count in it), so such a late rank can still be counted in, and jo
 next incarnation's creation. Telling them apart needs an identity of the group incarnation
 agreed by its ranks when the group is made, which the backend does not have yet.
 
+It also holds the survivors' arrival at a shrink (:meth:`StoreBootstrap.all_arrive`), which
+names the ones missing, and their agreement on how to shrink (:meth:`StoreBootstrap.all_agree`).
+
 Deliberately left out: NCCL itself (creating the communicator is the backend's), local
 checks (the backend runs them before calling in, see ``Communicator.preflight``), and any
 store other than torch's.
@@ -41,7 +50,7 @@ store other than torch's.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, List
 
 from .communicator import new_unique_id
 from ..errors import CollectiveTimeoutError
@@ -108,6 +117,7 @@ class StoreBootstrap:
             self._advance(base, generation)
             if decided == ABANDONED or creator:
                 raise
+            self._read(base, generation, members)
             return decided
         except BaseException:  # abort, KeyboardInterrupt, ...: never join, fail the others
             self._give_up(uid_key, deadline)
@@ -120,7 +130,50 @@ class StoreBootstrap:
                 "failed: another rank gave up waiting (timeout or abort)")
         if creator:
             self._forget(base, generation - 1)
+        self._read(base, generation, members)
         return decided
+
+    def _read(self, base: str, generation: int, members: int) -> None:
+        """This member has the id of ``generation`` (and moved the generation on): the last
+        of ``members`` to read it deletes the generation's keys and the generation (everyone
+        has read and moved them by then; see the module)."""
+        read_key = f"{base}/{generation}/read"
+        if self._store.add(read_key, 1) >= members:
+            self._delete([f"{base}/{generation}/uid", f"{base}/{generation}/arrived", read_key,
+                          f"{base}/generation"])
+
+    def all_arrive(self, key: str, members: int, describe: Callable[[List[int]], str]) -> None:
+        """Return once every one of ``members`` ranks (each calls this, with its own rank)
+        has arrived at ``key`` (one gathering on this store, asked once). Raises
+        CollectiveTimeoutError naming the ranks that did not arrive in time (``describe``
+        turns their ranks into words), or what the owner's ``check`` raises (an abort).
+        The last of the ranks that arrived to leave, in time or not, deletes the keys, so a
+        later gathering under ``key`` starts from nothing."""
+        store = self._store
+        base = f"cupycoll/{key}"
+        keys = [f"{base}/{rank}" for rank in range(members)]
+        store.set(keys[self._rank], b"1")
+        try:
+            self._wait(lambda: store.check(keys), time.monotonic() + self._timeout_s,
+                       f"all {members} ranks at {key!r}",
+                       lambda: describe([rank for rank, k in enumerate(keys) if not store.check([k])]))
+        except BaseException:
+            self._leave(base, keys, None)
+            raise
+        self._leave(base, keys, members)
+
+    def _leave(self, base: str, keys: List[str], arrived) -> None:
+        """Count this rank out of a gathering; the last of the ``arrived`` ranks (None: count
+        them) deletes its keys. A store error leaves them (the gathering's own error, if
+        any, is what the caller raises)."""
+        store = self._store
+        try:
+            if arrived is None:
+                arrived = sum(store.check([k]) for k in keys)
+            if store.add(f"{base}/left", 1) >= arrived:
+                self._delete(keys + [f"{base}/left"])
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
 
     def all_agree(self, key: str, mine: bool, members: int) -> bool:
         """Whether ``mine`` holds on every one of ``members`` ranks, once all have told
@@ -185,7 +238,7 @@ class StoreBootstrap:
     def _forget(self, base: str, generation: int) -> None:
         """Delete the keys of an earlier generation (store keys would grow with every creation)."""
         if generation >= 0:
-            self._delete(f"{base}/{generation}/{suffix}" for suffix in ("uid", "arrived"))
+            self._delete(f"{base}/{generation}/{suffix}" for suffix in ("uid", "arrived", "read"))
 
     def _delete(self, keys) -> None:
         delete_keys(self._store, keys)

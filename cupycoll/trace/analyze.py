@@ -6,6 +6,10 @@ sequence number across ranks, and prints, per group, the first collective the ra
 on: a rank that never reached it, or a different op, root, dtype or shape (compared as
 :func:`cupycoll.trace.mismatch.compare` compares a live call). Like torch's ``fr_trace``.
 
+A rank that made no collective at all on a group (stuck in data loading or setup before the
+group's first one) disagrees with ranks that made some: it "never reached" #1.
+``--last N`` also prints each rank's last N entries of each group.
+
 Exit status: 0 when every group's ranks agree, 1 when a disagreement (or a member's missing
 dump) is found, 2 when DIR is missing, empty, or holds a file that is not a readable dump.
 
@@ -83,6 +87,18 @@ def _states(entries: Dict[int, dict]) -> str:
     return "; ".join(f"{state} on {ranks_text(ranks)}" for state, ranks in sorted(by_state.items()))
 
 
+def _never_reached(rank: int, seq: int, last: Optional[dict], kept_none: Optional[int]) -> str:
+    """Why ``rank`` has no entry ``seq``: it stopped before it. ``last``: its last collective
+    entry, or None when it kept none (``kept_none``: its last collective's number, 0: none)."""
+    if last is not None:
+        return f"rank {rank} never reached it (its last collective was {describe_entry(last)}, {last['state']})"
+    if not kept_none:
+        return f"rank {rank} never reached it (it made no collective on this group)"
+    reached = "it" if kept_none + 1 == seq else f"#{kept_none + 1}"
+    return (f"rank {rank} never reached {reached} (its last collective was #{kept_none}; "
+            "its buffer kept no entries)")
+
+
 def analyze_group(key: Tuple[str, int], members: Dict[int, dict],
                   dumped: Sequence[int]) -> Tuple[bool, List[str]]:
     """(disagreement found, lines) for one group. ``dumped``: the ranks that wrote a dump."""
@@ -101,29 +117,41 @@ def analyze_group(key: Tuple[str, int], members: Dict[int, dict],
         if no_group:
             lines.append(f"{label}: the trace of {ranks_text(no_group)} has no such group")
     per_rank: Dict[int, Dict[int, dict]] = {}
+    # Ranks whose dump holds no collective: the number of their last one (0: they made none,
+    # such as a rank stuck in data loading before the group's first collective).
+    kept_none: Dict[int, int] = {}
     for rank, group in sorted(members.items()):
         collectives = {e["seq"]: e for e in group["entries"] if not e.get("p2p")}
         if collectives:
             per_rank[rank] = collectives
-        elif group.get("last_issued"):
-            lines.append(f"{label}: rank {rank} kept no entries (buffer {group.get('buffer')}); "
-                         f"its last collective was #{group['last_issued']}")
+        else:
+            kept_none[rank] = int(group.get("last_issued") or 0)
+            if kept_none[rank]:
+                lines.append(f"{label}: rank {rank} kept no entries (buffer {group.get('buffer')}); "
+                             f"its last collective was #{kept_none[rank]}")
     if not per_rank:
-        return found, lines or [f"{label}: no collectives recorded"]
+        top = max(kept_none.values(), default=0)
+        behind = sorted(r for r, last in kept_none.items() if last < top)
+        if not behind:
+            return found, lines or [f"{label}: no collectives recorded"]
+        first = min(kept_none[r] for r in behind) + 1
+        return True, lines + [f"{label}: first disagreement at #{first}: "
+                              + "; ".join(_never_reached(r, first, None, kept_none[r]) for r in behind)]
     start = max(min(c) for c in per_rank.values())
     end = max(max(c) for c in per_rank.values())
     for seq in range(start, end + 1):
         present = {r: c[seq] for r, c in per_rank.items() if seq in c}
         absent = [r for r in per_rank if r not in present]
-        if absent:
+        silent = [r for r, last in kept_none.items() if last < seq]
+        if absent or silent:
             first = present[min(present)]
             never = [r for r in absent if max(per_rank[r]) < seq]
             text = [f"{label}: first disagreement at {describe_entry(first)}: "
                     f"{_states(present)}"]
-            for rank in never:
-                last = per_rank[rank][max(per_rank[rank])]
-                text.append(f"rank {rank} never reached it (its last collective was "
-                            f"{describe_entry(last)}, {last['state']})")
+            stopped = {r: per_rank[r][max(per_rank[r])] for r in never}
+            stopped.update({r: None for r in silent})
+            for rank in sorted(stopped):
+                text.append(_never_reached(rank, seq, stopped[rank], kept_none.get(rank)))
             gaps = [r for r in absent if r not in never]
             if gaps:
                 text.append(f"{ranks_text(gaps)} recorded none with that number")
@@ -132,7 +160,8 @@ def analyze_group(key: Tuple[str, int], members: Dict[int, dict],
         if mismatch:
             return True, lines + [f"{label}: first disagreement: {mismatch} ({_states(present)})"]
     last = {r: c[end] for r, c in per_rank.items()}
-    summary = (f"{label}: {ranks_text(list(per_rank))} agree on collectives "
+    verb = "agrees" if len(per_rank) == 1 else "agree"
+    summary = (f"{label}: {ranks_text(list(per_rank))} {verb} on collectives "
                f"#{start}-#{end}")
     unfinished = {r: e for r, e in last.items() if e["state"] != "completed"}
     if unfinished:
@@ -140,8 +169,27 @@ def analyze_group(key: Tuple[str, int], members: Dict[int, dict],
     return found, lines + [summary]
 
 
-def analyze(dumps: Sequence[dict]) -> Tuple[bool, List[str]]:
-    """(disagreement found, report lines) over every group in ``dumps``."""
+def _entry_text(entry: dict) -> str:
+    peer = f" with rank {entry['peer']}" if entry.get("p2p") else ""
+    return f"{describe_entry(entry)}{peer}: {entry['state']} ({entry.get('route')})"
+
+
+def last_entries(key: Tuple[str, int], members: Dict[int, dict], count: int) -> List[str]:
+    """Each member's last ``count`` entries of one group (collectives and point-to-point
+    calls, oldest first), as lines."""
+    lines = []
+    for rank, group in sorted(members.items()):
+        entries = group["entries"][-count:]
+        lines.append(f"{_label(key)}, rank {rank}: last {len(entries)} of {len(group['entries'])} "
+                     f"entries kept (last collective issued #{group.get('last_issued', 0)}, "
+                     f"completed #{group.get('last_completed', 0)})")
+        lines.extend(f"  {_entry_text(entry)}" for entry in entries)
+    return lines
+
+
+def analyze(dumps: Sequence[dict], last: int = 0) -> Tuple[bool, List[str]]:
+    """(disagreement found, report lines) over every group in ``dumps``; with ``last``, each
+    rank's last ``last`` entries of each group follow that group's verdict."""
     dumped = [d["rank"] for d in dumps]
     lines = [f"cupycoll.trace.analyze: {len(dumps)} trace(s), {ranks_text(dumped)}"]
     found = False
@@ -149,6 +197,8 @@ def analyze(dumps: Sequence[dict]) -> Tuple[bool, List[str]]:
         group_found, group_lines = analyze_group(key, members, dumped)
         found = found or group_found
         lines.extend(group_lines)
+        if last:
+            lines.extend(last_entries(key, members, last))
     lines.append("ranks disagree (see above)" if found else "every group's ranks agree")
     return found, lines
 
@@ -195,6 +245,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "the first collective the ranks disagree on (exit 1), or that they agree "
                     "(exit 0). Exit 2: DIR missing, empty or unreadable.")
     parser.add_argument("dir", nargs="?", help="folder of cupycoll_trace_rank<R>.json files")
+    parser.add_argument("--last", type=int, default=0, metavar="N",
+                        help="also print each rank's last N entries of each group")
     parser.add_argument("--bench", action="store_true",
                         help="print what recording one call costs, in microseconds")
     args = parser.parse_args(argv)
@@ -204,6 +256,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for name, value in bench().items():
             print(f"  {name + ':':<28} {value:6.3f}  {BENCH_FIGURES[name]}")
         return EXIT_AGREE
+    if args.last < 0:
+        parser.print_usage(sys.stderr)
+        print(f"python -m cupycoll.trace: error: --last {args.last}: give a number of entries, 1 or more",
+              file=sys.stderr)
+        return EXIT_ERROR
     if args.dir is None:
         parser.print_usage(sys.stderr)
         print("python -m cupycoll.trace: error: give DIR (or --bench)", file=sys.stderr)
@@ -213,7 +270,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CupycollValueError as exc:
         print(f"cupycoll.trace.analyze: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    found, lines = analyze(dumps)
+    found, lines = analyze(dumps, args.last)
     print("\n".join(lines))
     return EXIT_DISAGREE if found else EXIT_AGREE
 

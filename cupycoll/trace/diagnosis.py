@@ -171,11 +171,14 @@ def classify(seq: int, op: str, records: Dict[int, Optional[dict]],
 
 def build_message(stuck: dict, timeout_s: Optional[float], records: Dict[int, Optional[dict]],
                   ranks: Sequence[int], wait_s: float = DEFAULT_WAIT_S,
-                  store_error: Optional[str] = None, group: str = "", what: str = "timed out") -> str:
+                  store_error: Optional[str] = None, group: str = "", what: str = "timed out",
+                  one_gone: bool = False) -> str:
     """The timeout report. ``stuck``: {"seq", "op", "desc"} of the collective that timed
     out; ``records``: what each group rank published (None or absent: no answer);
     ``ranks``: the global rank of each group rank (the message names global ranks);
-    ``what`` happened to it here (``"failed (a peer closed the connection)"``)."""
+    ``what`` happened to it here (``"failed (a peer closed the connection)"``);
+    ``one_gone``: a peer is known to be gone (its connection closed), and the exchange ended
+    once every rank but one had answered."""
     seq, op = stuck["seq"], stuck["op"]
     c = classify(seq, op, records, ranks)
     desc = stuck.get("desc") or f"{op} #{seq}"
@@ -214,6 +217,9 @@ def build_message(stuck: dict, timeout_s: Optional[float], records: Dict[int, Op
     if store_error is not None:
         parts.append(f"the store did not answer within {wait_s:g} s ({store_error}), so no "
                      "other rank could be asked")
+    elif c.silent and one_gone and len(c.silent) == 1:
+        parts.append(f"{ranks_text(c.silent)} did not answer and every other rank did: it is the "
+                     "peer whose connection closed (dead, or it ended the group)")
     elif c.silent:
         parts.append(f"{ranks_text(c.silent)} did not answer within {wait_s:g} s (dead, "
                      "or stuck outside cupycoll)")
@@ -237,10 +243,12 @@ class Report:
 
 def diagnose(store, group: str, rank: int, size: int, mine: dict, timeout_s: Optional[float] = None,
              wait_s: float = DEFAULT_WAIT_S, ranks: Optional[Sequence[int]] = None,
-             incarnation: int = 0, what: str = "timed out") -> Report:
+             incarnation: int = 0, what: str = "timed out", one_gone: bool = False) -> Report:
     """Publish ``mine`` (:func:`progress`, whose ``stuck`` names the collective), ask the
     other ranks, read their records for at most ``wait_s``, and build the report. Returns
-    within ``wait_s`` (plus a few ms) whatever the store and the peers do; never raises."""
+    within ``wait_s`` (plus a few ms) whatever the store and the peers do; never raises.
+    ``one_gone``: a peer is known to be gone (gloo saw its connection close), so the records
+    are read only until every rank but one has published."""
     started = time.monotonic()
     ranks = list(range(size)) if ranks is None else list(ranks)
     stuck = mine.get("stuck") or {"seq": int(mine.get("last_issued", 0)) + 1, "op": "?"}
@@ -250,7 +258,7 @@ def diagnose(store, group: str, rank: int, size: int, mine: dict, timeout_s: Opt
     thread = threading.Thread(
         target=_exchange, name="cupycoll-diagnosis", daemon=True,
         args=(store, key_prefix(group, incarnation), stuck["seq"], rank, size, mine, results,
-              notes, stop, started + wait_s))
+              notes, stop, started + wait_s, size - 1 if one_gone else size))
     thread.start()
     thread.join(wait_s)
     stop.set()
@@ -262,12 +270,13 @@ def diagnose(store, group: str, rank: int, size: int, mine: dict, timeout_s: Opt
         published = "published" in notes
         errors = [f for f in notes if f != "published"]
         error = errors[0] if errors else (None if published else "no reply")
-    message = build_message(stuck, timeout_s, records, ranks, wait_s, error, group, what)
+    message = build_message(stuck, timeout_s, records, ranks, wait_s, error, group, what,
+                            one_gone and len(records) == size - 1)
     return Report(message, records, classify(stuck["seq"], stuck["op"], records, ranks), error,
                   time.monotonic() - started)
 
 
-def _exchange(store, prefix, seq, rank, size, mine, results, notes, stop, deadline) -> None:
+def _exchange(store, prefix, seq, rank, size, mine, results, notes, stop, deadline, enough) -> None:
     try:
         base = f"{prefix}/{seq}"
         with _records_lock:  # waits while this process' responder writes that key
@@ -277,6 +286,8 @@ def _exchange(store, prefix, seq, rank, size, mine, results, notes, stop, deadli
         number = store.add(f"{prefix}/requests", 1)  # wakes the other ranks' responders
         store.set(f"{prefix}/request/{number}", str(seq))
         notes.append("published")  # the store works: silence is the peers'
+        if len(results) >= enough:  # a group of two whose other rank is gone: nobody to ask
+            return
         seen = None
         while not stop.is_set():
             count = store.add(f"{base}/count", 0)
@@ -286,7 +297,7 @@ def _exchange(store, prefix, seq, rank, size, mine, results, notes, stop, deadli
                     key = f"{base}/{other}"
                     if other not in results and store.check([key]):
                         results[other] = json.loads(store.get(key))
-                if len(results) >= size:
+                if len(results) >= enough:
                     return
             if time.monotonic() >= deadline:
                 return
@@ -297,12 +308,12 @@ def _exchange(store, prefix, seq, rank, size, mine, results, notes, stop, deadli
 
 def diagnose_timeout(store, recorder: Recorder, stuck=None, timeout_s: Optional[float] = None,
                      wait_s: float = DEFAULT_WAIT_S, dump_dir: Optional[str] = None,
-                     what: str = "timed out") -> Report:
+                     what: str = "timed out", one_gone: bool = False) -> Report:
     """The timeout path: :func:`diagnose` this rank's stuck collective (an entry, or
     ``{"seq", "op", "desc"}``), write the trace to ``dump_dir`` when set, log the message."""
     mine = progress(recorder, stuck)
     report = diagnose(store, recorder.group, recorder.rank, len(recorder.ranks), mine,
-                      timeout_s, wait_s, recorder.ranks, recorder.incarnation, what)
+                      timeout_s, wait_s, recorder.ranks, recorder.incarnation, what, one_gone)
     dump_on_timeout(dump_dir, recorder.ranks[recorder.rank], f"{what}: {report.message}")
     # The caller raises this message (the CPU route) or the watchdog logs its fault at ERROR
     # (the CUDA route, as torch's nccl watchdog does): logged once, there.

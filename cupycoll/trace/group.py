@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import datetime
 import threading
-import weakref
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
+from weakref import ref
 
 import torch.distributed as dist
 
@@ -37,6 +37,11 @@ from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
 
 # Calls that every rank makes alike and that the mismatch check compares.
 _P2P = frozenset({"send", "recv", "recv_anysource"})
+# How many CPU Works a group tracks, not yet seen finished, before it drops those gloo has
+# finished meanwhile (Works never waited on: the dict must not grow with them).
+_OPEN_PRUNE_AT = 64
+# Held for a moment, by the first failure of a Work, to make that Work's lock.
+_MAKING_LOCKS = threading.Lock()
 
 
 class GroupTrace:
@@ -47,7 +52,10 @@ class GroupTrace:
         self.settings = settings
         self.recorder = recorder.new_recorder(name, global_ranks, rank, settings.trace_buffer)
         self.check = settings.check_collectives
-        self._open_works: "weakref.WeakSet[TracedWork]" = weakref.WeakSet()  # not waited yet
+        # The CPU Works not seen finished yet, by their entry's number (weakly: a Work nobody
+        # holds needs no failing): what close() fails. A finished Work leaves it.
+        self._open: Dict[int, "ref[TracedWork]"] = {}
+        self._prune_at = _OPEN_PRUNE_AT
         self._closed = False
         # A group of one has nobody to ask; the stand-ins of the tests have no store.
         if store is not None and len(global_ranks) > 1:
@@ -79,6 +87,14 @@ class GroupTrace:
     def gloo(self, work: dist.Work, entry: Optional[list]) -> dist.Work:
         return TracedWork(work, entry, self)
 
+    def _prune_open(self) -> None:
+        """Drop the tracked Works gloo has finished (or nobody holds any more)."""
+        for key, work_ref in list(self._open.items()):
+            work = work_ref()
+            if work is None or work._work.is_completed():
+                self._open.pop(key, None)
+        self._prune_at = max(_OPEN_PRUNE_AT, 2 * len(self._open))
+
     def failure(self, entry: Optional[list], error: BaseException):
         """What gloo raised from a wait, as cupycoll's error naming the rank behind when it
         happened between the ranks: a timeout (CollectiveTimeoutError) or a peer that died
@@ -90,16 +106,21 @@ class GroupTrace:
             return CollectiveTimeoutError(self.explain_timeout(entry, self.settings.timeout.total_seconds())
                                           + f" (gloo: {_first_sentence(error)})")
         if diagnosis.looks_like_peer_failure(error):
-            return PeerFailedError(self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})"))
+            # gloo saw a connection close: a peer is gone, and it will not answer. Once every
+            # other rank has, the silent one is named at once rather than after the whole wait.
+            return PeerFailedError(self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})",
+                                                        one_gone=True))
         return error
 
     def explain_timeout(self, entry: Optional[list], timeout_s: Optional[float],
-                        what: str = "timed out") -> str:
+                        what: str = "timed out", one_gone: bool = False) -> str:
         """Diagnose a call that timed out (or failed: ``what``) across the ranks, waiting at
-        most ``diagnosis.DEFAULT_WAIT_S``; dumps the trace when a folder is set, returns the
-        message."""
+        most ``diagnosis.DEFAULT_WAIT_S`` (with ``one_gone``, a peer is known to be gone:
+        only until every rank but one has answered); dumps the trace when a folder is set,
+        returns the message."""
         report = diagnosis.diagnose_timeout(self.store, self.recorder, entry, timeout_s,
-                                            dump_dir=self.settings.trace_dir, what=what)
+                                            dump_dir=self.settings.trace_dir, what=what,
+                                            one_gone=one_gone)
         return report.message
 
     def close(self, state: str) -> None:
@@ -110,11 +131,14 @@ class GroupTrace:
         if self._closed:
             return
         self._closed = True
-        for work in list(self._open_works):
-            work.fail_unfinished(CommunicatorAbortedError(
-                f"process group {self.recorder.group!r} was {state} before {work.description} "
-                f"finished on rank {self.recorder.rank}; gloo may still write its output until "
-                f"its own timeout"))
+        for work_ref in list(self._open.values()):
+            work = work_ref()
+            if work is not None:
+                work.fail_unfinished(CommunicatorAbortedError(
+                    f"process group {self.recorder.group!r} was {state} before {work.description} "
+                    f"finished on rank {self.recorder.rank}; gloo may still write its output until "
+                    f"its own timeout"))
+        self._open.clear()
         diagnosis.unserve(self.recorder)
         self.recorder.mark_unfinished("aborted" if state == "aborted" else "failed")
         recorder.retire(self.recorder)
@@ -128,15 +152,28 @@ class TracedWork(dist.Work):
     Its state is read from gloo's future, never through gloo's ``exception()`` or
     ``is_success()``: torch 2.11 cannot hand ``exception()``'s result to Python, and later
     releases print a deprecation warning for both. A Work gloo gives no future (send, recv)
-    answers those two with gloo's own methods."""
+    answers those two with gloo's own methods. A failure is explained once, by whichever of
+    ``wait()``, ``exception()`` and the future meets it first, and all three give that
+    same error.
+
+    Made on every CPU call, so it costs little: slots, no lock (the first failure makes
+    one), and its group tracks it in a plain dict that its completion leaves."""
+
+    __slots__ = ("_work", "_entry", "_trace", "_waited", "_failing", "_key")
 
     def __init__(self, work: dist.Work, entry: list, trace: GroupTrace):
         super().__init__()
-        self._work, self._entry, self._trace = work, entry, trace
+        self._work = work
+        self._entry = entry
+        self._trace = trace
         # [error or None] once wait() returned or raised, or the group closed before it finished
         self._waited: Optional[list] = None
-        self._failing = threading.Lock()
-        trace._open_works.add(self)
+        self._failing: Optional[threading.Lock] = None  # made by the first failure
+        key = self._key = entry[E_SEQ] if entry is not None else id(self)
+        opened = trace._open
+        opened[key] = ref(self)
+        if len(opened) > trace._prune_at:
+            trace._prune_open()
 
     @property
     def description(self) -> str:
@@ -153,9 +190,14 @@ class TracedWork(dist.Work):
             self._waited = [error]
             self._trace.recorder.mark(self._entry, "failed")
 
+    def _finished(self) -> None:
+        """Seen finished: the group's close has nothing to fail here."""
+        self._trace._open.pop(self._key, None)
+
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        if self._waited is not None and self._waited[0] is not None:
-            raise self._waited[0]
+        waited = self._waited
+        if waited is not None and waited[0] is not None:
+            raise waited[0]
         try:
             done = self._work.wait(timeout) if timeout else self._work.wait()
         except Exception as exc:  # noqa: BLE001 - explained, then raised again
@@ -163,26 +205,35 @@ class TracedWork(dist.Work):
             if error is exc:
                 raise
             raise error from exc
-        self._trace.recorder.mark(self._entry, "completed")
+        trace = self._trace
+        trace.recorder.mark(self._entry, "completed")
         if done:
-            self._waited = [None]
-            self._trace._open_works.discard(self)
+            self._waited = _SUCCEEDED
+            trace._open.pop(self._key, None)
         return done
 
     def _fail(self, exc: BaseException) -> BaseException:
-        """gloo's error as the group explains it (:meth:`GroupTrace.failure`), once: wait()
-        and the future may both see it, and the ranks are asked one time."""
-        with self._failing:
+        """gloo's error as the group explains it (:meth:`GroupTrace.failure`), once: wait(),
+        exception() and the future may all see it, and the ranks are asked one time."""
+        lock = self._failing
+        if lock is None:
+            with _MAKING_LOCKS:
+                lock = self._failing
+                if lock is None:
+                    lock = self._failing = threading.Lock()
+        with lock:
             if self._waited is None:
                 self._trace.recorder.mark(self._entry, "failed")
                 error = self._trace.failure(self._entry, exc)
                 if error is not exc:
                     error.__cause__ = exc
                 self._waited = [error]
+                self._finished()
             return self._waited[0]
 
     def _settled(self, error) -> None:
         self._trace.recorder.mark(self._entry, "completed" if error is None else "failed")
+        self._finished()
 
     def _gloo_future(self):
         try:
@@ -217,11 +268,14 @@ class TracedWork(dist.Work):
         return finished and error is None
 
     def exception(self):
+        """None while unfinished or successful; on failure the error ``wait()`` raises
+        (explaining it asks the other ranks, as the first ``wait()`` would)."""
         if self._waited is not None:
             return self._waited[0]
         future = self._gloo_future()
         if future is not None:
-            return self._future_outcome(future)[1]
+            error = self._future_outcome(future)[1]
+            return None if error is None else self._fail(error)
         try:
             return self._work.exception()
         except TypeError:  # torch 2.11: gloo's exception_ptr cannot reach Python
@@ -257,6 +311,9 @@ class TracedWork(dist.Work):
         if entry is None:
             return f"TracedWork({self._work!r})"
         return f"TracedWork({self.description}, root={entry[E_ROOT]})"
+
+
+_SUCCEEDED = [None]  # a TracedWork's ``_waited`` once its wait() returned True
 
 
 def _first_sentence(exc: BaseException) -> str:

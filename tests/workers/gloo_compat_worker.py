@@ -64,6 +64,17 @@ def reduce_scatter(op: str, raw: bool = False) -> Callable:
     return run
 
 
+def average(dtype: torch.dtype) -> Callable:
+    """gloo's own all_reduce with ReduceOp.AVG: the tensor, or gloo's error."""
+    def run(group, rank):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.AVG
+        t = torch.tensor([1 + rank, 4 + 3 * rank], dtype=dtype)
+        group.allreduce([t], opts).wait()
+        return t
+    return run
+
+
 # name -> (compat flags set for the case, what each rank runs)
 CASES: Dict[str, Tuple[Dict[str, bool], Callable]] = {
     "alltoall": ({}, exchange(uneven=False)),
@@ -72,6 +83,8 @@ CASES: Dict[str, Tuple[Dict[str, bool], Callable]] = {
     "plain_alltoall": ({}, plain_alltoall),
     "reduce_scatter_base_MAX": ({}, reduce_scatter("MAX", raw=True)),
     "reduce_scatter_fallback_AVG": ({"GLOO_REDUCE_SCATTER_HONOURS_OP": False}, reduce_scatter("AVG")),
+    "average_float32": ({}, average(torch.float32)),
+    "average_int64": ({}, average(torch.int64)),
 }
 for _op in OPS:
     CASES[f"reduce_scatter_{_op}"] = ({}, reduce_scatter(_op))

@@ -1,6 +1,10 @@
 """One rank of a job in which one rank (the last) does not make a collective the others make,
-on ``"cpu:gloo,cuda:cupycoll"`` with CPU tensors (cupycoll's gloo route): what the others'
-errors say about it. Writes ``<out>/rank<R>.json``.
+on ``"cuda:cupycoll"`` with CPU tensors: what the others' errors say about it. That string
+names no CPU backend, so CPU calls take cupycoll's gloo route, with the flight recorder and
+the diagnosis, in both shapes (in the Backend shape through the group's CpuView). With
+``"cpu:gloo,cuda:cupycoll"`` that holds in the ProcessGroup shape only: in the Backend shape
+torch hands CPU tensors to its own gloo, whose timeout names no rank. Writes
+``<out>/rank<R>.json``.
 
 usage: hang_worker.py OUT_DIR skip|kill|mismatch|bad_input
 
@@ -10,8 +14,8 @@ usage: hang_worker.py OUT_DIR skip|kill|mismatch|bad_input
 * mismatch: with CUPYCOLL_CHECK_COLLECTIVES=1, rank 1 passes another shape to #5: every rank
   must raise CupycollValueError naming rank 1, then the group must still work;
 * bad_input: every rank passes #5 arguments gloo refuses (a uint32 tensor, BAND on float,
-  AVG): each must raise gloo's own error for it, ask no other rank and log nothing, and the
-  group must still work.
+  AVG on bool): each must raise gloo's own error for it, ask no other rank and log nothing,
+  and the group must still work.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def main() -> int:
     elif scenario == "bad_input":
         calls = {"uint32": lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint32)),
                  "band on float": lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
-                 "avg": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)}
+                 "avg on bool": lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool), op=dist.ReduceOp.AVG)}
         report["errors"] = {}
         for name, call in calls.items():
             try:

@@ -2,7 +2,7 @@
 themselves with ``cupycoll.shrink_group`` (CPU tensors: cupycoll's gloo route). Writes
 ``<out>/rank<R>.json``.
 
-usage: shrink_worker.py OUT_DIR BACKEND default|subgroup
+usage: shrink_worker.py OUT_DIR BACKEND default|subgroup|second_fault
 
 * before the last rank leaves, ranks 0 and 1 try every kind of bad argument (each must raise
   its typed error and change nothing: an all_reduce of all three ranks follows);
@@ -10,7 +10,12 @@ usage: shrink_worker.py OUT_DIR BACKEND default|subgroup
   (a subgroup made earlier is destroyed with it), and the survivors' group becomes the
   default one: world size 2, its collectives among them alone;
 * subgroup: the ranks shrink a new_group of all three, which the last rank leaves alone;
-  the default group stays as it was.
+  the default group stays as it was;
+* second_fault: the last rank leaves, and rank 0 shrinks while rank 1 fails it too: first
+  rank 1 is busy elsewhere and ``abort_all()`` ends rank 0's shrink of a subgroup (timeout
+  20 s) at once; then rank 1 is gone, and rank 0's shrink of the default group (timeout 3 s)
+  fails naming it, leaving the world as it was and no key of its own in the store; the
+  shrink without rank 1 then works.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -69,6 +75,39 @@ def bad_arguments(group, rank):
     return {name: _error(call) for name, call in cases.items()}
 
 
+def second_fault(out_dir, store, rank, last) -> int:
+    """See the module: rank 0's report; ranks 1 and 2 leave without one."""
+    sub = dist.new_group(ranks=[0, 1, last], timeout=datetime.timedelta(seconds=20))
+    t = torch.ones(2)
+    dist.all_reduce(t, group=sub)
+    if rank == last:
+        os._exit(0)
+    if rank == 1:  # busy elsewhere while rank 0 shrinks the subgroup, then gone
+        store.wait(["aborted shrink done"])
+        os._exit(0)
+    report = {"rank": rank}
+    threading.Timer(1.0, cupycoll.abort_all).start()
+    started = time.monotonic()
+    report["aborted"] = _error(lambda: cupycoll.shrink_group([last], sub))
+    report["aborted_s"] = time.monotonic() - started
+    store.set("aborted shrink done", "1")
+    world = dist.group.WORLD
+    started = time.monotonic()
+    report["missing"] = _error(lambda: cupycoll.shrink_group([last]))
+    report["missing_s"] = time.monotonic() - started
+    report["world_kept"] = dist.is_initialized() and dist.group.WORLD is world
+    report["prefix_keys"] = [key for key in ("cupycoll-shrink/prefix", "cupycoll-shrink/prefix-read")
+                             if store.check([key])]
+    child = cupycoll.shrink_group([1, last])
+    x = torch.full((3,), 5.0)
+    dist.all_reduce(x, group=child)
+    report.update(size=child.size(), world_size=dist.get_world_size(), after=x.tolist(),
+                  is_default=child is dist.group.WORLD)
+    write_json(out_dir, f"rank{rank}.json", report)
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     out_dir, backend, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -76,7 +115,9 @@ def main() -> int:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
+                            timeout=datetime.timedelta(seconds=3 if scenario == "second_fault" else 20))
+    if scenario == "second_fault":
+        return second_fault(out_dir, store, rank, last)
     parent = dist.group.WORLD if scenario == "default" else dist.new_group(ranks=list(range(world)))
     other = dist.new_group(ranks=list(range(world)))  # destroyed with a shrunk default group
     report = {"rank": rank}

@@ -3,8 +3,9 @@ CPU tensors, recorded as what each returned or raised, so the test can hold cupy
 to gloo's on whatever torch runs it.
 
 usage: work_surface_worker.py BACKEND OUT_DIR   (RANK, WORLD_SIZE=2, MASTER_ADDR/PORT from
-tests/mp.py). BACKEND is "gloo" or "cupycoll". Writes ``<OUT_DIR>/rank<R>.json``:
-``case -> method -> outcome``.
+tests/mp.py). BACKEND is "gloo" or "cupycoll" (in the shape CUPYCOLL_SHAPE gives). Writes
+``<OUT_DIR>/rank<R>.json``: ``case -> method -> outcome``, and for cupycoll
+``rank<R>.closed.json``: its own rules for failed and closed Works.
 """
 
 from __future__ import annotations
@@ -102,10 +103,23 @@ def main() -> None:
 
 
 def closed_with_work_in_flight(rank: int) -> dict:
-    """cupycoll's own rule, which gloo lacks: a CPU collective that has not finished when its
-    group is aborted or destroyed fails at once, not at gloo's timeout. Only rank 0 calls the
-    all_reduce, so it cannot finish; gloo gives up on it after the group's 3 s timeout."""
+    """cupycoll's own rules, which gloo lacks: a CPU collective that times out is explained
+    (the rank behind named) by whichever of ``exception()`` and ``wait()`` is asked first, and
+    both give that same error; one that has not finished when its group is aborted or
+    destroyed fails at once, not at gloo's timeout. Only rank 0 calls the all_reduces, so
+    they cannot finish; gloo gives up on each after the group's timeout."""
     cases = {}
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+        time.sleep(3)  # past gloo's timeout; exception() is the first to look
+        error = work.exception()
+        cases["timed out"] = {"exception": outcome(lambda: error), "wait": outcome(work.wait),
+                              "is_completed": outcome(work.is_completed),
+                              "is_success": outcome(work.is_success),
+                              "same error": error is not None and str(error) == str(_raised(work.wait))}
+    dist.barrier()  # rank 1 waits here, its responder answering rank 0's diagnosis
+    dist.destroy_process_group(group)
     for how in ("aborted", "shut down"):
         group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
         if rank == 0:
@@ -120,6 +134,14 @@ def closed_with_work_in_flight(rank: int) -> dict:
                           "is_success": outcome(work.is_success)}
     time.sleep(3.5)  # gloo's own timeout ends the all_reduce in its thread before the exit
     return cases
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - returned
+        return exc
+    return None
 
 
 if __name__ == "__main__":
