@@ -48,7 +48,7 @@ LAYERS = (
     {"collectives"},
     {"backend"},
     {"call_queue", "faults.lifecycle", "nccl.bootstrap", "ring", "ring.algorithm"},
-    {"_args", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda", "nccl", "nccl.communicator",
+    {"_args", "cpu_average", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda", "nccl", "nccl.communicator",
      "nccl.call_guard", "nccl.group", "trace", "trace.group", "trace.diagnosis", "trace.mismatch", "ring.schedule",
      "ring.kernels"},
     {"work", "_cuda", "compat", "config", "_parsers", "bounds", "errors", "hooks", "algorithms", "nccl.bindings",
