@@ -62,7 +62,9 @@ class FakeEvent:
         return self.fired.is_set()
 
     def record(self, stream=None):
+        # Recorded again (a pooled event): not done until the GPU passes this new point.
         self.records += 1
+        self.fired.clear()
 
     def synchronize(self):
         pass
