@@ -1073,3 +1073,38 @@ def test_a_group_made_with_watch_calls_off_puts_no_call_in_flight(cuda_standins)
     work = group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
     assert cuda.watch.in_flight() == 0 and work._slot is None and work.is_completed()
     group.abort()
+
+
+def test_a_failed_group_end_over_two_communicators_fails_earlier_work_before_it_can_read_as_done(no_device):
+    # A failing ncclGroupEnd over several communicators sets every member's abort flag, and a
+    # kernel issued earlier on one of them may end early: its event fires before the error
+    # has even reached the group. The members stay fenced (nothing is retired) until the
+    # group claimed the fault, so that kernel's Work reads as failed, never as a success.
+    group = make_group(size=3)
+    cuda = group._cuda
+    earlier, event = issued_work(cuda.watch, seq=1)
+    seen_in_group_end = []
+
+    class FailingEnd(ScriptedLibrary):
+        def ncclGroupStart(self):
+            return 0
+
+        def ncclGroupEnd(self):
+            event.fired.set()  # NCCL's abort flags ended the earlier kernel
+            seen_in_group_end.append(cuda.watch.check())  # a watchdog pass meanwhile
+            raise NcclError(6, "ncclGroupEnd", "remote process exited")
+
+    comms = []
+    for peer in (1, 2):
+        comm = polling_comm([nb.ncclSuccess])
+        comm.nonblocking, comm._lib = False, FailingEnd([nb.ncclSuccess])
+        comm.on_abort = cuda.life.fault_once
+        cuda.comms.pairs[peer] = comm
+        comms.append(comm)
+    with pytest.raises(NcclError):
+        with comms[0].group():
+            for comm in comms:
+                comm._settle("ncclSend", nb.ncclSuccess)
+    assert seen_in_group_end == [None]  # the pass found nothing, and retired nothing while fenced
+    assert not earlier.is_success() and isinstance(earlier.exception(), NcclError)
+    assert cuda.life.ended.wait(5) and all(comm.state == "aborted" for comm in comms)
