@@ -278,6 +278,101 @@ def garbage_collections(run: Callable[[], object], calls: int) -> Tuple[Dict[int
     return counts, spent[0] / calls * 1e6
 
 
+# -- through torch's dispatch, in each shape --------------------------------------------
+
+
+def through_dist(timed_calls: int = 2000) -> dict:
+    """Thread CPU µs per ``dist.all_reduce(t)`` (synchronous) through torch's own dispatch on
+    the stand-ins' rank 0 of 1, in each shape this torch has, and, where torch dispatches to
+    a Python Backend (2.14+), the floor of that dispatch: a Backend that does nothing and
+    returns a finished Work (torch's trampoline and holder alone)."""
+    import torch
+    import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d
+
+    from bench.group_cost import cupy_without_device, per_call_us
+    from cupycoll import _cuda, compat
+    from cupycoll.shell import group_arguments
+
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    import standins
+    from cupycoll.nccl.communicator import Communicator
+
+    class Backend(standins.CpuAsCudaBackend):
+        def _connect(self, key, creator, size, rank, device):
+            comm = Communicator(device, rank, size, handle=1, timeout=60.0)
+            comm._lib = _Library()
+            return comm
+
+    class Group(standins.CpuAsCudaGroup):
+        backend_class = Backend
+
+    shapes = {"process_group": lambda opts, pg_options: Group(*group_arguments(opts, pg_options)[0],
+                                                               **group_arguments(opts, pg_options)[1])}
+    if compat.PY_BACKEND:
+        from cupycoll import py_backend
+
+        class CudaShape(py_backend.CupycollBackend):
+            backend_class = Backend
+
+            def _build_cpu_group(self, store, rank, size, timeout):
+                return None
+
+            def _classify(self, tensors, op_name):
+                super()._classify(tensors, op_name)
+                return True
+
+        class DoneWork(dist.Work):
+            """A Python Work that is done: torch's holder calls its wait() as it calls cupycoll's."""
+
+            def wait(self, timeout=None):
+                return True
+
+        class Done(c10d.Backend):
+            """The trampoline's floor: a Python Backend that does nothing but return a Python Work."""
+
+            def __init__(self, store, rank, size, timeout):
+                super().__init__(rank, size)
+
+            def allreduce(self, tensors, opts=None):
+                return DoneWork()
+
+            def getBackendName(self):
+                return "floor"
+
+        shapes["backend"] = lambda opts, pg_options: py_backend.create(opts, pg_options, cls=CudaShape)
+        shapes["trampoline floor"] = lambda opts, pg_options: Done(opts.store, opts.group_rank,
+                                                                    opts.group_size, opts.timeout)
+    figures = {}
+    with contextlib.ExitStack() as patches:
+        def put(obj, attribute, value):
+            patches.enter_context(mock.patch.object(obj, attribute, value))
+
+        standins.use_cuda_standins(put, standins.DoneEvent)
+        put(_cuda, "cupy_module", cupy_without_device)
+        for shape, creator in shapes.items():
+            name = "cupycoll_call_path_" + shape.replace(" ", "_")
+            floor = shape == "trampoline floor"
+            devices = ["cpu", "cuda"] if floor else ["cuda"]  # the floor takes the CPU tensor itself
+            if name.upper() not in dist.Backend._plugins:
+                dist.Backend.register_backend(name, creator, extended_api=True, devices=devices)
+            dist.init_process_group(name if floor else f"cuda:{name}", store=dist.HashStore(), rank=0,
+                                    world_size=1)
+            try:
+                tensor = torch.ones(4)  # a CUDA tensor on the stand-ins; torch hands it to the group's backend
+                group = dist.group.WORLD
+
+                def call():
+                    dist.all_reduce(tensor, group=group)
+                call()
+                per_call_us(call, max(1, timed_calls // 10), repeats=1)
+                figures[shape] = per_call_us(call, timed_calls, repeats=3, clock=time.thread_time)
+            finally:
+                dist.destroy_process_group()
+    return figures
+
+
 # -- output -----------------------------------------------------------------------------
 
 
@@ -311,11 +406,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.call_path", description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="untraced calls per timed run (default 2000)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--through-dist", action="store_true",
+                        help="also time dist.all_reduce through torch's dispatch, in each shape this torch "
+                             "has, and (torch 2.14+) the floor of its Python-Backend trampoline")
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error("--calls must be >= 1")
     figures = measure(args.calls)
     print("\n".join(report(figures)))
+    if args.through_dist:
+        figures["through_dist"] = through_dist(args.calls)
+        print("dist.all_reduce (synchronous), thread CPU per call, median of 3 runs of "
+              f"{args.calls}, by how torch holds the group:")
+        for shape, us in figures["through_dist"].items():
+            print(f"  {shape}: {us:.1f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     return 0
