@@ -367,40 +367,49 @@ class CudaBackend:
             self._plans[dtype, op] = (plan.dtype, plan.op, plan.count_scale)
 
     def all_reduce_fast(self, tensor: torch.Tensor, opts) -> Optional[CudaWork]:
-        """A synchronous all_reduce of ``tensor`` on NCCL in one frame, or None when the call
-        needs the general path: the fast flag is off (see :meth:`_refresh_fast`); the call is
-        asynchronous, the tensor not contiguous or on another device; no plan is learnt for
-        its dtype and op, or an algorithm override is in force; the current stream captures
-        a CUDA graph; the group is not ``ok``, or calls are queued or a coalescing block is
-        open. What it does is what the general path would do (tests/test_fast_path.py)."""
+        """An all_reduce of ``tensor`` on NCCL in one frame, or None when the call needs the
+        general path: the fast flag is off (see :meth:`_refresh_fast`); the tensor is not
+        contiguous or on another device; no plan is learnt for its dtype and op, or an
+        algorithm override is in force; the current stream captures a CUDA graph; the group
+        is not ``ok``, or calls are queued or a coalescing block is open. An asynchronous
+        call runs on the communicator's stream after the caller's, holding its tensor until
+        the GPU is done, as the general path's. What it does is what the general path would
+        do (tests/test_fast_path.py)."""
         index = self._device_index
-        if tensor.get_device() != index or _async_requested(opts) or not tensor.is_contiguous():
+        if tensor.get_device() != index or not tensor.is_contiguous():
             return None
         plan = self._plans.get((tensor.dtype, opts.reduceOp.op))
         if plan is None or _OVERRIDES:
             return None
-        stream = compat.current_raw_stream(index)
-        if _cuda.capturing(stream):
+        current = compat.current_raw_stream(index)
+        if _cuda.capturing(current):
             return None
+        async_op = _async_requested(opts)
         calls = self.calls
         with calls.lock:
             if self.life.state is not _OK or calls.block is not None or calls.pending:
                 return None
+            comm = self.comms.group
+            if async_op:
+                stream, keepalive = comm.stream, tensor
+                self._order_after(current, stream)
+            else:
+                stream, keepalive = current, None
             dtype, op, scale = plan
             entry = self._recorder.record("all_reduce", (tensor.shape,), (tensor.dtype,), None, "nccl", "issued")
             ptr = tensor.data_ptr()
             try:
-                self.comms.group.all_reduce_now(ptr, ptr, tensor.numel() * scale, dtype, op, stream)
+                comm.all_reduce_now(ptr, ptr, tensor.numel() * scale, dtype, op, stream)
             except BaseException as exc:
                 self._recorder.mark(entry, "failed")
                 timed_out = self.life.timeout_that_cut(exc)
                 if timed_out is not None:
                     raise timed_out from exc
                 raise
-            slot = self.watch.issued(stream, entry) if self._watch_calls else None
+            slot = self.watch.issued(stream, entry, keepalive) if self._watch_calls else None
             calls._seq += 1
             work = CudaWork("all_reduce", self.device, [tensor], self.watch, seq=calls._seq)
-            work._issued(slot, stream, False)
+            work._issued(slot, stream, async_op)
         return work
 
     # -- issuing -------------------------------------------------------------------------

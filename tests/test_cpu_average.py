@@ -63,8 +63,16 @@ def reports(tmp_path_factory):
     return {rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in range(WORLD)}
 
 
+# torch 2.7.1's gloo has no list-form reduce_scatter at all (2.11's has; 2.8 - 2.10 are not run):
+# there the call fails as on plain gloo, whatever the op.
+GLOO_LACKS_REDUCE_SCATTER = compat.TORCH < (2, 11)
+
+
 def _check_averages(got, rank):
     for case, expected in _expected(rank).items():
+        if GLOO_LACKS_REDUCE_SCATTER and case in ("reduce_scatter", "coalescing manager") and "raised" in got[case]:
+            assert "does not support reduce_scatter" in got[case]["text"], (rank, case, got[case])
+            continue
         assert "raised" not in got[case], (rank, case, got[case])
         assert got[case]["values"] == expected, (rank, case, got[case], expected)
 

@@ -2,9 +2,9 @@
 runs only when the general path would do the same thing, and then does what the general path
 does (the same NCCL call, flight-recorder entry, watch and Work answers). Each input that
 sends a call to the general path has a test that shows it does: the fast flag's (what changes
-rarely: a blocking communicator made, settings) and the per-call ones (async_op, the tensor,
-a plan learnt, an algorithm override, a capture, the group's state, queued calls, an open
-coalescing block)."""
+rarely: a blocking communicator made, settings) and the per-call ones (the tensor, a plan
+learnt, an algorithm override, a capture, the group's state, queued calls, an open coalescing
+block). An asynchronous call takes it too, on the communicator's stream after the caller's."""
 
 from __future__ import annotations
 
@@ -126,9 +126,6 @@ def test_the_fast_path_refuses_what_it_cannot_call(make):
     assert not fast_taken(group, torch.ones(4, 2).t())  # not contiguous
     assert not fast_taken(group, torch.ones(4, dtype=torch.float64))  # no plan learnt for float64
     assert not fast_taken(group, opts=sync_opts(dist.ReduceOp.MAX))  # nor for MAX
-    opts = sync_opts()
-    opts.asyncOp = True
-    assert not fast_taken(group, opts=opts)  # asynchronous: the internal stream, the general path
     group._cuda._device_index = 3  # the tensor is on another device than the group's
     assert not fast_taken(group)
 
@@ -180,3 +177,21 @@ def test_a_nonblocking_communicator_keeps_the_fast_flag_off(make):
     group._cuda.nonblocking = True  # its calls are polled: the general path's
     group._cuda.comm_for(CUDA)
     assert not group._cuda.fast
+
+
+def test_an_asynchronous_all_reduce_runs_on_the_communicators_stream_after_the_callers(make):
+    # as the general path: the internal stream waits for the caller's, the tensor is held
+    # until the GPU is done, and wait() makes the caller's stream wait for the call
+    group = warmed(make())
+    comm = group._cuda.comm
+    comm.stream = 0x5eed  # its own stream, apart from the caller's (the stand-ins' is 0)
+    opts = sync_opts()
+    opts.asyncOp = True
+    tensor = torch.ones(4)
+    work = group._cuda.all_reduce_fast(tensor, opts)
+    assert work is not None and comm._lib.calls[-1][1][-1] == 0x5eed  # launched on it
+    order = group._cuda._order_event
+    assert order is not None and order.records == 1  # recorded on the caller's stream first
+    slot = work._in_flight()
+    assert slot.stream == 0x5eed and slot.keepalive is tensor and work._async
+    assert work.wait() and work.result() == [tensor]

@@ -241,14 +241,29 @@ def test_survivors_agree_on_one_fresh_prefix_whatever_each_shrank_before():
     assert again[0] == again[1] == again[2] != first[0]  # a later shrink on the same store draws anew
 
 
-def test_a_blocking_shrink_stuck_on_a_survivor_is_timed_out_on_the_new_groups_terms(made, monkeypatch):
-    # A survivor that never makes the shrink (a second failure after the survivors agreed):
-    # the call waits inside NCCL on the parent, whose group is ending. The new group's watch
-    # times it out (its own timeout); no abort may run beside it, so the process ends.
+def _recorded_terminations(monkeypatch) -> list:
+    """The process's end, recorded instead (the lifetime's terminate): [(group, error)]."""
     from cupycoll.faults import lifecycle
 
     ended = []
     monkeypatch.setattr(lifecycle, "terminate", lambda group, error: ended.append((group, error)))
+    return ended
+
+
+def _first(ended, seconds=10.0):
+    """The first recorded end (a recorded terminate does not exit: it may be asked again)."""
+    deadline = time.monotonic() + seconds
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ended, "the process was never ended"
+    return ended[0]
+
+
+def test_a_blocking_shrink_stuck_on_a_survivor_is_timed_out_on_the_new_groups_terms(made, monkeypatch):
+    # A survivor that never makes the shrink (a second failure after the survivors agreed):
+    # the call waits inside NCCL on the parent, whose group is ending. The new group's watch
+    # times it out (its own timeout); no abort may run beside it, so the process ends.
+    ended = _recorded_terminations(monkeypatch)
     comm = made(child_size=2, child_rank=0)
     release = threading.Event()
     shrink_call = comm._lib.ncclCommShrink
@@ -264,10 +279,7 @@ def test_a_blocking_shrink_stuck_on_a_survivor_is_timed_out_on_the_new_groups_te
     shrinker = threading.Thread(target=child.shrink_from, args=(parent, [2], False), daemon=True)
     shrinker.start()
     try:
-        deadline = time.monotonic() + 10
-        while not ended and time.monotonic() < deadline:
-            time.sleep(0.02)
-        life, error = ended[0]  # terminate (here recorded, not exiting) may be asked again
+        life, error = _first(ended)
         assert life is child.life and "ncclCommShrink has been inside NCCL" in str(error)
         assert parent.state is GroupState.ABORTED  # ended, its Works failed; its abort left to the call
         assert ("ncclCommAbort", 0x5000) not in comm._lib.calls  # never beside the shrink
@@ -278,10 +290,7 @@ def test_a_blocking_shrink_stuck_on_a_survivor_is_timed_out_on_the_new_groups_te
 
 
 def test_a_split_a_peer_is_late_for_times_out_the_new_group_not_its_parent(made, monkeypatch):
-    from cupycoll.faults import lifecycle
-
-    ended = []
-    monkeypatch.setattr(lifecycle, "terminate", lambda group, error: ended.append((group, error)))
+    ended = _recorded_terminations(monkeypatch)
     comm = made()
     release = threading.Event()
     split_call = comm._lib.ncclCommSplit
@@ -297,10 +306,7 @@ def test_a_split_a_peer_is_late_for_times_out_the_new_group_not_its_parent(made,
     splitter = threading.Thread(target=child.split_from, args=(parent,), daemon=True)
     splitter.start()
     try:
-        deadline = time.monotonic() + 10
-        while not ended and time.monotonic() < deadline:
-            time.sleep(0.02)
-        life, error = ended[0]  # terminate (here recorded, not exiting) may be asked again
+        life, error = _first(ended)
         assert life is child.life and "ncclCommSplit has been inside NCCL" in str(error)
         assert parent.state is GroupState.OK and parent.watch.check() is None  # not the parent's fault
     finally:

@@ -155,28 +155,36 @@ class _Library:
         return True
 
 
-@contextlib.contextmanager
-def standin_group(size: int = 2) -> Iterator[object]:
-    """Rank 0 of a ``size``-rank cupycoll group whose CUDA route runs on CPU tensors and whose
-    GPU finishes every call at once; aborted on exit, when the stand-ins go."""
+def _standin_classes():
+    """(the stand-ins module, the CudaBackend and the group class of the call path): every
+    tensor counts as on cuda:0, and the communicator is the real one around a library that
+    does nothing (no store gate, no NCCL)."""
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
-    import torch
-    import torch.distributed as dist
     import standins
-    from bench.group_cost import cupy_without_device
-    from cupycoll import _cuda
     from cupycoll.nccl.communicator import Communicator
 
     class Backend(standins.CpuAsCudaBackend):
         def _connect(self, key, creator, size, rank, device):
-            # No store gate, no NCCL: the Communicator is the real one around a stand-in.
             comm = Communicator(device, rank, size, handle=1, timeout=60.0)
             comm._lib = _Library()
             return comm
 
     class Group(standins.CpuAsCudaGroup):
         backend_class = Backend
+
+    return standins, Backend, Group
+
+
+@contextlib.contextmanager
+def standin_group(size: int = 2) -> Iterator[object]:
+    """Rank 0 of a ``size``-rank cupycoll group whose CUDA route runs on CPU tensors and whose
+    GPU finishes every call at once; aborted on exit, when the stand-ins go."""
+    import torch.distributed as dist
+    from bench.group_cost import cupy_without_device
+    from cupycoll import _cuda
+
+    standins, Backend, Group = _standin_classes()
 
     with contextlib.ExitStack() as patches:
         def put(obj, attribute, value):
@@ -294,20 +302,7 @@ def through_dist(timed_calls: int = 2000) -> dict:
     from cupycoll import _cuda, compat
     from cupycoll.shell import group_arguments
 
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    import standins
-    from cupycoll.nccl.communicator import Communicator
-
-    class Backend(standins.CpuAsCudaBackend):
-        def _connect(self, key, creator, size, rank, device):
-            comm = Communicator(device, rank, size, handle=1, timeout=60.0)
-            comm._lib = _Library()
-            return comm
-
-    class Group(standins.CpuAsCudaGroup):
-        backend_class = Backend
-
+    standins, Backend, Group = _standin_classes()
     shapes = {"process_group": lambda opts, pg_options: Group(*group_arguments(opts, pg_options)[0],
                                                                **group_arguments(opts, pg_options)[1])}
     if compat.PY_BACKEND:
