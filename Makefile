@@ -49,10 +49,10 @@ PYTEST = PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m pytest -p xdist.plugin -p pyt
 	-n $(TEST_WORKERS) --dist worksteal --timeout $(TEST_TIMEOUT) -o faulthandler_timeout=$$(( $(TEST_TIMEOUT) - 20 ))
 # make test-quick: registration and both routes' logic (the CUDA path on stand-ins), every
 # collective on 2 CPU ranks against gloo, DDP on the CPU route against gloo. Test ids;
-# tests/test_makefile.py checks that each still names a test.
+# tests/tooling/test_makefile.py checks that each still names a test.
 QUICK_TESTS ?= tests/test_collectives.py \
-	"tests/test_multiprocess_cpu.py::test_all_apis_match_gloo[2-cuda:cupycoll]" \
-	"tests/test_examples.py::test_train_ddp_on_cpu_matches_gloo[cupycoll]"
+	"tests/multiproc/test_multiprocess_cpu.py::test_all_apis_match_gloo[2-cuda:cupycoll]" \
+	"tests/multiproc/test_examples.py::test_train_ddp_on_cpu_matches_gloo[cupycoll]"
 # make bench: the benchmark's arguments (bench/README.md). Without nvidia-smi it runs on 2 CPU
 # ranks over gloo (--device cpu, development mode: its figures say nothing of a GPU).
 BENCH_ARGS  ?= all_reduce -b 1K -e 16M -f 4
@@ -86,8 +86,8 @@ test-quick: $(VENV)/.installed
 
 # torch's whole DistributedTest suite against cupycoll's CPU route at world size 2 (about 280
 # tests, each spawning its ranks: most of an hour on 2 cores); `make test` runs the part that
-# tests/test_torch_suite.py chooses. Under unittest, as torch runs it; TORCH_SUITE_ARGS: its
-# arguments, e.g. "-k barrier" or "TestCupycollCpuRoute.test_barrier".
+# tests/multiproc/test_torch_suite.py chooses. Under unittest, as torch runs it;
+# TORCH_SUITE_ARGS: its arguments, e.g. "-k barrier" or "TestCupycollCpuRoute.test_barrier".
 TORCH_SUITE_ARGS ?=
 test-torch-suite: $(VENV)/.installed
 	BACKEND=gloo WORLD_SIZE=2 TEMP_DIR=$$(mktemp -d) PYTHONPATH=tests/workers:$(CURDIR) \

@@ -17,7 +17,7 @@ rank recovered and they all ended with the same parameters, else ``shrink_ddp: F
 saying why (exit 1). Without ``--out`` its temporary folder is deleted at the end.
 
 ``--from-checkpoint FILE --nproc 2`` trains a plain job of two from a checkpoint: the
-reference whose final parameters the survivors' must equal (tests/test_examples.py).
+reference whose final parameters the survivors' must equal (tests/multiproc/test_examples.py).
 
 This script is its own launcher: it hosts the job's store and starts the ranks. torchrun
 would not do here: its agent stops every rank when one fails, which is the very thing in-place

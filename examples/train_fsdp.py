@@ -211,7 +211,7 @@ def layouts(model) -> Dict[str, str]:
 # the mean over the DP ranks: the gradients are DP times too large. SGD's step (momentum
 # included) is linear in the gradient, so the learning rate divided by DP gives the steps of
 # a gloo that averages; bit for bit where DP is 2 (the mean of two is their sum halved,
-# exactly). tests/test_fsdp_example.py checks it against cupycoll's CPU route, which
+# exactly). tests/multiproc/test_fsdp_example.py checks it against cupycoll's CPU route, which
 # averages on every torch.
 GLOO_SUMS_FSDP_MEANS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11)
 

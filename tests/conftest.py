@@ -1,3 +1,8 @@
+"""What every test folder shares: tests/ on the import path, so that test modules import the
+support modules here (mp, standins, faulty, shapes, ...) by name and never one another; the
+GPU tests skipped without a GPU; and the fixtures used in more than one folder. The support
+modules import cupycoll only where it is used."""
+
 import sys
 from pathlib import Path
 
@@ -23,3 +28,58 @@ def cuda_standins(monkeypatch):
     from standins import use_cuda_standins  # imports cupycoll: only where it is used
 
     use_cuda_standins(monkeypatch.setattr)
+
+
+@pytest.fixture
+def no_device(monkeypatch):
+    """A CuPy whose ``cuda.Device`` does nothing: a Communicator (cupycoll.nccl.communicator)
+    switches to no device on CPU."""
+    from cupycoll.nccl import communicator as communicator_module
+
+    class Device:
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Cuda:
+        pass
+
+    class FakeCupy:
+        cuda = Cuda()
+
+    FakeCupy.cuda.Device = Device
+    monkeypatch.setattr(communicator_module._cuda, "cupy_module", lambda: FakeCupy)
+
+
+@pytest.fixture
+def made(monkeypatch, no_device):
+    """Communicator.begin with a RecordingLibrary (tests/faulty.py) and no device:
+    ``made(nonblocking, **lib)``."""
+    from cupycoll.nccl import communicator as communicator_module
+    from cupycoll.nccl.communicator import Communicator
+    from faulty import RecordingLibrary
+
+    class Stream:
+        ptr = 0
+
+        def __init__(self, non_blocking=False):
+            pass
+
+        def synchronize(self):
+            pass
+
+    communicator_module._cuda.cupy_module().cuda.Stream = Stream
+    monkeypatch.setattr(Communicator, "preflight", staticmethod(lambda *args: None))
+
+    def make(nonblocking=False, **kwargs):
+        library = RecordingLibrary(**kwargs)
+        monkeypatch.setattr(communicator_module, "_library", lambda path=None: library)
+        comm = Communicator.begin(b"\1" * 128, 0, 3, 0, nonblocking=nonblocking, timeout=60.0)
+        comm.wait_ready()  # a nonblocking one's creation settles (the library answers ncclSuccess)
+        return comm
+    return make

@@ -5,7 +5,10 @@ inner gloo group; CPU tensors take the CUDA route, after the real type and mixin
 and one backend seam: :class:`CpuAsCudaBackend`, the real CudaBackend for which every tensor
 counts as being on ``cuda:0``. What happens after that (queueing, enqueue, faults) is the
 real code unless a test's subclass of the backend replaces it. The GPU tier runs the same
-paths for real.
+paths for real. Three such groups, shared by several test modules, stop short of NCCL:
+:class:`QueueGroup` records each batch the call queue issues, :class:`IssuingGroup` puts
+each batch in flight on an event the test fires, and :func:`logic_group` launches each call
+at once on a communicator that records the NCCL calls (the real device checks kept).
 
 Also the CUDA objects of the issue path as stand-ins: :class:`FakeEvent`,
 :class:`RecordedEvent`, :class:`FakeStream`; :func:`use_cuda_standins`, which puts them in
@@ -16,6 +19,7 @@ place of torch.cuda's (conftest.py's ``cuda_standins`` fixture, ``tools/call_pat
 from __future__ import annotations
 
 import contextlib
+import datetime
 import threading
 
 import torch
@@ -23,6 +27,7 @@ import torch
 from cupycoll import _cuda, compat
 from cupycoll.backend import CudaBackend
 from cupycoll.errors import CupycollValueError
+from cupycoll.faults.watchdog import InFlight
 from cupycoll.process_group import ProcessGroupCupycoll
 
 CUDA = torch.device("cuda", 0)
@@ -116,3 +121,111 @@ def use_cuda_standins(setattr, event=RecordedEvent) -> None:
     setattr(_cuda, "new_event", event)
     setattr(_cuda, "capturing", lambda stream: False)
     setattr(compat, "current_raw_stream", lambda device_index: FakeStream.cuda_stream)
+
+
+# -- groups whose backend stops short of NCCL ----------------------------------------------
+
+
+class QueueBackend(CpuAsCudaBackend):
+    """_enqueue records each batch (its Works' op names) as one NCCL group would issue it,
+    and marks the Works issued; nothing is in flight."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches = []
+
+    def _enqueue(self, issues):
+        self.batches.append([i.work.op_name for i in issues])
+        for issue in issues:
+            issue.work._issued(None, 0, True)
+
+
+class QueueGroup(CpuAsCudaGroup):
+    backend_class = QueueBackend
+
+    @property
+    def batches(self):
+        return self._cuda.batches
+
+
+class IssuingBackend(CpuAsCudaBackend):
+    """_enqueue puts the batch in flight on a stand-in event (fired by the test: the kernel
+    ended); ``before_tracking`` runs first, as another thread may meanwhile."""
+
+    event = None
+    before_tracking = None
+
+    def _enqueue(self, issues):
+        if self.before_tracking is not None:
+            self.before_tracking()
+        self.event = FakeEvent()
+        self.watch._free.append(InFlight(self.event))
+        slot = self.watch.issued(0, None, [issue.keepalive for issue in issues])
+        for issue in issues:
+            issue.work._issued(slot, 0, True)
+            issue.tracked = True
+
+
+class IssuingGroup(CpuAsCudaGroup):
+    backend_class = IssuingBackend
+
+
+class RecordingComm:
+    """A communicator that records each NCCL call made on it (its stream left out)."""
+
+    def __init__(self):
+        self.calls = []
+        self.size = 2
+        self.rank = 0
+        self.state = "ok"  # healthy: a PREMUL_SUM launch destroys its op
+
+    def __getattr__(self, verb):
+        if verb == "destroy_op":
+            return lambda op: self.calls.append((verb, op))
+        if verb in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv"):
+            # the last argument is the stream
+            return lambda *args: self.calls.append((verb, *args[:-1]))
+        if verb == "create_premul_sum":
+            return lambda scalar, dtype, on_device: (self.calls.append((verb, scalar, dtype, on_device)), 99)[1]
+        raise AttributeError(verb)
+
+    def group(self):
+        # an NCCL group through the communicator: no library is looked up, nothing recorded
+        return contextlib.nullcontext()
+
+
+class RecordingBackend(CudaBackend):
+    """The real device checks (a CPU tensor is on cpu); each submitted call is launched at
+    once on a recording communicator instead of being issued."""
+
+    def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
+               peer=None, blocking_wait=False, algorithm=None, prepare=None, entry=None):
+        comm = RecordingComm()
+        self.phase = "prepare"
+        if prepare is not None:  # before the NCCL group, as _launch_all runs it
+            prepare(comm)
+        self.prepared.append((op_name, list(comm.calls)))
+        self.phase = "launch"
+        if peer is None:
+            launch(comm, 1234)
+        else:
+            launch(comm, 1234, peer)
+        if finish is not None:
+            finish()
+        self.submitted.append((op_name, comm.calls))
+        return comm.calls
+
+
+class LogicGroup(CpuAsCudaGroup):
+    """CPU tensors take the NCCL path; nothing reaches NCCL or gloo."""
+
+    backend_class = RecordingBackend
+
+
+def logic_group() -> LogicGroup:
+    """Rank 0 of 2 on a :class:`LogicGroup`: ``group.submitted`` lists each call's
+    (op name, NCCL calls), ``group._cuda.prepared`` what its prepare step called."""
+    group = LogicGroup(None, 0, 2, datetime.timedelta(seconds=5))
+    group.submitted = group._cuda.submitted = []
+    group._cuda.prepared = []
+    return group

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp as R
 
 import cupycoll
 from cupycoll import _args, algorithms, config
 from cupycoll.errors import CupycollValueError
 from cupycoll.trace.recorder import E_ROUTE
-from standins import CUDA
-from test_backend import GroupComm
-from test_collectives import ar_opts, group, t  # noqa: F401 - a fixture
-from test_faults import make_group
+from faulty import GroupComm, make_group
+from standins import CUDA, logic_group
 
 
 class ReversingRunner:
@@ -40,6 +39,22 @@ class ReversingRunner:
 def _only_float32(dtype, op):
     if dtype != "float32":
         raise CupycollValueError(f"the reversing algorithm has no {dtype} {op}")
+
+
+@pytest.fixture
+def group():
+    """A group whose calls launch at once on a communicator that records the NCCL calls."""
+    return logic_group()
+
+
+def t(*shape, dtype=torch.float32):
+    return torch.ones(*shape, dtype=dtype)
+
+
+def ar_opts(op):
+    options = dist.AllreduceOptions()
+    options.reduceOp = R(op)
+    return options
 
 
 @pytest.fixture

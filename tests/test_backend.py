@@ -3,11 +3,10 @@ of it may run on the GPU faults the group (its Works keep their tensors until th
 one that fails before its first launch makes no NCCL call; which communicator a
 point-to-point call uses, the same on every rank; and the device the watchdog queries on.
 Issuing itself, queued and coalesced, is tests/test_call_queue.py's; faults and aborts
-through the backend are tests/test_faults.py's."""
+through the backend are tests/faults/test_faults.py's."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 
 import pytest
@@ -16,31 +15,10 @@ from torch._C import _distributed_c10d as c10d
 
 from cupycoll import config
 from cupycoll.errors import CommunicatorAbortedError, CupycollError
-from standins import CUDA, CpuAsCudaBackend
-from test_call_queue import QueueGroup
-from test_faults import FakeComm, make_group
+from faulty import FakeComm, GroupComm, make_group
+from standins import CUDA, CpuAsCudaBackend, QueueGroup
 
 # -- a batch that fails once part of it may run, or before its first launch ---------------
-
-
-class GroupComm(FakeComm):
-    """A communicator stand-in whose NCCL group records its launches; the backend's abort
-    sees whether the Works still held their tensors (the kernels may run until then)."""
-
-    rank = stream = 0
-
-    def __init__(self, works=()):
-        super().__init__()
-        self.launched, self.works, self.kept_at_abort = [], list(works), None
-
-    @contextlib.contextmanager
-    def group(self):
-        yield
-        self.launched.append("ncclGroupEnd")
-
-    def abort(self, on_behalf_of=None):
-        self.kept_at_abort = [w._slot is not None and w._slot.keepalive is not None for w in self.works]
-        super().abort()
 
 
 def p2p_backend():

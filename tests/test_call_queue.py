@@ -20,27 +20,8 @@ from cupycoll.nccl.bootstrap import StoreBootstrap
 from cupycoll.call_queue import Issue
 from cupycoll.errors import CommunicatorAbortedError, CupycollError, CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
-from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup
-from test_faults import make_group
-
-
-class QueueBackend(CpuAsCudaBackend):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batches = []
-
-    def _enqueue(self, issues):
-        self.batches.append([i.work.op_name for i in issues])
-        for issue in issues:
-            issue.work._issued(None, 0, True)
-
-
-class QueueGroup(CpuAsCudaGroup):
-    backend_class = QueueBackend
-
-    @property
-    def batches(self):
-        return self._cuda.batches
+from faulty import make_group
+from standins import CUDA, QueueBackend, QueueGroup
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ recording communicator stands in for NCCL (the GPU tier runs the same calls for 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import sys
@@ -20,72 +19,18 @@ from torch._C import _distributed_c10d as c10d
 import cupycoll
 from cupycoll import _args, _cuda, collectives
 from cupycoll.nccl import bindings as nb
-from cupycoll.backend import CudaBackend
 from cupycoll.errors import (CommunicatorAbortedError, CupycollError, CupycollTypeError,
                              CupycollValueError, MissingDependencyError, NcclError, NoCudaDeviceError)
 from cupycoll.process_group import ProcessGroupCupycoll
-from standins import CpuAsCudaGroup
+from standins import LogicGroup, RecordingBackend, logic_group
 
 R = dist.ReduceOp
-
-
-class RecordingComm:
-    def __init__(self):
-        self.calls = []
-        self.size = 2
-        self.rank = 0
-        self.state = "ok"  # healthy: a PREMUL_SUM launch destroys its op
-
-    def __getattr__(self, verb):
-        if verb == "destroy_op":
-            return lambda op: self.calls.append((verb, op))
-        if verb in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv"):
-            # the last argument is the stream
-            return lambda *args: self.calls.append((verb, *args[:-1]))
-        if verb == "create_premul_sum":
-            return lambda scalar, dtype, on_device: (self.calls.append((verb, scalar, dtype, on_device)), 99)[1]
-        raise AttributeError(verb)
-
-    def group(self):
-        # an NCCL group through the communicator: no library is looked up, nothing recorded
-        return contextlib.nullcontext()
-
-
-class RecordingBackend(CudaBackend):
-    """The real device checks (a CPU tensor is on cpu); each submitted call is launched at
-    once on a recording communicator instead of being issued."""
-
-    def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-               peer=None, blocking_wait=False, algorithm=None, prepare=None, entry=None):
-        comm = RecordingComm()
-        self.phase = "prepare"
-        if prepare is not None:  # before the NCCL group, as _launch_all runs it
-            prepare(comm)
-        self.prepared.append((op_name, list(comm.calls)))
-        self.phase = "launch"
-        if peer is None:
-            launch(comm, 1234)
-        else:
-            launch(comm, 1234, peer)
-        if finish is not None:
-            finish()
-        self.submitted.append((op_name, comm.calls))
-        return comm.calls
-
-
-class LogicGroup(CpuAsCudaGroup):
-    """CPU tensors take the NCCL path; nothing reaches NCCL or gloo."""
-
-    backend_class = RecordingBackend
 
 
 @pytest.fixture
 def group(monkeypatch):
     monkeypatch.setattr(_args, "fp8_supported", lambda: True)  # asked for fp8 tensors only
-    g = LogicGroup(None, 0, 2, datetime.timedelta(seconds=5))
-    g.submitted = g._cuda.submitted = []
-    g._cuda.prepared = []
-    return g
+    return logic_group()
 
 
 def t(*shape, dtype=torch.float32):

@@ -626,7 +626,7 @@ def test_the_package_index_page_has_license_classifiers_keywords_authors_and_url
 
 def test_readme_links_name_files_of_the_checkout_relative_to_it():
     # Read in the checkout (or its repository's page), the README links to the docs beside it;
-    # tests/test_docs.py checks that each such file exists.
+    # tests/tooling/test_docs.py checks that each such file exists.
     text = (CHECKOUT / "README.md").read_text(encoding="utf-8")
     links = re.findall(r"\]\(([^)\s]+)\)", text)
     assert "docs/design.md" in links

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from cupycoll import compat
 from cupycoll.errors import CupycollTypeError, CupycollValueError
-from test_call_queue import QueueBackend
+from standins import QueueBackend
 
 pytestmark = pytest.mark.skipif(
     not compat.PY_BACKEND, reason=f"torch {torch.__version__} has no PyBackend trampoline (2.14 added it)")

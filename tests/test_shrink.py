@@ -4,7 +4,7 @@ the CUDA half takes the survivors' communicator from the parent's (ncclCommShrin
 parent's Works failed first) or makes it anew when a survivor's is gone.
 
 The multi-process tests run the CPU route (3 ranks, the last one leaves); the CUDA half's
-logic runs here on a scripted NCCL (tests/test_communicator.py's); the GPU tier runs it on
+logic runs here on a scripted NCCL (tests/nccl/test_communicator.py's); the GPU tier runs it on
 NCCL itself.
 """
 
@@ -27,8 +27,6 @@ from cupycoll.errors import CommunicatorAbortedError
 from cupycoll.faults.lifecycle import GroupState
 from mp import run_ranks
 from shapes import TORCHS_GLOO, backend_shape, cupycoll_group_type
-from test_communicator import made  # noqa: F401 - a fixture
-from test_faults import no_device  # noqa: F401 - a fixture
 
 def _run(tmp_path, backend, scenario, env=None):
     out = tmp_path / scenario
@@ -152,7 +150,7 @@ def test_shrink_from_takes_the_communicator_from_a_healthy_parent(made, monkeypa
     events = comm._lib.calls
     parent = _parent_with(comm)
     if in_flight:  # a Work in flight on the parent: its kernel has not finished
-        from test_faults import issued_work
+        from faulty import issued_work
 
         work, _ = issued_work(parent.watch)
         shrink_call = comm._lib.ncclCommShrink

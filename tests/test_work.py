@@ -1,7 +1,7 @@
 """A CUDA call's Work (cupycoll.work) that was never issued: its error keeps the class
 (and an NCCL error its status) of what stopped the batch, each Work gets an error of its
 own, and a foreign error becomes a CupycollError. The Work's states under the watchdog are
-tests/test_faults.py's and tests/test_watchdog.py's; the CPU route's Works,
+tests/faults/test_faults.py's and tests/faults/test_watchdog.py's; the CPU route's Works,
 tests/test_work_surface.py's."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and recv (a fixed source and any source), and a recv not finished yet; then cupy
 rules for a collective that timed out and one its group closed under. Two ranks in
 processes, one launch per backend and shape (tests/workers/work_surface_worker.py); the
 CUDA route's Works are tests/test_work_answers.py's and, under the watchdog,
-tests/test_faults.py's and tests/test_watchdog.py's.
+tests/faults/test_faults.py's and tests/faults/test_watchdog.py's.
 
 In the Backend shape (torch 2.14+, ``CUPYCOLL_SHAPE=backend``) the caller holds torch's
 wrapper of cupycoll's Work, which passes on ``wait()`` and ``get_future()`` alone and answers

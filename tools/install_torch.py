@@ -7,7 +7,7 @@ torch's CPU wheel index on a machine without nvidia-smi, is first asked once, fo
 PROBE_TIMEOUT_S: pip handed an index it cannot reach retries every request to it for
 minutes, then goes on without it and takes PyPI's newest torch, a CUDA build no CI leg
 runs. So an index that does not answer is left out, and TORCH_SPEC's default becomes
-``torch==FALLBACK_TORCH``, the torch of CI leg FALLBACK_LEG (tests/test_ci_matrix.py checks
+``torch==FALLBACK_TORCH``, the torch of CI leg FALLBACK_LEG (tests/tooling/test_ci_matrix.py checks
 that the two agree).
 
     python tools/install_torch.py --spec SPEC --index URL [--spec-is-default]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout's bench/ package, also under a bare `pytest`
 
 from bench import catalog, cli, launch, sizes  # noqa: E402

@@ -13,7 +13,7 @@ from import_graph import circles, imports
 
 pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def test_no_bench_module_imports_one_that_imports_it_back():

@@ -16,12 +16,10 @@ from torch._C import _distributed_c10d as c10d
 
 import cupycoll
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError
-from cupycoll.faults.watchdog import InFlight
-from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup, FakeEvent
 from cupycoll import bounds
 from cupycoll.faults.watchdog import Finding
-from test_faults import FakeComm, eventually, issued_work, make_group
-from test_watchdog import run_script, stuck_work
+from faulty import FakeComm, eventually, issued_work, make_group, run_script, stuck_work
+from standins import CUDA, IssuingGroup
 
 
 # -- a Work issued while an abort runs fails ----------------------------------------------
@@ -59,28 +57,6 @@ def test_a_work_tracked_during_the_abort_fails_and_keeps_its_tensors_until_it_re
     error, kept = comm.seen
     assert isinstance(error, CommunicatorAbortedError) and kept  # the kernel may still run
     assert comm.work._slot.keepalive is None and not group._cuda.watch.in_flight()
-
-
-class IssuingBackend(CpuAsCudaBackend):
-    """_enqueue puts the batch in flight on a stand-in event (fired by the test: the kernel
-    ended); ``before_tracking`` runs first, as another thread may meanwhile."""
-
-    event = None
-    before_tracking = None
-
-    def _enqueue(self, issues):
-        if self.before_tracking is not None:
-            self.before_tracking()
-        self.event = FakeEvent()
-        self.watch._free.append(InFlight(self.event))
-        slot = self.watch.issued(0, None, [issue.keepalive for issue in issues])
-        for issue in issues:
-            issue.work._issued(slot, 0, True)
-            issue.tracked = True
-
-
-class IssuingGroup(CpuAsCudaGroup):
-    backend_class = IssuingBackend
 
 
 def test_the_covering_work_of_a_block_closed_during_an_abort_fails():
@@ -217,8 +193,7 @@ _FORK_SCRIPT = """
     from cupycoll.faults import lifecycle
     from cupycoll.trace import recorder
     from standins import CpuAsCudaGroup
-    from test_faults import FakeComm
-    from test_watchdog import stuck_work
+    from faulty import FakeComm, stuck_work
 
     class Comm(FakeComm):
         def __init__(self, who):

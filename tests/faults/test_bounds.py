@@ -10,7 +10,7 @@ import pytest
 
 from cupycoll import bounds
 
-FAULTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "faults.md"
+FAULTS_DOC = Path(__file__).resolve().parents[2] / "docs" / "faults.md"
 
 
 def _named_in_the_table():

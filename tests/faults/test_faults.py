@@ -1,21 +1,18 @@
-"""Faults as pure logic on CPU, driven by real threads: the watchdog and Work state machine,
-group abort (from another thread, during init), timeouts of communicator creation, and the
-nonblocking polling loop. Stand-ins replace CUDA events and NCCL communicators; the GPU tier
-(tests/gpu/test_gpu_faults.py) proves the same behaviour with real ones."""
+"""Faults as pure logic on CPU, driven by real threads: the watch and Work state machine
+(cupycoll.faults.watchdog), a group's fault and abort (from another thread, during init,
+from a signal handler; cupycoll.faults.lifecycle), a communicator's fault reaching its group,
+and calls stuck inside NCCL. Stand-ins (tests/faulty.py) replace CUDA events and NCCL
+communicators; the GPU tier (tests/gpu/test_gpu_faults.py) proves the same behaviour with
+real ones. The communicator's own polling loop and NCCL groups are
+tests/nccl/test_communicator.py's; the store bootstrap's timeouts,
+tests/nccl/test_bootstrap.py's."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
-import subprocess
-import sys
-import textwrap
 import threading
 import time
-import types
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,133 +20,16 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 import cupycoll
-from cupycoll.nccl import bootstrap as bootstrap_module
-from cupycoll.nccl import communicator as communicator_module
 from cupycoll import config
 from cupycoll.nccl import bindings as nb
 from cupycoll.backend import CudaBackend
-from cupycoll.nccl.bootstrap import StoreBootstrap
 from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
-from cupycoll.backend import describe_batch
-from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Finding, InFlight, Watch, Watchdog
-from cupycoll.nccl.communicator import Communicators
+from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog
 from cupycoll.work import CudaWork
-from standins import CUDA, CpuAsCudaGroup, FakeEvent
-
-
-class CountedEvent(FakeEvent):
-    """An event whose ``done`` the test sets, counting its queries."""
-
-    def __init__(self, done=True):
-        super().__init__()
-        self.done, self.queries = done, 0
-
-    def query(self):
-        self.queries += 1
-        return self.done
-
-
-class FakeComm:
-    """A communicator stand-in with what a group's watch and lifetime ask of one."""
-
-    nonblocking = False
-    stream = rank = 0
-
-    def __init__(self):
-        self.aborted = threading.Event()
-        self.abort_done = threading.Event()
-        self.error = None
-        self.stuck = None  # (NCCL function, seconds) of a call stuck inside NCCL
-        self.fences = 0
-        self.state = "ok"
-
-    def async_error(self):
-        return self.error
-
-    def stuck_call(self, after_s, now=None, child=None):
-        if child is not None or self.ended:  # its abort ended any call inside it
-            return None
-        return self.stuck if self.stuck is not None and self.stuck[1] > after_s else None
-
-    @property
-    def ended(self):
-        return self.state in ("aborted", "shut down")
-
-    def abort_deferred(self):
-        return False
-
-    def blocked(self, after_s=None):
-        return False
-
-    def abort(self, on_behalf_of=None):
-        self.state = "aborted"
-        self.aborted.set()
-        self.abort_done.set()
-
-    def shutdown(self, timeout=None):
-        self.state = "shut down"
-        self.abort_done.set()
-
-
-def holding(*comms):
-    """A group's Communicators holding ``comms`` as pair communicators (peers 1, 2, ...)."""
-    held = Communicators()
-    held.pairs = {peer: comm for peer, comm in enumerate(comms, start=1)}
-    return held
-
-
-def recorder_entry(seq=1, op="all_reduce", shapes=((4,),), dtypes=(torch.float32,)):
-    """A flight-recorder entry as the group records a call (cupycoll.trace.recorder)."""
-    now = time.monotonic()
-    return [seq, False, op, tuple(torch.Size(s) for s in shapes), tuple(dtypes), None, "nccl", "issued",
-            now, now, None]
-
-
-def make_watch(name="g", timeout=5.0, comms=None):
-    """A group's watch as the backend makes it: batches named by their recorder entries."""
-    return Watch(name, timeout, comms, describe=describe_batch)
-
-
-def issued_work(watch, seq=1, shape=(4,), op="all_reduce", keepalive=None, event=None, stream=0):
-    """A call issued as one batch in flight in ``watch`` on ``stream``, its event a stand-in
-    the test fires: (its Work, the event). ``keepalive``: what it holds for the GPU (default:
-    its tensor, as an asynchronous call)."""
-    tensor = torch.ones(*shape)
-    event = event if event is not None else FakeEvent()
-    spare = InFlight(event)
-    watch._free.append(spare)
-    slot = watch.issued(stream, recorder_entry(seq, op, (shape,)), tensor if keepalive is None else keepalive)
-    assert slot is spare
-    work = CudaWork(op, CUDA, [tensor], watch, seq=seq)
-    work._issued(slot, stream, True)
-    return work, event
-
-
-def poll(watch, now=None):
-    """One pass of ``watch``, and what its group's lifetime does with a finding before the
-    abort: the watch closes with the fault (every batch in flight failed). The fault, or None."""
-    finding = watch.check(now)
-    if finding is None:
-        return None
-    watch.close(finding.fault)
-    return finding.fault
-
-
-def fault_group(group, fault, batch=None, stuck=None, timeout=10.0):
-    """``fault`` found in ``group`` (as the watchdog finds one): claimed, explained and ended
-    on the fault thread; returns once the end is done."""
-    assert group._cuda.life.claim(Finding(fault, batch, stuck))
-    assert group._cuda.life.ended.wait(timeout)
-
-
-def eventually(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return predicate()
+from faulty import (CountedEvent, FakeComm, Polled, ScriptedLibrary, eventually, fault_group, grouping_comm,
+                    holding, issued_work, make_group, make_watch, poll, polling_comm, run_script)
+from standins import CUDA, CpuAsCudaGroup
 
 
 # -- the watch: one group's calls in flight ---------------------------------------------
@@ -247,23 +127,6 @@ def test_a_call_inside_nccl_past_the_timeout_is_a_timeout_fault_naming_the_call(
                                "waits there for every rank), or the GPU's launch queue is full behind a stuck kernel)")
 
 
-class Polled:
-    """What the watchdog thread polls (a lifetime's face): a watch whose first finding is kept."""
-
-    policy = "raise"
-
-    def __init__(self, watch, interval=0.01):
-        self.watch, self.interval, self.name = watch, interval, watch.name
-        self.found = threading.Event()
-        self.fault = None
-
-    def poll(self, now):
-        if self.fault is None:
-            self.fault = poll(self.watch, now)
-            if self.fault is not None:
-                self.found.set()
-
-
 def test_the_watchdog_thread_finds_a_stuck_work_and_then_exits():
     watchdog = Watchdog()
     watch = make_watch(timeout=0.1)
@@ -291,14 +154,12 @@ def test_watchdog_threads_do_not_accumulate():
     assert eventually(lambda: threading.active_count() <= before)
 
 
-def test_terminate_policy_ends_the_process(tmp_path):
-    script = textwrap.dedent(f"""
-        import sys, time
-        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+def test_terminate_policy_ends_the_process():
+    result = run_script("""
+        import datetime, time
         import standins
-        from test_faults import FakeComm, issued_work, make_group
+        from faulty import FakeComm, issued_work
         from cupycoll import config
-        import datetime
         group = standins.CpuAsCudaGroup(None, 0, 2, datetime.timedelta(seconds=0.05),
                                         config.Options(on_timeout="terminate", watchdog_interval=0.01))
         group._cuda.comm = FakeComm()
@@ -307,18 +168,12 @@ def test_terminate_policy_ends_the_process(tmp_path):
         time.sleep(10)
         print("still alive")
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == TERMINATE_EXIT_CODE, result.stderr
     assert "terminating the process" in result.stderr and "all_reduce #3" in result.stderr
     assert "still alive" not in result.stdout
 
 
-# -- the group: fault, abort, init timeouts -------------------------------------------
-
-
-def make_group(rank=0, size=2, timeout=5.0, store=None):
-    return CpuAsCudaGroup(store if store is not None else dist.HashStore(), rank, size,
-                          datetime.timedelta(seconds=timeout))
+# -- the group: fault, abort, abort during init ---------------------------------------
 
 
 def make_backend(rank=0, size=2, timeout=5.0, store=None):
@@ -326,10 +181,6 @@ def make_backend(rank=0, size=2, timeout=5.0, store=None):
     settings = config.resolve(None, datetime.timedelta(seconds=timeout))
     return CudaBackend(store if store is not None else dist.HashStore(), rank, size, settings,
                        name=lambda: "bootstrap")
-
-
-def make_bootstrap(rank=0, timeout=5.0, store=None):
-    return StoreBootstrap(store if store is not None else dist.HashStore(), rank, timeout)
 
 
 def test_a_fault_aborts_the_communicators_and_every_later_call_raises():
@@ -368,35 +219,6 @@ def test_abort_all_reaches_every_live_group():
     assert cupycoll.abort_all() >= 2
     assert all(c.aborted.is_set() for c in comms)
     assert all(g._cuda.state == "aborted" for g in groups)
-
-
-def test_a_rank_that_never_sends_the_unique_id_times_out():
-    bootstrap = make_bootstrap(rank=1, timeout=0.3)
-    start = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError, match="ncclUniqueId of 'comm'"):
-        bootstrap.unique_id("comm", creator=False, members=2)
-    assert time.monotonic() - start < 3
-
-
-def test_a_rank_that_never_joins_makes_creation_time_out(monkeypatch):
-    monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\1" * 128)
-    bootstrap = make_bootstrap(rank=0, timeout=0.3)
-    with pytest.raises(CollectiveTimeoutError, match=r"all 3 ranks to join .* \(1 arrived\)"):
-        bootstrap.unique_id("comm", creator=True, members=3)
-
-
-def test_ranks_that_all_join_get_the_same_unique_id(monkeypatch):
-    monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\7" * 128)
-    store = dist.HashStore()
-    bootstraps = {r: make_bootstrap(rank=r, store=store) for r in range(3)}
-    results = {}
-    threads = [threading.Thread(target=lambda r=r, b=b: results.setdefault(
-        r, b.unique_id("comm", r == 0, 3))) for r, b in bootstraps.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert results == {0: b"\7" * 128, 1: b"\7" * 128, 2: b"\7" * 128}
 
 
 def test_abort_ends_a_wait_for_peers_during_init():
@@ -444,160 +266,6 @@ def test_abort_reaches_a_communicator_still_connecting(monkeypatch):
     thread.join(5)
     assert pending.aborted.is_set() and isinstance(errors[0], CommunicatorAbortedError)
     assert group._cuda.comms.pending == []
-
-
-# -- nonblocking polling (the communicator's loop, with a scripted NCCL) -----------------
-
-
-class ScriptedLibrary:
-    """ncclCommGetAsyncError answers from a script; abort is recorded."""
-
-    def __init__(self, states):
-        self.states = list(states)
-        self.aborts = 0
-
-    def ncclCommGetAsyncError(self, comm, status_ref):
-        status = self.states.pop(0) if len(self.states) > 1 else self.states[0]
-        ctypes.cast(status_ref, ctypes.POINTER(ctypes.c_int)).contents.value = status
-        return 0
-
-    def ncclCommAbort(self, comm):
-        self.aborts += 1
-        return 0
-
-    def error_string(self, status):
-        return "remote process exited"
-
-    def last_error(self):
-        return "socket closed"
-
-
-def polling_comm(states, timeout=5.0):
-    comm = Communicator.__new__(Communicator)
-    comm._handle = 1234
-    comm.nonblocking = True
-    comm._lib = ScriptedLibrary(states)
-    comm.device, comm.rank, comm.size = 0, 0, 2
-    comm.timeout = timeout
-    comm.state = "ok"
-    comm._init_guard()
-    return comm
-
-
-@pytest.fixture
-def no_device(monkeypatch):
-    class Device:
-        def __init__(self, index):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    class Cuda:
-        pass
-
-    class FakeCupy:
-        cuda = Cuda()
-
-    FakeCupy.cuda.Device = Device
-    monkeypatch.setattr(communicator_module._cuda, "cupy_module", lambda: FakeCupy)
-
-
-def test_in_progress_is_polled_until_success():
-    comm = polling_comm([nb.ncclInProgress] * 5 + [nb.ncclSuccess])
-    comm._poll("ncclAllReduce")
-    assert comm._lib.states == [nb.ncclSuccess] and comm.state == "ok"
-
-
-def test_an_error_while_polling_raises_with_the_function_and_aborts(no_device):
-    comm = polling_comm([nb.ncclInProgress, 6])
-    with pytest.raises(NcclError, match="ncclAllReduce failed: ncclRemoteError") as info:
-        comm._poll("ncclAllReduce")
-    assert info.value.last_error == "socket closed" and comm._lib.aborts == 1 and comm.state == "aborted"
-
-
-def test_polling_past_the_timeout_aborts(no_device):
-    comm = polling_comm([nb.ncclInProgress], timeout=0.1)
-    start = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError, match="ncclCommInitRankConfig .* within 0.1 s"):
-        comm._poll("ncclCommInitRankConfig")
-    assert time.monotonic() - start < 2 and comm._lib.aborts == 1 and comm.state == "aborted"
-
-
-def test_abort_from_another_thread_ends_polling(no_device):
-    comm = polling_comm([nb.ncclInProgress], timeout=60)
-    errors = []
-    thread = threading.Thread(target=lambda: errors.append(pytest.raises(
-        CommunicatorAbortedError, comm._poll, "ncclCommInitRankConfig")))
-    thread.start()
-    time.sleep(0.1)
-    start = time.monotonic()
-    assert comm.abort() == 0
-    thread.join(5)
-    assert not thread.is_alive() and time.monotonic() - start < 2 and errors
-    assert comm.abort() is None  # idempotent: nothing left to abort
-
-
-def test_calls_inside_a_group_are_polled_when_the_outermost_group_ends(monkeypatch):
-    events = []
-
-    class GroupLibrary:
-        def ncclGroupStart(self):
-            events.append("start")
-            return 0
-
-        def ncclGroupEnd(self):
-            events.append("end")
-            return nb.ncclInProgress
-
-    first, second = polling_comm([nb.ncclSuccess]), polling_comm([nb.ncclSuccess])
-    for comm in (first, second):
-        comm._lib = GroupLibrary()
-        comm._poll = lambda function, timeout=None, comm=comm: events.append(("poll", comm, function))
-    with first.group():
-        first._settle("ncclSend", nb.ncclSuccess)
-        with second.group():
-            second._settle("ncclRecv", nb.ncclSuccess)
-            first._settle("ncclRecv", nb.ncclSuccess)
-        assert events == ["start", "start", "end"]  # the inner end settles nothing
-    assert events == ["start", "start", "end", "end",
-                      ("poll", first, "ncclGroupEnd"), ("poll", second, "ncclGroupEnd")]
-    # outside a group, a call that returned ncclInProgress is polled at once
-    first._settle("ncclAllReduce", nb.ncclInProgress)
-    assert events[-1] == ("poll", first, "ncclAllReduce")
-
-
-def test_an_nccl_group_never_looks_the_library_up_again(monkeypatch):
-    # A group is ncclGroupStart/End of the library the communicator already holds: finding
-    # the library again (mapped libraries, the pip package, dlopen) costs ~200 us per group.
-    pytest.importorskip("cupy.cuda.nccl")
-
-    class Stream:
-        ptr = 0
-
-        def __init__(self, non_blocking=False):
-            pass
-
-    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(),
-                                                            Stream=Stream))
-    monkeypatch.setattr(communicator_module._cuda, "cupy_module", lambda: cupy)
-    comm = Communicator(0, 0, 1, handle=0, timeout=60.0)  # no NCCL comm is touched
-    lookups = []
-
-    def find_library(path=None):
-        lookups.append(path)
-        raise AssertionError("the NCCL library was looked up again")
-
-    monkeypatch.setattr(nb, "find_library", find_library)
-    for _ in range(3):
-        with comm.group():  # ncclGroupStart/End need no GPU
-            with comm.group():
-                pass
-    assert lookups == []
-    assert nb.load(None) is comm._lib  # a path asked for before is not resolved again
 
 
 # -- communicator faults reach the group ---------------------------------------------
@@ -664,53 +332,6 @@ def test_a_communicator_that_aborts_itself_fails_the_works_before_ncclcommabort(
     assert not work.is_success()
 
 
-def grouping_comm(at_group_end=None):
-    """A communicator whose library records ``ncclGroupStart``/``End`` and ``ncclCommAbort``
-    in order; (communicator, the list they are recorded in). ``at_group_end()`` runs inside
-    ``ncclGroupEnd``, before it is recorded."""
-    events = []
-
-    class GroupLibrary(ScriptedLibrary):
-        def ncclGroupStart(self):
-            events.append("start")
-            return 0
-
-        def ncclGroupEnd(self):
-            if at_group_end is not None:
-                at_group_end()
-            events.append("end")
-            return 0
-
-        def ncclCommAbort(self, comm):
-            events.append("abort")
-            return 0
-
-    comm = polling_comm([nb.ncclSuccess])
-    comm._lib = GroupLibrary([nb.ncclSuccess])
-    return comm, events
-
-
-def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device):
-    # ncclGroupEnd launches the calls enqueued before the error, a batch the peers' full
-    # one no longer matches: the communicator must be aborted and its owner told.
-    told = []
-    comm, events = grouping_comm()
-    comm.on_abort = told.append
-    staging = torch.ones(4)
-    with pytest.raises(MemoryError):
-        with comm.group():
-            comm._settle("ncclSend", nb.ncclSuccess)
-            with comm.group():
-                raise MemoryError("staging")
-    assert events == ["start", "start", "end", "end", "abort"]
-    assert comm.state == "aborted" and isinstance(told[0], MemoryError) and staging.sum() == 4
-    # a healthy group afterwards polls, aborts nothing
-    other, other_events = grouping_comm()
-    with other.group():
-        other._settle("ncclSend", nb.ncclSuccess)
-    assert other.state == "ok" and other_events == ["start", "end"]
-
-
 def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
     group = make_group()
     comm = polling_comm([nb.ncclSuccess])
@@ -734,55 +355,6 @@ def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
     assert group._cuda.life.ended.wait(5)
     assert comm.state == "aborted" and group._cuda.state == "aborted"
     assert isinstance(group._cuda.fault, torch.OutOfMemoryError)
-
-
-def test_calls_after_an_abort_name_the_abort(no_device):
-    # The handle is gone after an abort, and NCCL would answer ncclInvalidArgument: the
-    # call is refused first, naming the abort, in either mode.
-    class Library(ScriptedLibrary):
-        def ncclAllReduce(self, *args):
-            raise AssertionError("reached NCCL")
-    comm = polling_comm([nb.ncclSuccess])
-    comm._lib, comm.nonblocking = Library([nb.ncclSuccess]), False
-    comm.abort()
-    assert comm.state == "aborted" and comm._lib.aborts == 1
-    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
-        comm.all_reduce(1, 1, 1, 7, 0, 0)
-    group = make_group()
-    group.abort()
-    opts = c10d.BarrierOptions()
-    opts.device_ids = [0]
-    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
-        group.barrier(opts)
-
-
-def test_a_hung_abort_does_not_stall_async_error(no_device):
-    # ncclCommAbort runs outside the communicator's lock: under it, a hung abort would
-    # block the watchdog in async_error() on that lock, blinding every group it watches.
-    release = threading.Event()
-
-    class HangingAbort(ScriptedLibrary):
-        def ncclCommAbort(self, comm):
-            self.aborts += 1
-            release.wait(10)
-            return 0
-
-    comm = polling_comm([nb.ncclSuccess])
-    comm._lib = HangingAbort([nb.ncclSuccess])
-    aborter = threading.Thread(target=comm.abort, daemon=True)
-    aborter.start()
-    try:
-        assert eventually(lambda: comm._lib.aborts == 1)
-        answers = []
-        query = threading.Thread(target=lambda: answers.append(comm.async_error()), daemon=True)
-        start = time.monotonic()
-        query.start()
-        query.join(2)
-        assert not query.is_alive() and answers == [None] and time.monotonic() - start < 2
-        assert comm.abort() is None and comm.state == "aborted"  # a second abort returns at once
-    finally:
-        release.set()
-        aborter.join(5)
 
 
 def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):

@@ -3,8 +3,8 @@ the watchdog watches (none issued while a CUDA graph is captured, a coalescing b
 covering Work included; a watchdog whose thread died is started again by the next tracked
 call), and how the group ends while a fault is being diagnosed (a shutdown then aborts it at
 once, and a group torch drops meanwhile is held until its abort has run). The abort order,
-the bounded shutdown and the abort at process exit are in tests/test_watchdog.py; races
-between aborts in tests/test_abort_races.py."""
+the bounded shutdown and the abort at process exit are in tests/faults/test_watchdog.py; races
+between aborts in tests/faults/test_abort_races.py."""
 
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ from cupycoll.call_queue import Issue
 from cupycoll.errors import CollectiveTimeoutError
 from cupycoll.faults.watchdog import Finding, Watchdog
 from cupycoll.work import CudaWork
-from standins import CUDA, capture
-from test_abort_races import IssuingGroup
-from test_faults import FakeComm, eventually, issued_work, make_group
+from faulty import FakeComm, eventually, issued_work, make_group
+from standins import CUDA, IssuingGroup, capture
 
 
 def issues_of(watch, *ops, peer=None):

@@ -6,16 +6,13 @@ to a CUDA graph capture. Each test is named after the rule it pins."""
 
 from __future__ import annotations
 
-import datetime
 import gc
 import os
-import subprocess
 import sys
 import textwrap
 import threading
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,30 +22,11 @@ import cupycoll
 from cupycoll import bounds, config
 from cupycoll.faults import watchdog_cuda
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
-from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Finding, Watchdog
-from standins import FakeEvent
-from test_faults import (CountedEvent, FakeComm, Polled, eventually, fault_group, holding, issued_work,
-                         make_group, make_watch, poll)
+from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog
+from faulty import (CountedEvent, FakeComm, HangingComm, Polled, RaisingComm, RaisingEvent, eventually, fault_group,
+                    issued_work, make_group, make_watch, poll, run_script, stuck_work)
 from shapes import shell_of
-
-TESTS = str(Path(__file__).resolve().parent)
-
-
-def run_script(body: str, timeout: float = 60, prelude: str = "") -> subprocess.CompletedProcess:
-    script = f"import sys; sys.path.insert(0, {TESTS!r})\n" + textwrap.dedent(prelude) + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
-
-
-class RaisingEvent(FakeEvent):
-    """cudaEventQuery after a sticky CUDA error (an illegal address, an Xid)."""
-
-    def query(self):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-
-def stuck_work(watch, seq=1):
-    work, event = issued_work(watch, seq=seq)
-    return work
+from standins import FakeEvent
 
 
 # The scripts' group: rank 0 of 2 on CPU stand-ins, its policy and timeout as given.
@@ -56,7 +34,7 @@ _GROUP = """
     import datetime, threading, time
     import standins
     from cupycoll import bounds, config
-    from test_faults import FakeComm, issued_work
+    from faulty import FakeComm, issued_work
     def group_with(timeout, policy="raise", comm=None):
         group = standins.CpuAsCudaGroup(None, 0, 2, datetime.timedelta(seconds=timeout),
                                         config.Options(on_timeout=policy, watchdog_interval=0.01))
@@ -122,7 +100,7 @@ def test_shutdown_with_a_sticky_cuda_error_aborts_and_never_raises():
 
 def test_terminate_exits_on_a_sticky_cuda_error():
     result = run_script(prelude=_GROUP, body="""
-        from test_watchdog import RaisingEvent
+        from faulty import RaisingEvent
         group = group_with(60, "terminate")
         issued_work(group._cuda.watch, event=RaisingEvent())
         time.sleep(20); print("still alive")
@@ -132,19 +110,6 @@ def test_terminate_exits_on_a_sticky_cuda_error():
 
 
 # -- fault handling runs off the watchdog thread, bounded ---------------------------------
-
-
-class HangingComm(FakeComm):
-    """ncclCommAbort that hangs until the test lets it go."""
-
-    def __init__(self, release):
-        super().__init__()
-        self.release = release
-
-    def abort(self, on_behalf_of=None):
-        self.aborted.set()
-        self.release.wait(30)
-        super().abort()
 
 
 def test_a_hung_abort_in_one_group_does_not_blind_the_others():
@@ -165,7 +130,7 @@ def test_a_hung_abort_in_one_group_does_not_blind_the_others():
 
 def test_terminate_exits_even_when_the_abort_hangs():
     result = run_script(prelude=_GROUP, body="""
-        from test_watchdog import HangingComm
+        from faulty import HangingComm
         bounds.FAULT_DEADLINE = 0.5
         group = group_with(0.05, "terminate", HangingComm(threading.Event()))
         issued_work(group._cuda.watch, seq=9)
@@ -175,16 +140,9 @@ def test_terminate_exits_even_when_the_abort_hangs():
     assert "all_reduce #9" in result.stderr and "still alive" not in result.stdout
 
 
-class BlockingQueryComm(FakeComm):
-    """The watchdog's query blocks (a communicator lock held by a hung ncclCommAbort)."""
-
-    def stuck_call(self, after_s, now=None, child=None):
-        threading.Event().wait()
-
-
 def test_a_stuck_watchdog_is_detected_by_its_heartbeat_and_terminate_exits():
     result = run_script(prelude=_GROUP, body="""
-        from test_watchdog import BlockingQueryComm
+        from faulty import BlockingQueryComm
         bounds.HEARTBEAT_TIMEOUT = 0.3
         group = group_with(60, "terminate", BlockingQueryComm())
         time.sleep(20); print("still alive")
@@ -194,12 +152,6 @@ def test_a_stuck_watchdog_is_detected_by_its_heartbeat_and_terminate_exits():
 
 
 # -- an abort that raises skips nothing ---------------------------------------------------
-
-
-class RaisingComm(FakeComm):
-    def abort(self, on_behalf_of=None):
-        super().abort()
-        raise RuntimeError("cudaErrorIllegalAddress while aborting")
 
 
 def test_a_raising_abort_still_aborts_the_other_comms_and_fails_the_works():
@@ -218,7 +170,7 @@ def test_a_raising_abort_still_aborts_the_other_comms_and_fails_the_works():
 
 def test_terminate_exits_when_the_abort_raises():
     result = run_script(prelude=_GROUP, body="""
-        from test_watchdog import RaisingComm
+        from faulty import RaisingComm
         group = group_with(0.05, "terminate", RaisingComm())
         issued_work(group._cuda.watch)
         time.sleep(20); print("still alive")

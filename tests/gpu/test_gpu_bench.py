@@ -32,9 +32,9 @@ CANDIDATES = ("cupycoll:nccl", "cupycoll:ring", "torch:nccl")
 
 BUDGET_S = GPU_TIER_BUDGETS_S["bench"]
 # The runs go one after another, so the part's budget must hold pytest's start plus the sum
-# of their limits (tests/test_gpu_tier_cpu.py checks it), not just the longest. Each bench run
-# starts 2 ranks (~10 s), initialises cupycoll and torch's nccl (~3 s), then measures over
-# sockets; each limit is ~2x what the run should take:
+# of their limits (tests/tooling/test_gpu_tier_cpu.py checks it), not just the longest. Each
+# bench run starts 2 ranks (~10 s), initialises cupycoll and torch's nccl (~3 s), then
+# measures over sockets; each limit is ~2x what the run should take:
 #   smoke      3 sizes x 7 collectives x 3 candidates, each point checked, ~25 s
 #   plot       matplotlib import and one figure, ~8 s
 #   types      2 collectives x 7 dtypes x 6 ops x 3 candidates at 64K (ring kernels compiled

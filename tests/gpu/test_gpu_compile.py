@@ -3,7 +3,7 @@ does on torch's nccl (examples/train_ddp.py --compile, two ranks under torchrun;
 ranks share one GPU through NCCL_HOSTID). Two tests: the parity, each backend in processes
 of its own (nothing one leaves behind can reach the other), and both in one process,
 cupycoll first (nothing cupycoll leaves behind breaks torch's nccl after it). The CPU
-route's compiled DDP, FSDP2 and functional collectives are tests/test_compile.py's."""
+route's compiled DDP, FSDP2 and functional collectives are tests/multiproc/test_compile.py's."""
 
 from __future__ import annotations
 

@@ -373,7 +373,7 @@ def test_init_abort_cycles_keep_gpu_memory_threads_fds_and_store_keys_flat(launc
 
 
 def test_a_hung_peer_on_cuda_is_named_by_the_watchdog(launched, capsys):
-    # The CUDA route of tests/test_hang_diagnosis.py, through the watchdog
+    # The CUDA route of tests/trace/test_hang_diagnosis.py, through the watchdog
     results, reports, logs = _launch(launched, "cuda_hang", "blocking")
     if isinstance(results, WorkersFailed):
         pytest.fail(str(results), pytrace=False)

@@ -12,7 +12,8 @@ NCCL_HOSTIDs where there are fewer GPUs than ranks:
   collective (``--lazy-init``): with a bound default group torch's ``init_device_mesh``
   makes the mesh's subgroups with ``split_group``, a path that is not what this part judges.
 
-The CPU route runs the same script against gloo on every CI leg (tests/test_fsdp_example.py).
+The CPU route runs the same script against gloo on every CI leg
+(tests/multiproc/test_fsdp_example.py).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 # covers pytest's start (PART_START_S) plus the limits of the subprocesses its tests run one
 # after another (runs started side by side count once, at the longest limit): a hang then
 # fails inside the part, with the ranks' output, before the part itself is killed
-# (tests/test_gpu_tier_cpu.py checks it against each file's SUBPROCESS_LIMITS_S).
+# (tests/tooling/test_gpu_tier_cpu.py checks it against each file's SUBPROCESS_LIMITS_S).
 #   semantics  15 + DDP parity 50, and ~10 s of tests in process: 90 leaves room for a cold start
 #   api        15 + the five suite runs together 100
 #   ring       15 + the three ring runs together 75

@@ -1,6 +1,7 @@
 """Communicator creation through the store (cupycoll.nccl.bootstrap and the backend's use of it):
-generations that stay in step across failed creations, the unique id made only once everyone
-has arrived, and local checks before the gate. CPU only; the real libnccl where it loads."""
+the unique id made only once everyone has arrived, or a wait for it that times out;
+generations that stay in step across failed creations; and local checks before the gate.
+CPU only; the real libnccl where it loads."""
 
 from __future__ import annotations
 
@@ -54,6 +55,40 @@ def run_ranks(store, ranks, members, timeout):
     for thread in threads:
         thread.join(30)
     return results
+
+
+def make_bootstrap(rank=0, timeout=5.0, store=None):
+    """One rank's bootstrap over ``store`` (a fresh HashStore by default)."""
+    return StoreBootstrap(store if store is not None else dist.HashStore(), rank, timeout)
+
+
+def test_a_rank_that_never_sends_the_unique_id_times_out():
+    bootstrap = make_bootstrap(rank=1, timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="ncclUniqueId of 'comm'"):
+        bootstrap.unique_id("comm", creator=False, members=2)
+    assert time.monotonic() - start < 3
+
+
+def test_a_rank_that_never_joins_makes_creation_time_out(monkeypatch):
+    monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\1" * 128)
+    bootstrap = make_bootstrap(rank=0, timeout=0.3)
+    with pytest.raises(CollectiveTimeoutError, match=r"all 3 ranks to join .* \(1 arrived\)"):
+        bootstrap.unique_id("comm", creator=True, members=3)
+
+
+def test_ranks_that_all_join_get_the_same_unique_id(monkeypatch):
+    monkeypatch.setattr(bootstrap_module, "new_unique_id", lambda: b"\7" * 128)
+    store = dist.HashStore()
+    bootstraps = {r: make_bootstrap(rank=r, store=store) for r in range(3)}
+    results = {}
+    threads = [threading.Thread(target=lambda r=r, b=b: results.setdefault(
+        r, b.unique_id("comm", r == 0, 3))) for r, b in bootstraps.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert results == {0: b"\7" * 128, 1: b"\7" * 128, 2: b"\7" * 128}
 
 
 @pytest.mark.parametrize("present", [[0, 1], [1, 2], [0]])

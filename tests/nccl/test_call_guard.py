@@ -18,7 +18,7 @@ from cupycoll import bounds
 from cupycoll.nccl import bindings as nb
 from cupycoll.nccl.communicator import Communicators
 from cupycoll.errors import CommunicatorAbortedError, NcclError
-from test_faults import ScriptedLibrary, grouping_comm, no_device, polling_comm  # noqa: F401 - no_device: a fixture
+from faulty import ScriptedLibrary, grouping_comm, polling_comm
 
 
 class SlowCallLibrary(ScriptedLibrary):

@@ -1,20 +1,28 @@
-"""One NCCL communicator's verbs (cupycoll.nccl.communicator) on CPU with a scripted NCCL
-library: every communicator, and every child of one (split, shrink), is made through the
-bindings in its mode; every verb goes through the call guard, so a call on an aborted
-communicator says it was aborted instead of passing NCCL a freed handle. Nonblocking polling, NCCL groups and
-the communicator's faults are tests/test_faults.py's; the guard itself is
-tests/test_call_guard.py's."""
+"""One NCCL communicator (cupycoll.nccl.communicator) on CPU with a scripted NCCL library:
+every communicator, and every child of one (split, shrink), is made through the bindings in
+its mode; every verb goes through the call guard, so a call on an aborted communicator says
+it was aborted instead of passing NCCL a freed handle; a nonblocking communicator's calls are
+polled until they settle, fail or time out, also at the end of an NCCL group; an error inside
+an NCCL group aborts the communicator; an abort never holds the lock the watchdog's query
+needs. How a communicator's fault reaches its group is tests/faults/test_faults.py's; the
+guard itself is tests/nccl/test_call_guard.py's."""
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import threading
+import time
+import types
 
 import pytest
+import torch
+from torch._C import _distributed_c10d as c10d
 
 from cupycoll.nccl import bindings as nb
+from cupycoll.nccl import communicator as communicator_module
 from cupycoll.nccl.communicator import Communicator
-from cupycoll.errors import CommunicatorAbortedError, CupycollValueError, NcclError
-from test_faults import ScriptedLibrary, no_device, polling_comm  # noqa: F401 - no_device: a fixture
+from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
+from faulty import ScriptedLibrary, eventually, grouping_comm, make_group, polling_comm
 
 
 def test_create_premul_sum_on_an_aborted_communicator_says_aborted(no_device):
@@ -33,101 +41,6 @@ def test_create_premul_sum_on_an_aborted_communicator_says_aborted(no_device):
 
 
 # -- one kind of communicator, made and ended through the bindings in both modes ----------
-
-
-class RecordingLibrary(ScriptedLibrary):
-    """An NCCL whose communicator calls are recorded: creation and children hand out new
-    handles; ncclCommCount/UserRank answer ``child_size``/``child_rank``."""
-
-    def __init__(self, shrink=True, abort_status=0, child_size=2, child_rank=1):
-        super().__init__([nb.ncclSuccess])
-        self.calls = []
-        self.configs = []
-        self.abort_status = abort_status
-        self.child_size, self.child_rank = child_size, child_rank
-        if not shrink:
-            self.ncclCommShrink = None
-
-    def _new_comm(self, ref):  # handles 0x5000, 0x5001, ... in the order made
-        self.made = getattr(self, "made", 0x4fff) + 1
-        ctypes.cast(ref, ctypes.POINTER(ctypes.c_void_p)).contents.value = self.made
-
-    def _config(self, ref):
-        self.configs.append(ctypes.cast(ref, ctypes.POINTER(nb.ncclConfig_t)).contents.blocking)
-
-    unique_id_from_bytes = staticmethod(nb.NcclLibrary.unique_id_from_bytes)
-
-    def has(self, name):
-        return getattr(self, name, None) is not None
-
-    def version(self):
-        return 22609
-
-    def ncclCommInitRankConfig(self, comm_ref, size, unique_id, rank, config_ref):
-        self.calls.append(("ncclCommInitRankConfig", size, rank))
-        self._new_comm(comm_ref)
-        self._config(config_ref)
-        return 0
-
-    def ncclCommShrink(self, comm, excluded, count, new_ref, config_ref, flags):
-        self.calls.append(("ncclCommShrink", comm, [excluded[i] for i in range(count)], flags))
-        self._new_comm(new_ref)
-        self._config(config_ref)
-        return 0
-
-    def ncclCommSplit(self, comm, color, key, new_ref, config_ref):
-        self.calls.append(("ncclCommSplit", comm, color, key))
-        self._new_comm(new_ref)
-        self._config(config_ref)
-        return 0
-
-    def ncclCommCount(self, comm, ref):
-        ctypes.cast(ref, ctypes.POINTER(ctypes.c_int)).contents.value = self.child_size
-        return 0
-
-    def ncclCommUserRank(self, comm, ref):
-        ctypes.cast(ref, ctypes.POINTER(ctypes.c_int)).contents.value = self.child_rank
-        return 0
-
-    def ncclCommAbort(self, comm):
-        self.calls.append(("ncclCommAbort", comm))
-        if self.abort_status:
-            raise NcclError(self.abort_status, "ncclCommAbort", "unhandled system error")
-        return 0
-
-    def ncclCommFinalize(self, comm):
-        self.calls.append(("ncclCommFinalize", comm))
-        return 0
-
-    def ncclCommDestroy(self, comm):
-        self.calls.append(("ncclCommDestroy", comm))
-        return 0
-
-
-@pytest.fixture
-def made(monkeypatch, no_device):
-    """Communicator.begin with a RecordingLibrary and no device: ``made(nonblocking, **lib)``."""
-    from cupycoll.nccl import communicator as communicator_module
-
-    class Stream:
-        ptr = 0
-
-        def __init__(self, non_blocking=False):
-            pass
-
-        def synchronize(self):
-            pass
-
-    communicator_module._cuda.cupy_module().cuda.Stream = Stream
-    monkeypatch.setattr(Communicator, "preflight", staticmethod(lambda *args: None))
-
-    def make(nonblocking=False, **kwargs):
-        library = RecordingLibrary(**kwargs)
-        monkeypatch.setattr(communicator_module, "_library", lambda path=None: library)
-        comm = Communicator.begin(b"\1" * 128, 0, 3, 0, nonblocking=nonblocking, timeout=60.0)
-        comm.wait_ready()  # a nonblocking one's creation settles (the library answers ncclSuccess)
-        return comm
-    return make
 
 
 @pytest.mark.parametrize("nonblocking", [False, True])
@@ -176,3 +89,169 @@ def test_shrink_of_an_aborted_communicator_says_aborted(made):
     parent.abort()
     with pytest.raises(CommunicatorAbortedError, match="ncclCommShrink: .* was aborted"):
         parent.shrink([1], True)
+
+# -- nonblocking polling (the communicator's loop), NCCL groups, aborts --------------------
+
+
+def test_in_progress_is_polled_until_success():
+    comm = polling_comm([nb.ncclInProgress] * 5 + [nb.ncclSuccess])
+    comm._poll("ncclAllReduce")
+    assert comm._lib.states == [nb.ncclSuccess] and comm.state == "ok"
+
+
+def test_an_error_while_polling_raises_with_the_function_and_aborts(no_device):
+    comm = polling_comm([nb.ncclInProgress, 6])
+    with pytest.raises(NcclError, match="ncclAllReduce failed: ncclRemoteError") as info:
+        comm._poll("ncclAllReduce")
+    assert info.value.last_error == "socket closed" and comm._lib.aborts == 1 and comm.state == "aborted"
+
+
+def test_polling_past_the_timeout_aborts(no_device):
+    comm = polling_comm([nb.ncclInProgress], timeout=0.1)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="ncclCommInitRankConfig .* within 0.1 s"):
+        comm._poll("ncclCommInitRankConfig")
+    assert time.monotonic() - start < 2 and comm._lib.aborts == 1 and comm.state == "aborted"
+
+
+def test_abort_from_another_thread_ends_polling(no_device):
+    comm = polling_comm([nb.ncclInProgress], timeout=60)
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(
+        CommunicatorAbortedError, comm._poll, "ncclCommInitRankConfig")))
+    thread.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    assert comm.abort() == 0
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - start < 2 and errors
+    assert comm.abort() is None  # idempotent: nothing left to abort
+
+
+def test_calls_inside_a_group_are_polled_when_the_outermost_group_ends(monkeypatch):
+    events = []
+
+    class GroupLibrary:
+        def ncclGroupStart(self):
+            events.append("start")
+            return 0
+
+        def ncclGroupEnd(self):
+            events.append("end")
+            return nb.ncclInProgress
+
+    first, second = polling_comm([nb.ncclSuccess]), polling_comm([nb.ncclSuccess])
+    for comm in (first, second):
+        comm._lib = GroupLibrary()
+        comm._poll = lambda function, timeout=None, comm=comm: events.append(("poll", comm, function))
+    with first.group():
+        first._settle("ncclSend", nb.ncclSuccess)
+        with second.group():
+            second._settle("ncclRecv", nb.ncclSuccess)
+            first._settle("ncclRecv", nb.ncclSuccess)
+        assert events == ["start", "start", "end"]  # the inner end settles nothing
+    assert events == ["start", "start", "end", "end",
+                      ("poll", first, "ncclGroupEnd"), ("poll", second, "ncclGroupEnd")]
+    # outside a group, a call that returned ncclInProgress is polled at once
+    first._settle("ncclAllReduce", nb.ncclInProgress)
+    assert events[-1] == ("poll", first, "ncclAllReduce")
+
+
+def test_an_nccl_group_never_looks_the_library_up_again(monkeypatch):
+    # A group is ncclGroupStart/End of the library the communicator already holds: finding
+    # the library again (mapped libraries, the pip package, dlopen) costs ~200 us per group.
+    pytest.importorskip("cupy.cuda.nccl")
+
+    class Stream:
+        ptr = 0
+
+        def __init__(self, non_blocking=False):
+            pass
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(),
+                                                            Stream=Stream))
+    monkeypatch.setattr(communicator_module._cuda, "cupy_module", lambda: cupy)
+    comm = Communicator(0, 0, 1, handle=0, timeout=60.0)  # no NCCL comm is touched
+    lookups = []
+
+    def find_library(path=None):
+        lookups.append(path)
+        raise AssertionError("the NCCL library was looked up again")
+
+    monkeypatch.setattr(nb, "find_library", find_library)
+    for _ in range(3):
+        with comm.group():  # ncclGroupStart/End need no GPU
+            with comm.group():
+                pass
+    assert lookups == []
+    assert nb.load(None) is comm._lib  # a path asked for before is not resolved again
+
+
+def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device):
+    # ncclGroupEnd launches the calls enqueued before the error, a batch the peers' full
+    # one no longer matches: the communicator must be aborted and its owner told.
+    told = []
+    comm, events = grouping_comm()
+    comm.on_abort = told.append
+    staging = torch.ones(4)
+    with pytest.raises(MemoryError):
+        with comm.group():
+            comm._settle("ncclSend", nb.ncclSuccess)
+            with comm.group():
+                raise MemoryError("staging")
+    assert events == ["start", "start", "end", "end", "abort"]
+    assert comm.state == "aborted" and isinstance(told[0], MemoryError) and staging.sum() == 4
+    # a healthy group afterwards polls, aborts nothing
+    other, other_events = grouping_comm()
+    with other.group():
+        other._settle("ncclSend", nb.ncclSuccess)
+    assert other.state == "ok" and other_events == ["start", "end"]
+
+
+def test_calls_after_an_abort_name_the_abort(no_device):
+    # The handle is gone after an abort, and NCCL would answer ncclInvalidArgument: the
+    # call is refused first, naming the abort, in either mode.
+    class Library(ScriptedLibrary):
+        def ncclAllReduce(self, *args):
+            raise AssertionError("reached NCCL")
+    comm = polling_comm([nb.ncclSuccess])
+    comm._lib, comm.nonblocking = Library([nb.ncclSuccess]), False
+    comm.abort()
+    assert comm.state == "aborted" and comm._lib.aborts == 1
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        comm.all_reduce(1, 1, 1, 7, 0, 0)
+    group = make_group()
+    group.abort()
+    opts = c10d.BarrierOptions()
+    opts.device_ids = [0]
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        group.barrier(opts)
+
+
+def test_a_hung_abort_does_not_stall_async_error(no_device):
+    # ncclCommAbort runs outside the communicator's lock: under it, a hung abort would
+    # block the watchdog in async_error() on that lock, blinding every group it watches.
+    release = threading.Event()
+
+    class HangingAbort(ScriptedLibrary):
+        def ncclCommAbort(self, comm):
+            self.aborts += 1
+            release.wait(10)
+            return 0
+
+    comm = polling_comm([nb.ncclSuccess])
+    comm._lib = HangingAbort([nb.ncclSuccess])
+    aborter = threading.Thread(target=comm.abort, daemon=True)
+    aborter.start()
+    try:
+        assert eventually(lambda: comm._lib.aborts == 1)
+        answers = []
+        query = threading.Thread(target=lambda: answers.append(comm.async_error()), daemon=True)
+        start = time.monotonic()
+        query.start()
+        query.join(2)
+        assert not query.is_alive() and answers == [None] and time.monotonic() - start < 2
+        assert comm.abort() is None and comm.state == "aborted"  # a second abort returns at once
+    finally:
+        release.set()
+        aborter.join(5)

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout's tools/ and bench/, also under a bare `pytest`
 
 from tools.call_path import Call, callers, cross_module, main, trace_calls, upward_calls  # noqa: E402

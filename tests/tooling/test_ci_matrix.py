@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LEGS = ("today", "gpu-twin", "newest", "oldest")
 COMPATIBILITY = "docs/compatibility.md"
 

@@ -38,7 +38,7 @@ from workers import api_plan, api_worker
 pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
 
 R = dist.ReduceOp
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- the harness (tests/mp.py) ---------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from import_graph import circles, imports
 
-PACKAGE = Path(__file__).resolve().parent.parent / "cupycoll"
+PACKAGE = Path(__file__).resolve().parents[2] / "cupycoll"
 
 
 def test_no_package_module_imports_one_that_imports_it_back():

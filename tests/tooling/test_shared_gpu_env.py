@@ -19,7 +19,7 @@ from mp import run_python
 
 pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("cupycoll", "bench", "tools", "examples", "tests")
 
 

@@ -22,7 +22,7 @@ from cupycoll.trace import analyze as trace
 from cupycoll.trace import recorder as rec_mod
 
 from mp import run_ranks
-from test_faults import eventually
+from faulty import eventually
 
 STUCK = {"seq": 42, "op": "all_reduce", "desc": "all_reduce #42 (float32[1048576])"}
 IN_42 = {"seq": 42, "op": "all_reduce"}

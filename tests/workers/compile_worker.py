@@ -1,5 +1,5 @@
-"""One rank of tests/test_compile.py: ``torch.compile`` over a group of one backend string,
-three ways, on CPU tensors: a DDP model, an FSDP2 model and a function of functional
+"""One rank of tests/multiproc/test_compile.py: ``torch.compile`` over a group of one backend
+string, three ways, on CPU tensors: a DDP model, an FSDP2 model and a function of functional
 collectives, 3 training steps each from the same seed.
 
 usage: compile_worker.py BACKEND OUT_DIR   (RANK, WORLD_SIZE=2, MASTER_ADDR/PORT from

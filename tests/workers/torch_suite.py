@@ -3,7 +3,7 @@ against cupycoll's CPU route: every ``init_process_group(backend="gloo")`` the s
 creates a ``"cupycoll"`` group instead, so the suite's gloo expectations (results, error
 types, the words of a timeout) hold cupycoll to what gloo users rely on.
 
-Run by tests/test_torch_suite.py in a pytest process of its own, with BACKEND=gloo,
+Run by tests/multiproc/test_torch_suite.py in a pytest process of its own, with BACKEND=gloo,
 WORLD_SIZE and TEMP_DIR set as torch's suite expects; each test spawns its ranks, which
 import this module again (so the redirection holds in them too). Needs ``expecttest``
 (the ``test`` extra), as torch's testing module does.

@@ -1,4 +1,4 @@
-"""One rank of the flight-recorder scenarios (tests/test_trace.py), on CPU only.
+"""One rank of the flight-recorder scenarios (tests/trace/test_trace.py), on CPU only.
 
 Usage: trace_worker.py SCENARIO OUT_DIR
 
