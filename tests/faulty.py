@@ -3,7 +3,7 @@ layer (tests/nccl/) and of the backend: a communicator (:class:`FakeComm` and it
 that hang, raise or block), events the test fires or counts, a group's watch with calls in
 flight (:func:`issued_work`), a real :class:`~cupycoll.nccl.communicator.Communicator` over a
 scripted NCCL library (:func:`polling_comm`, :func:`grouping_comm`, :class:`RecordingLibrary`),
-and :func:`run_script`, which runs a scenario whose subject is the process's end in a Python
+and :func:`run_script`, which runs a scenario whose subject is the process's end in a process
 of its own. Nothing here needs a GPU. The fixtures built on these are in conftest.py
 (``no_device``, ``made``)."""
 
@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import datetime
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -28,6 +27,7 @@ from cupycoll.faults.watchdog import Finding, InFlight, Watch
 from cupycoll.nccl import bindings as nb
 from cupycoll.nccl.communicator import Communicator, Communicators
 from cupycoll.work import CudaWork
+import warm_python
 from standins import CUDA, CpuAsCudaGroup, FakeEvent
 
 TESTS = str(Path(__file__).resolve().parent)
@@ -227,6 +227,14 @@ def fault_group(group, fault, batch=None, stuck=None, timeout=10.0):
     assert group._cuda.life.ended.wait(timeout)
 
 
+def undiagnosed(*groups):
+    """The timeouts of ``groups`` are not diagnosed: a diagnosis waits up to
+    bounds.DIAGNOSIS_WAIT_S (4 s) for the records of peers, and these groups have none. For
+    tests whose subject is what follows a timeout, not its explanation."""
+    for group in groups:
+        group._cuda.life._explain = None
+
+
 def eventually(predicate, timeout=5.0):
     """Whether ``predicate()`` holds within ``timeout`` seconds (asked every 5 ms)."""
     deadline = time.monotonic() + timeout
@@ -374,7 +382,9 @@ class RecordingLibrary(ScriptedLibrary):
 
 
 def run_script(body: str, timeout: float = 60, prelude: str = "") -> subprocess.CompletedProcess:
-    """``prelude`` then ``body`` (each dedented) run by ``python -c``, tests/ on its path (it
-    imports these stand-ins as ``faulty`` and ``standins``); its output captured."""
+    """``prelude`` then ``body`` (each dedented) run as ``python -c`` would run them, in a
+    process of their own forked from a Python that imported torch, cupycoll and these
+    stand-ins once (tests/warm_python.py), tests/ on its path (the script imports the
+    stand-ins as ``faulty`` and ``standins``); its output captured."""
     script = f"import sys; sys.path.insert(0, {TESTS!r})\n" + textwrap.dedent(prelude) + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+    return warm_python.run(script, timeout)

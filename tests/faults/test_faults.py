@@ -28,7 +28,7 @@ from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, Cu
 from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog
 from cupycoll.work import CudaWork
 from faulty import (CountedEvent, FakeComm, Polled, ScriptedLibrary, eventually, fault_group, grouping_comm,
-                    holding, issued_work, make_group, make_watch, poll, polling_comm, run_script)
+                    holding, issued_work, make_group, make_watch, poll, polling_comm, run_script, undiagnosed)
 from standins import CUDA, CpuAsCudaGroup
 
 
@@ -473,6 +473,7 @@ def test_a_stuck_nccl_group_over_two_communicators_frees_neither_while_its_threa
     # thread inside it until ncclGroupEnd returns; freeing one first would let NCCL write it
     # on the way out. Neither is aborted until the thread has left; the process ends.
     group = make_group(size=3, timeout=0.3)
+    undiagnosed(group)
     cuda = group._cuda
     cuda.device = CUDA
     cuda._adopt_device(CUDA)
@@ -549,6 +550,7 @@ def test_a_blocking_creation_stuck_after_the_store_gate_is_timed_out_and_ends_th
     monkeypatch.setattr(Communicator, "begin", classmethod(begin))
     group = CpuAsCudaGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=0.3),
                            config.Options(watchdog_interval=0.01))
+    undiagnosed(group)
     cuda = group._cuda
     cuda._bootstrap.unique_id = lambda key, creator, members: b"\0" * 128  # past the gate
     creator = threading.Thread(target=lambda: pytest.raises(CommunicatorAbortedError, cuda.comm_for, CUDA),

@@ -24,7 +24,7 @@ from cupycoll.faults import watchdog_cuda
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
 from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog
 from faulty import (CountedEvent, FakeComm, HangingComm, Polled, RaisingComm, RaisingEvent, eventually, fault_group,
-                    issued_work, make_group, make_watch, poll, run_script, stuck_work)
+                    issued_work, make_group, make_watch, poll, run_script, stuck_work, undiagnosed)
 from shapes import shell_of
 from standins import FakeEvent
 
@@ -116,6 +116,7 @@ def test_a_hung_abort_in_one_group_does_not_blind_the_others():
     hang = threading.Event()
     a, b = make_group(timeout=0.05), make_group(timeout=0.5)
     a._cuda.comm, b._cuda.comm = HangingComm(hang), FakeComm()
+    undiagnosed(a, b)
     try:
         issued_work(a._cuda.watch)
         a._cuda.life.watching()
