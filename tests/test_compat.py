@@ -90,13 +90,15 @@ def test_async_requested():
 
 
 @pytest.fixture(scope="module")
-def gloo_cases(tmp_path_factory):
+def gloo_cases(tmp_path_factory, once_per_run):
     """What each rank of a two-process gloo pair got in each case of
     tests/workers/gloo_compat_worker.py: ``case -> [rank 0's, rank 1's]``."""
-    out = tmp_path_factory.mktemp("gloo-compat")
-    run_ranks("gloo_compat_worker.py", 2, args=[str(out)], timeout=180)
-    per_rank = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
-    return {name: [per_rank[rank][name] for rank in range(2)] for name in per_rank[0]}
+    def launch():
+        out = tmp_path_factory.mktemp("gloo-compat")
+        run_ranks("gloo_compat_worker.py", 2, args=[str(out)], timeout=180)
+        per_rank = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+        return {name: [per_rank[rank][name] for rank in range(2)] for name in per_rank[0]}
+    return once_per_run("gloo-compat", launch)
 
 
 def _values(gloo_cases, case):
@@ -112,6 +114,7 @@ def _check_exchange(results, uneven):
             assert torch.equal(out, torch.full((rank + 1 if uneven else 2, 2), float(peer * 10 + rank)))
 
 
+@pytest.mark.launches
 def test_gloo_alltoall(gloo_cases):
     _check_exchange(_values(gloo_cases, "alltoall"), uneven=False)
 
@@ -519,6 +522,7 @@ def test_run_eagerly_under_compile_wraps_only_what_overrides_torchs_process_grou
     assert Group.allreduce(None, []) == "allreduce"  # still the method, called through the wrapper
 
 
+@pytest.mark.launches
 def test_a_group_made_without_dynamo_does_not_import_it_and_is_wrapped_when_it_comes():
     # torch.compiler.disable imports Dynamo (seconds); nothing compiles before Dynamo is
     # imported, so the methods are wrapped as it is, not at init_process_group.

@@ -269,6 +269,7 @@ def test_the_group_line_says_shape_timeout_routes_and_policy(cupycoll_logger, ca
                     "error aborts the group and ends the process")
 
 
+@pytest.mark.launches
 def test_a_group_created_logs_its_line_at_info_when_the_log_level_asks_for_it():
     # No logging configured, as in a user's script: the first group is created without the
     # variable (nothing printed), the second with CUPYCOLL_LOG_LEVEL=info.
@@ -287,6 +288,7 @@ def test_a_group_created_logs_its_line_at_info_when_the_log_level_asks_for_it():
                      "timeout or NCCL error aborts the group and raises"], result.stderr
 
 
+@pytest.mark.launches
 def test_python_m_cupycoll_prints_the_version_and_where_the_commands_are():
     version = subprocess.run([sys.executable, "-m", "cupycoll", "--version"], capture_output=True, text=True,
                              timeout=120, cwd=CHECKOUT)
@@ -455,6 +457,7 @@ def _python(code, **env):
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.launches
 def test_entry_point_is_cheap_and_registers():
     if not cupycoll_entry_points("torch.backends"):
         pytest.skip("cupycoll is not pip-installed here, so its torch.backends entry point is absent")

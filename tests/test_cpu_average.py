@@ -16,6 +16,8 @@ from cupycoll import compat
 from cupycoll.cpu_average import as_sum, divide
 from mp import run_ranks
 
+pytestmark = pytest.mark.launches
+
 WORLD = 3
 
 
@@ -57,10 +59,12 @@ def _expected(rank):
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    out = tmp_path_factory.mktemp("average")
-    run_ranks("average_worker.py", WORLD, args=[str(out)], timeout=120)
-    return {rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in range(WORLD)}
+def reports(tmp_path_factory, once_per_run):
+    def launch():
+        out = tmp_path_factory.mktemp("average")
+        run_ranks("average_worker.py", WORLD, args=[str(out)], timeout=120)
+        return {rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in range(WORLD)}
+    return once_per_run("cpu-average", launch)
 
 
 # torch 2.7.1's gloo has no list-form reduce_scatter at all (2.11's has; 2.8 - 2.10 are not run):

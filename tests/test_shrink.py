@@ -53,6 +53,7 @@ def _check_survivors(reports, group_type):
         assert "was shrunk (ranks [2] left out); use the group shrink_group returned" in error["text"], error
 
 
+@pytest.mark.launches
 def test_shrinking_the_default_group_makes_the_survivors_world(tmp_path):
     reports = _run(tmp_path, "cupycoll", "default")
     assert 2 not in reports  # it left without a word
@@ -63,6 +64,7 @@ def test_shrinking_the_default_group_makes_the_survivors_world(tmp_path):
         assert not report["other_registered"], report  # torch's rule: every other group goes
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(not compat.PY_BACKEND, reason="torch before 2.14 has the ProcessGroup shape alone, "
                                                    "which the default group's test runs")
 def test_shrinking_the_default_group_in_the_shape_that_is_not_the_default(tmp_path):
@@ -75,6 +77,7 @@ def test_shrinking_the_default_group_in_the_shape_that_is_not_the_default(tmp_pa
         assert reports[rank]["is_default"] and reports[rank]["world_size"] == 2, reports[rank]
 
 
+@pytest.mark.launches
 def test_shrinking_a_subgroup_leaves_the_default_group_whole_and_bad_arguments_change_nothing(tmp_path):
     # "cpu:gloo,cuda:cupycoll": the other backend string (the default group's test has "cupycoll")
     reports = _run(tmp_path, "cpu:gloo,cuda:cupycoll", "subgroup")
@@ -106,6 +109,7 @@ def test_shrinking_a_subgroup_leaves_the_default_group_whole_and_bad_arguments_c
 SHAPES = ["process_group"] + (["backend"] if compat.PY_BACKEND else [])
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_second_fault_during_a_shrink_is_named_ends_on_abort_and_leaves_the_group_to_shrink_again(
         tmp_path, shape):

@@ -24,6 +24,8 @@ from mp import start_ranks, wait_all
 from shapes import backend_shape
 from workers.work_surface_worker import QUIET_DONE
 
+pytestmark = pytest.mark.launches
+
 # cupycoll in the default shape, and where torch has it the other one.
 VARIANTS = {"cupycoll": {}}
 if compat.PY_BACKEND:
@@ -32,18 +34,21 @@ if compat.PY_BACKEND:
 
 
 @pytest.fixture(scope="module")
-def surfaces(tmp_path_factory):
+def surfaces(tmp_path_factory, once_per_run):
     """variant -> (rank -> case -> method -> outcome, rank -> stderr, rank 0's closed cases)."""
-    jobs, outs = [], {}
-    for variant, env in {"gloo": {}, **VARIANTS}.items():
-        out = tmp_path_factory.mktemp(f"work-surface-{variant.replace(' ', '-')}")
-        outs[variant] = out
-        jobs.append(start_ranks("work_surface_worker.py", 2, args=[variant.split()[0], str(out)], timeout=120,
-                                env=env))
-    results = dict(zip(outs, wait_all(jobs)))
-    return {variant: ({rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in range(2)},
-                      {r.rank: r.stderr for r in results[variant]}, _closed(out))
-            for variant, out in outs.items()}
+    def launch():
+        jobs, outs = [], {}
+        for variant, env in {"gloo": {}, **VARIANTS}.items():
+            out = tmp_path_factory.mktemp(f"work-surface-{variant.replace(' ', '-')}")
+            outs[variant] = out
+            jobs.append(start_ranks("work_surface_worker.py", 2, args=[variant.split()[0], str(out)], timeout=120,
+                                    env=env))
+        results = dict(zip(outs, wait_all(jobs)))
+        return {variant: ({rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8"))
+                           for rank in range(2)},
+                          {r.rank: r.stderr for r in results[variant]}, _closed(out))
+                for variant, out in outs.items()}
+    return once_per_run("work-surface", launch)
 
 
 def _closed(out):

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench import launch  # noqa: E402
 from mp import process_alive  # noqa: E402
 
-pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
+pytestmark = [pytest.mark.any_stack, pytest.mark.launches]  # its subject is the same on every stack: one CI leg runs it
 
 RANK_MAIN = '''
 import json, os, sys, time

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from bench import catalog, metrics, output  # noqa: E402
 from mp import run_python  # noqa: E402
 
-pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
+pytestmark = [pytest.mark.any_stack, pytest.mark.launches]  # its subject is the same on every stack: one CI leg runs it
 
 
 def run_bench(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess:

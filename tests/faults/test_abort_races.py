@@ -235,6 +235,7 @@ _FORK_SCRIPT = """
 """
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs fork")
 def test_a_forked_child_resets_the_locks_and_leaves_its_parents_groups_alone():
     # a hang bound only: importing torch alone took 20 s on a loaded 2-core box, the whole

@@ -16,24 +16,31 @@ import torch
 from cupycoll import compat
 from mp import start_ranks, wait_all
 
+pytestmark = pytest.mark.launches
+
 CASES = ("ddp", "fsdp2", "functional")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """backend -> rank -> case -> {"params"} or {"error"}; each backend's two ranks run when a
-    test first needs them (the second backend string's tests run on one CI leg), gloo's
-    beside the first."""
-    runs = {}
+def trained(tmp_path_factory, once_per_run):
+    """``trained(backend)``: backend -> rank -> case -> {"params"} or {"error"}, for gloo and
+    ``backend``. gloo's and "cupycoll"'s two ranks each run side by side when a test first
+    needs them; the second backend string's (its tests run on one CI leg), after them."""
+    def slug(backend):
+        return "compile-" + backend.replace(":", "-").replace(",", "-")
 
-    def run(backends):
-        todo = [b for b in backends if b not in runs]
-        outs = [tmp_path_factory.mktemp("compile-" + b.replace(":", "-").replace(",", "-")) for b in todo]
+    def launch(*backends):
+        outs = [tmp_path_factory.mktemp(slug(b)) for b in backends]
         wait_all([start_ranks("compile_worker.py", 2, args=[b, str(out)], timeout=240)
-                  for b, out in zip(todo, outs)])
-        for backend, out in zip(todo, outs):
-            runs[backend] = {rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8"))
-                             for rank in range(2)}
+                  for b, out in zip(backends, outs)])
+        return {backend: {rank: json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8"))
+                          for rank in range(2)}
+                for backend, out in zip(backends, outs)}
+
+    def run(backend):
+        runs = dict(once_per_run("compile-gloo-cupycoll", lambda: launch("gloo", "cupycoll")))
+        if backend not in runs:
+            runs.update(once_per_run(slug(backend), lambda: launch(backend)))
         return runs
     return run
 
@@ -52,7 +59,7 @@ def _gloo_reference(trained, case: str, rank: int) -> dict:
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("backend", ["cupycoll", pytest.param("cpu:gloo,cuda:cupycoll", marks=pytest.mark.any_stack)])
 def test_compiled_training_on_cupycoll_equals_gloo(trained, backend, case):
-    trained = trained(["gloo", backend])
+    trained = trained(backend)
     gloo = [_gloo_reference(trained, case, rank) for rank in range(2)]
     if "error" in gloo[0]:
         pytest.skip(f"torch {torch.__version__} cannot run this on gloo either: {gloo[0]['error'][:200]}")

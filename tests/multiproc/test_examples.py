@@ -20,6 +20,8 @@ import torch
 from mp import largest_difference, train_ddp_side_by_side
 from mp import run_python as _run_python
 
+pytestmark = pytest.mark.launches
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train_ddp.py"
 DEMO = ROOT / "examples" / "demo.py"

@@ -19,6 +19,8 @@ import pytest
 from cupycoll import compat
 from mp import FSDP_EXAMPLE, largest_difference, start_train_fsdp, wait_train_fsdp
 
+pytestmark = pytest.mark.launches
+
 # Fewer steps than the GPU tier's 10: the runs are compared bit for bit, and a step costs
 # 0.1-0.3 s a rank here, where process starts cost the most.
 STEPS = "5"
@@ -38,22 +40,24 @@ def load_example():
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+def launches(tmp_path_factory, once_per_run):
     """"fsdp2": 2 ranks, fp32 then bf16, the first checkpointed; "tp": 4 ranks, a 2x2 mesh."""
-    tmp = tmp_path_factory.mktemp("fsdp")
-    common = ("--device", "cpu", "--backend", "cupycoll", "--compare", "gloo", "--steps", STEPS)
-    # one intra-op thread a rank: six ranks share two cores
-    env = {"OMP_NUM_THREADS": "1"}
-    started = {
-        "fsdp2": start_train_fsdp(2, tmp / "fsdp2", *common, "--precision", "fp32", "bf16",
-                                  "--checkpoint", str(tmp / "checkpoint"), timeout=LIMIT_S, env=env),
-        "tp": start_train_fsdp(4, tmp / "tp", *common, "--mesh", "2x2", timeout=LIMIT_S, env=env),
-    }
-    try:
-        return {name: wait_train_fsdp(launch) for name, launch in started.items()}
-    finally:
-        for launch in started.values():
-            launch.job.kill()
+    def launch():
+        tmp = tmp_path_factory.mktemp("fsdp")
+        common = ("--device", "cpu", "--backend", "cupycoll", "--compare", "gloo", "--steps", STEPS)
+        # one intra-op thread a rank: six ranks share two cores
+        env = {"OMP_NUM_THREADS": "1"}
+        started = {
+            "fsdp2": start_train_fsdp(2, tmp / "fsdp2", *common, "--precision", "fp32", "bf16",
+                                      "--checkpoint", str(tmp / "checkpoint"), timeout=LIMIT_S, env=env),
+            "tp": start_train_fsdp(4, tmp / "tp", *common, "--mesh", "2x2", timeout=LIMIT_S, env=env),
+        }
+        try:
+            return {name: wait_train_fsdp(started_launch) for name, started_launch in started.items()}
+        finally:
+            for started_launch in started.values():
+                started_launch.job.kill()
+    return once_per_run("fsdp-example", launch)
 
 
 def _results(launch):

@@ -17,6 +17,8 @@ from installed import cupycoll_entry_points
 from mp import run_ranks
 from shapes import cupycoll_group_type
 
+pytestmark = pytest.mark.launches
+
 
 def _run(tmp_path, backend, world, *extra, expect_success=True, env=None):
     out = tmp_path / backend.replace(":", "_").replace(",", "+")

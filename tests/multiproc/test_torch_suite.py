@@ -24,7 +24,7 @@ pytest.importorskip("expecttest", reason="torch's testing module needs expecttes
 # What it guards, the words and errors cupycoll hands torch's expectations, is cupycoll's own
 # and the same on every stack: one CI leg catches a change (spawning torch's test harness
 # costs about a minute a leg).
-pytestmark = pytest.mark.any_stack
+pytestmark = [pytest.mark.any_stack, pytest.mark.launches]
 
 SUITE = "tests/workers/torch_suite.py"
 CLASS = "TestCupycollCpuRoute"

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # -- the harness (tests/mp.py) ---------------------------------------------------------
 
 
+@pytest.mark.launches
 def test_a_rank_writing_more_than_a_pipe_holds_does_not_deadlock_the_harness():
     # rank 1 writes 256 KiB to each stream before rank 0 may go on: with pipes read one
     # rank at a time this hung until the timeout
@@ -54,6 +55,7 @@ def test_a_rank_writing_more_than_a_pipe_holds_does_not_deadlock_the_harness():
     assert len(results[1].stdout) >= 256 * 1024 and len(results[1].stderr) >= 256 * 1024
 
 
+@pytest.mark.launches
 def test_a_hung_rank_fails_the_run_with_its_output_and_is_killed():
     job = mp.start_ranks("harness_worker.py", 2, ["hang"], timeout=8)
     with pytest.raises(mp.WorkersFailed, match="did not finish within 8 s") as info:
@@ -72,6 +74,7 @@ def test_a_failed_rank_ends_the_run_after_a_grace_period(monkeypatch):
     assert "rank 1 fails on purpose" in str(info.value) and "exit 3" in str(info.value)
 
 
+@pytest.mark.launches
 def test_jobs_run_side_by_side_and_a_failure_kills_the_rest():
     hung = mp.start_ranks("harness_worker.py", 1, ["hang"], timeout=60)
     failing = mp.start_ranks("harness_worker.py", 2, ["fail"], timeout=4)
@@ -80,6 +83,7 @@ def test_jobs_run_side_by_side_and_a_failure_kills_the_rest():
     assert all(p.poll() is not None for p in hung.procs + failing.procs)
 
 
+@pytest.mark.launches
 def test_workers_import_the_helpers_of_tests_by_name(monkeypatch):
     # ring_worker.py imports ring_simulator as the tests do; the harness, not the caller's
     # environment, puts tests/ on the ranks' path
@@ -529,6 +533,7 @@ def test_a_hung_fault_scenario_shows_its_stacks_before_the_launch_is_killed():
     assert fault_worker.SCENARIO_STACKS_AFTER_S + 60 < faults.SUBPROCESS_LIMITS_S["suite launch"]
 
 
+@pytest.mark.launches
 def test_tier_check_names_what_is_missing():
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "tests/gpu/tier.py", "--check"], cwd=ROOT, env=env,
@@ -538,6 +543,7 @@ def test_tier_check_names_what_is_missing():
     assert "cannot run here: missing gpu" in proc.stderr
 
 
+@pytest.mark.launches
 def test_the_gpu_tier_collects_and_skips_with_a_reason_without_a_gpu():
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",

@@ -127,6 +127,7 @@ def test_a_run_that_diverged_to_nan_is_never_within_a_tolerance():
     assert math.isnan(mp.largest_difference(diverged[::-1], good[::-1]))
 
 
+@pytest.mark.launches
 def test_a_rank_still_running_at_the_limit_shows_where_it_was(tmp_path):
     script = tmp_path / "stuck_worker.py"
     script.write_text("import time\n\ndef stuck_in_a_call():\n    time.sleep(120)\n\nstuck_in_a_call()\n")
@@ -137,6 +138,7 @@ def test_a_rank_still_running_at_the_limit_shows_where_it_was(tmp_path):
     assert "stuck_in_a_call" in str(failed.value)  # its Python stack, from its stderr
 
 
+@pytest.mark.launches
 def test_a_rank_killed_for_its_stacks_writes_no_core_file(tmp_path):
     # SIGABRT ends a rank the fault handler printed: with core dumps allowed, a rank with a
     # CUDA context would write about a GB. Allowed here (the hard limit permitting) in the

@@ -85,6 +85,7 @@ def test_a_failing_step_says_why_in_one_line(tmp_path):
     assert result.reason == "exit status 4: ValueError: the real cause"
 
 
+@pytest.mark.launches
 def test_a_timeout_kills_the_whole_process_group(tmp_path, monkeypatch):
     monkeypatch.setattr(verify_runner, "KILL_GRACE_S", 0.5)
     pid_file = tmp_path / "child.pid"
@@ -524,6 +525,7 @@ def test_without_a_gpu_it_says_so_and_exits_1_within_5_seconds(tmp_path, hidden)
                                 "/proc/driver/nvidia/gpus, nvidia-smi lists none); run it on a GPU machine\n")
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(verify_gpu.find_gpu() is not None, reason="this machine has an NVIDIA GPU")
 def test_the_real_quick_plan_where_torch_sees_no_gpu_stops_after_the_environment(tmp_path):
     status = verify_gpu.main(["--quick", "--allow-no-gpu", "--out", str(tmp_path)])
@@ -536,6 +538,7 @@ def test_the_real_quick_plan_where_torch_sees_no_gpu_stops_after_the_environment
     assert data["environment"]["torch"] and all(t["status"] == "not measured" for t in data["targets"])
 
 
+@pytest.mark.launches
 def test_the_probe_itself_on_cpu(tmp_path):
     # --cpu runs the same checks on CPU tensors (cupycoll's gloo route): the launcher, the
     # per-rank records and the report are what is tested here; gloo has no PREMUL_SUM.

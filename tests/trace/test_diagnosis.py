@@ -397,6 +397,7 @@ def test_compare_names_rank_and_field():
     assert mismatch.digest(sig()) == mismatch.digest(sig()) != mismatch.digest(sig(shape=(4, 3)))
 
 
+@pytest.mark.launches
 def test_mismatch_check_across_processes(tmp_path):
     run_ranks("trace_worker.py", 3, ["mismatch", str(tmp_path)], timeout=120)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(3)]
@@ -418,6 +419,7 @@ def test_mismatch_check_across_processes(tmp_path):
     print(f"\nmismatch check per call (3 ranks, gloo): {results[0]['check_us']:.0f} µs")
 
 
+@pytest.mark.launches
 def test_diagnosis_across_processes(tmp_path):
     run_ranks("trace_worker.py", 4, ["diagnose", str(tmp_path)], timeout=120)
     for rank in (0, 1):

@@ -8,16 +8,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
 
 from cupycoll import compat, config
 from cupycoll.errors import CupycollTypeError, CupycollValueError
-from mp import ROOT, run_ranks
+from cupycoll.trace import analyze
+from mp import run_ranks
 from shapes import cupycoll_group_type, shell_of
+
+pytestmark = pytest.mark.launches
 
 
 def _run(tmp_path, scenario, env=None):
@@ -34,9 +35,12 @@ def _run(tmp_path, scenario, env=None):
     return reports, out, results
 
 
-def _analyze(trace_dir):
-    return subprocess.run([sys.executable, "-m", "cupycoll.trace", str(trace_dir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+def _analyze(trace_dir, capsys):
+    """``python -m cupycoll.trace DIR``'s exit status and output, run here (its command line
+    is tests/trace/test_trace.py's)."""
+    capsys.readouterr()
+    status = analyze.main([str(trace_dir)])
+    return status, capsys.readouterr().out
 
 
 def _diagnosis(report):
@@ -49,7 +53,7 @@ SHAPES = ["process_group"] + (["backend"] if compat.PY_BACKEND else [])
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_skipped_collective_names_the_rank_behind(tmp_path, shape):
+def test_a_skipped_collective_names_the_rank_behind(tmp_path, capsys, shape):
     reports, out, _ = _run(tmp_path, "skip", env={"CUPYCOLL_SHAPE": shape})
     for rank in (0, 1):
         report = reports[rank]
@@ -65,9 +69,9 @@ def test_a_skipped_collective_names_the_rank_behind(tmp_path, shape):
         assert re.search(r"(Timed out|closed|timeout) ", error), error
     dumps = sorted(os.listdir(out / "trace"))
     assert dumps == [f"cupycoll_trace_rank{r}.json" for r in range(3)], dumps
-    analysis = _analyze(out / "trace")
-    assert analysis.returncode == 1, analysis.stdout + analysis.stderr
-    assert "all_reduce #5" in analysis.stdout and "rank 2 never reached it" in analysis.stdout, analysis.stdout
+    status, analysis = _analyze(out / "trace", capsys)
+    assert status == 1, analysis
+    assert "all_reduce #5" in analysis and "rank 2 never reached it" in analysis, analysis
 
 
 def test_a_killed_rank_is_named_as_not_answering(tmp_path):

@@ -309,6 +309,7 @@ def test_analyzer_errors(tmp_path, capsys):
     assert "a second trace of rank 0" in capsys.readouterr().err
 
 
+@pytest.mark.launches
 @pytest.mark.any_stack  # the analyzer reads JSON dumps; the recorder itself is tested on every leg
 def test_command_line(tmp_path):
     for rank in range(2):
