@@ -1,7 +1,8 @@
 """What every test folder shares: tests/ on the import path, so that test modules import the
 support modules here (mp, standins, faulty, shapes, ...) by name and never one another; the
-GPU tests skipped without a GPU; and the fixtures used in more than one folder. The support
-modules import cupycoll only where it is used."""
+GPU tests skipped without a GPU; the tests that start processes first under worksteal; and
+the fixtures used in more than one folder, which import cupycoll only when they run (the
+tooling's tests need none of it)."""
 
 import fcntl
 import os
