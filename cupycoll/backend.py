@@ -412,6 +412,33 @@ class CudaBackend:
             work._issued(slot, stream, async_op)
         return work
 
+    def all_reduce_parts(self, tensors: Sequence[torch.Tensor], opts) -> Optional[CudaWork]:
+        """The all_reduces of one ``allreduce_coalesced`` (the call torch's coalescing manager
+        makes of a block of all_reduces) as one call: one launch making an NCCL group of
+        their ncclAllReduce calls, one Work and one watch slot, each part recorded in the
+        flight recorder as the general path records it (:meth:`Communicator.all_reduces`). None when a part needs the general
+        path (as for :meth:`all_reduce_fast`: another device, not contiguous, no plan learnt
+        for its dtype and op, an algorithm override); the caller checked the fast flag. An
+        open coalescing block or queued calls take it as they take any call (:meth:`submit`)."""
+        index, plans, kind = self._device_index, self._plans, opts.reduceOp.op
+        parts = []
+        for tensor in tensors:
+            if tensor.get_device() != index or not tensor.is_contiguous():
+                return None
+            plan = plans.get((tensor.dtype, kind))
+            if plan is None:
+                return None
+            dtype, op, scale = plan
+            parts.append((tensor.data_ptr(), tensor.numel() * scale, dtype, op))
+        if not parts or _OVERRIDES:
+            return None
+        record = self._recorder.record
+        recorded = tuple(record("all_reduce", (t.shape,), (t.dtype,), None, "nccl", "queued") for t in tensors)
+
+        return self.submit("all_reduce_coalesced", self.device, list(tensors),
+                           lambda comm, stream: comm.all_reduces(parts, stream), keepalive=tuple(tensors),
+                           async_op=_async_requested(opts), entry=recorded)
+
     # -- issuing -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
                peer=None, blocking_wait=False, algorithm=None, prepare=None, entry=None) -> CudaWork:
@@ -464,7 +491,8 @@ class CudaBackend:
         recorder = self._recorder
         if recorder is not None:
             for issue in issues:
-                recorder.mark(issue.entry, "issued")
+                for entry in entries(issue.entry):
+                    recorder.mark(entry, "issued")
         launched = []  # not empty once part of the batch may be on the stream
         try:
             if async_op:
@@ -485,7 +513,8 @@ class CudaBackend:
                 self.life.fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
             elif recorder is not None:
                 for issue in issues:
-                    recorder.mark(issue.entry, "failed")
+                    for entry in entries(issue.entry):
+                        recorder.mark(entry, "failed")
             timed_out = self.life.timeout_that_cut(exc)
             if timed_out is not None:
                 raise timed_out from exc
@@ -508,7 +537,7 @@ class CudaBackend:
         if not self._watch_calls or _cuda.capturing(stream):
             slot = None
         else:
-            records = [issue.entry for issue in issues if issue.entry is not None]
+            records = [entry for issue in issues for entry in entries(issue.entry)]
             keepalive = [issue.keepalive for issue in issues] if async_op else None
             slot = self.watch.issued(stream, records[0] if len(records) == 1 else tuple(records), keepalive)
         for issue in issues:

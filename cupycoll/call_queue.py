@@ -56,7 +56,9 @@ class Issue:
     def __init__(self, work, launch, finish, keepalive, async_op, peer=None, own_group=False, prepare=None,
                  entry=None):
         self.work = work
-        self.entry = entry  # its flight-recorder entry (None when the group records nothing)
+        # its flight-recorder entry, a tuple of them (the parts of one coalesced call), or
+        # None (the group records nothing)
+        self.entry = entry
         self.launch = launch  # launch(comm_for_peer, stream_ptr): the NCCL calls
         # prepare(comm_for_peer), or None: the call's fallible Python steps (allocations,
         # staging, op creation), run for the whole batch before its NCCL group opens.

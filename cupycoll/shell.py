@@ -260,6 +260,10 @@ class GroupShell:
         cuda, entry = self._route(tensors, "all_reduce_coalesced", opts)
         if not cuda:
             return self._gloo_reduction(entry, self._cpu.allreduce_coalesced, tensors, tensors, opts)
+        if self._cuda.fast:
+            work = self._cuda.all_reduce_parts(tensors, opts)
+            if work is not None:  # inside an open block, the block's Work covers it
+                return work if self._cuda.calls.block is None else None
         return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
 
     def broadcast(self, tensors, opts=None):

@@ -4,7 +4,11 @@ does (the same NCCL call, flight-recorder entry, watch and Work answers). Each i
 sends a call to the general path has a test that shows it does: the fast flag's (what changes
 rarely: a blocking communicator made, settings) and the per-call ones (the tensor, a plan
 learnt, an algorithm override, a capture, the group's state, queued calls, an open coalescing
-block). An asynchronous call takes it too, on the communicator's stream after the caller's."""
+block). An asynchronous call takes it too, on the communicator's stream after the caller's.
+
+The parts of an ``allreduce_coalesced`` (what torch's coalescing manager makes of a block of
+all_reduces) take one launch of their own (CudaBackend.all_reduce_parts) under the same
+rules: the same NCCL calls in one NCCL group, the same flight-recorder entries, one Work."""
 
 from __future__ import annotations
 
@@ -195,3 +199,71 @@ def test_an_asynchronous_all_reduce_runs_on_the_communicators_stream_after_the_c
     slot = work._in_flight()
     assert slot.stream == 0x5eed and slot.keepalive is tensor and work._async
     assert work.wait() and work.result() == [tensor]
+
+
+def coalesced_opts(op=dist.ReduceOp.SUM, async_op=False):
+    opts = c10d.AllreduceCoalescedOptions()
+    opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = async_op
+    return opts
+
+
+def parts_taken(group, tensors, opts=None):
+    """Did the parts of an allreduce_coalesced of ``tensors`` take their own launch?"""
+    work = group._cuda.all_reduce_parts(tensors, coalesced_opts() if opts is None else opts)
+    if work is not None:
+        work.wait()
+    return work is not None
+
+
+def test_coalesced_all_reduces_make_the_calls_and_entries_the_general_path_makes(make):
+    fast, general = warmed(make()), warmed(make())
+    general._cuda.fast = False  # the same calls, the general way (one all_reduce per part)
+    tensors = [torch.ones(4), torch.ones(2, 3), torch.ones(5)]
+    for group in (fast, general):
+        library, recorder = group._cuda.comm._lib, group._trace.recorder
+        library.calls.clear()
+        group._start_coalescing(CUDA)  # as torch's _coalescing_manager calls it
+        group.allreduce_coalesced(tensors, coalesced_opts())
+        work = group._end_coalescing(CUDA)
+        assert work.wait() and work.exception() is None
+    made = [[call for call in group._cuda.comm._lib.calls if call[0] != "ncclCommGetAsyncError"]
+            for group in (fast, general)]
+    assert made[0] == made[1]
+    assert [name for name, _ in made[0]] == ["ncclGroupStart"] + ["ncclAllReduce"] * 3 + ["ncclGroupEnd"]
+    assert [args[:5] for name, args in made[0][1:4]] == [(t.data_ptr(), t.data_ptr(), t.numel(), DTYPE_FLOAT, OP_SUM)
+                                                        for t in tensors]
+    entries = [[e[2:8] for e in list(group._trace.recorder.entries)[-3:]] for group in (fast, general)]
+    assert entries[0] == entries[1]
+    assert [e[0] for e in entries[0]] == ["all_reduce"] * 3 and {e[5] for e in entries[0]} == {"issued"}
+    assert fast._cuda.watch.in_flight() == 2  # the warm-up's batch and the block's: one slot each
+
+
+def test_coalesced_parts_outside_a_block_are_one_call_with_one_work(make):
+    group = warmed(make())
+    tensors = [torch.ones(3), torch.ones(3)]
+    work = group.allreduce_coalesced(tensors, coalesced_opts())
+    assert work.wait() and work.result() == tensors
+    assert [name for name, _ in group._cuda.comm._lib.calls[-4:]] == [
+        "ncclGroupStart", "ncclAllReduce", "ncclAllReduce", "ncclGroupEnd"]
+
+
+def test_coalesced_parts_go_the_general_way_when_one_part_needs_it(make):
+    group = warmed(make())
+    assert parts_taken(group, [torch.ones(4), torch.ones(2)])
+    assert not parts_taken(group, [torch.ones(4), torch.ones(4, 2).t()])  # one not contiguous
+    assert not parts_taken(group, [torch.ones(4), torch.ones(4, dtype=torch.float64)])  # no plan learnt
+    assert not parts_taken(group, [torch.ones(4)], coalesced_opts(dist.ReduceOp.MAX))
+    with cupycoll.algorithm("nccl"):
+        assert not parts_taken(group, [torch.ones(4)])
+    # what the general path did is learnt: the float64 parts then take their own launch too
+    group.allreduce_coalesced([torch.ones(4), torch.ones(4, dtype=torch.float64)], coalesced_opts()).wait()
+    assert parts_taken(group, [torch.ones(4), torch.ones(4, dtype=torch.float64)])
+
+
+def test_coalesced_parts_on_an_ended_group_say_why(make):
+    group = warmed(make())
+    group.abort()
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        group.allreduce_coalesced([torch.ones(4)], coalesced_opts())

@@ -12,7 +12,8 @@ another, and the upward calls: those from a module into one above it in :data:`L
 (docs/design.md, "The house"). Then it times ``--calls`` all_reduce + wait without tracing
 and prints host microseconds per call, wall time and the calling thread's CPU time (which
 other processes on a loaded machine stretch less): a proxy, on CPU, for the Python share of
-the host cost.
+the host cost. Last, a coalescing block of 64 all_reduces as torch's ``_coalescing_manager``
+makes it: the calls it makes into cupycoll and its thread CPU per all_reduce.
 
 Deliberately left out: the GPU and NCCL themselves (the GPU machine measures the real cost
 against torch's nccl: ``cupycoll-bench --scenario overhead``), C functions and code outside
@@ -228,6 +229,10 @@ def measure(timed_calls: int = 2000) -> dict:
         # The caller's CPU time: what other processes on a loaded machine do not stretch.
         cpu_us = per_call_us(all_reduce, timed_calls, repeats=3, clock=time.thread_time)
         collections, gc_us = garbage_collections(all_reduce, GC_CALLS)
+        block = coalesced_block(group, BLOCK_PARTS)
+        block()  # the first block learns nothing new: the plan is the all_reduce's
+        block_calls = trace_calls(block, Path(cupycoll.__file__).resolve().parent)
+        block_us = per_call_us(block, max(1, timed_calls // BLOCK_PARTS), repeats=3, clock=time.thread_time)
     pairs = cross_module(calls)
     upward = upward_calls(calls, LAYERS)
     level = layer_of(LAYERS)
@@ -252,7 +257,34 @@ def measure(timed_calls: int = 2000) -> dict:
         "gc_calls": GC_CALLS,
         "gc_collections": collections,
         "gc_us_per_call": gc_us,
+        "block_parts": BLOCK_PARTS,
+        "block_calls": len(block_calls),
+        "block_thread_cpu_us_per_part": block_us / BLOCK_PARTS,
     }
+
+
+# All_reduces in the coalescing block timed beside the single call (the benchmark's
+# coalescing scenario issues 64).
+BLOCK_PARTS = 64
+
+
+def coalesced_block(group, parts: int) -> Callable[[], None]:
+    """One synchronous coalescing block of ``parts`` all_reduces, as torch's
+    ``_coalescing_manager`` makes it with a device given: ``_start_coalescing``, one
+    ``allreduce_coalesced`` of the parts, ``_end_coalescing`` and its Work's wait."""
+    import torch
+    from torch._C import _distributed_c10d as c10d
+
+    tensors, device = [torch.ones(4) for _ in range(parts)], torch.device("cuda", 0)
+    opts = c10d.AllreduceCoalescedOptions()
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = False
+
+    def block():
+        group._start_coalescing(device)
+        group.allreduce_coalesced(tensors, opts)
+        group._end_coalescing(device).wait()
+    return block
 
 
 # Calls over which the garbage collector's work is counted.
@@ -393,7 +425,9 @@ def report(figures: dict) -> List[str]:
               + ", ".join(f"generation {g}: {n}" for g, n in sorted(figures['gc_collections'].items()))
               + f" ({figures['gc_us_per_call']:.2f} us per call in the collector)",
               "  a proxy for the Python share of the host cost; the GPU machine measures the real "
-              "cost against torch's nccl (cupycoll-bench --scenario overhead)"]
+              "cost against torch's nccl (cupycoll-bench --scenario overhead)",
+              f"a coalescing block of {figures['block_parts']} all_reduces: {figures['block_calls']} calls into "
+              f"cupycoll, {figures['block_thread_cpu_us_per_part']:.1f} us of thread CPU per all_reduce"]
     return lines
 
 

@@ -233,6 +233,18 @@ class Communicator(GuardedCalls):
             if self._abort_pending:
                 self._abort_if_last()
 
+    def all_reduces(self, parts, stream) -> None:
+        """An in-place ncclAllReduce for each ``(buffer, count, dtype, op)`` of ``parts``, in
+        one NCCL group (or the one open on this thread), under one guard: the parts of a
+        coalesced call, as the same calls made one by one inside a group would be."""
+        function = self._lib.ncclAllReduce
+
+        def call(handle):
+            for ptr, count, dtype, op in parts:
+                function(ptr, ptr, count, dtype, op, handle, stream)
+        with self.group():
+            self._settle("ncclAllReduce", self._guarded("ncclAllReduce", call))
+
     def broadcast(self, sendbuf, recvbuf, count, dtype, root, stream):
         self._call("ncclBroadcast", sendbuf, recvbuf, count, dtype, root, stream)
 

@@ -29,6 +29,9 @@ def _section(lines, header):
 # modules entered on the caller's thread, upward calls. Not a time: a count the code sets.
 FAST_PATH_CALLS = 16
 FAST_PATH_MODULES = 7
+# A coalescing block's calls besides those of its parts' entries (start, the coalesced call,
+# end, wait).
+BLOCK_CALLS = 80
 
 
 def test_the_traced_all_reduce_goes_from_the_group_through_the_backend_to_the_communicator(tmp_path, capsys):
@@ -69,6 +72,15 @@ def test_the_synchronous_all_reduce_stays_within_the_fast_paths_budget(tmp_path)
     assert figures["modules"] <= FAST_PATH_MODULES, figures["module_names"]
     assert figures["upward_calls"] == []
     assert "collectives" not in figures["module_names"] and "call_queue" not in figures["module_names"]
+
+
+def test_a_coalescing_blocks_calls_grow_only_by_each_parts_flight_recorder_entry(tmp_path):
+    # The parts of a block are checked and launched in loops inside one frame each; what
+    # a part adds in Python calls is its flight-recorder entry (recorded, marked issued).
+    assert main(["--calls", "64", "--json", str(tmp_path / "figures.json")]) == 0
+    figures = json.loads((tmp_path / "figures.json").read_text(encoding="utf-8"))
+    assert figures["block_parts"] == 64 and figures["block_thread_cpu_us_per_part"] > 0
+    assert figures["block_calls"] <= 2 * figures["block_parts"] + BLOCK_CALLS, figures["block_calls"]
 
 
 def test_an_upward_call_goes_into_a_higher_layer_and_unlisted_modules_are_not_judged():
