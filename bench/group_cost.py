@@ -42,6 +42,9 @@ class _Stream:
     def __init__(self, non_blocking: bool = False):
         pass
 
+    def synchronize(self):
+        """Nothing ran on it: a shutdown's wait for the stream returns at once."""
+
 
 def cupy_without_device():
     """What :class:`cupycoll.nccl.communicator.Communicator` asks of CuPy (``cuda.Device``, a
