@@ -274,6 +274,16 @@ def gloo_ranks_absent(store, rank: int, size: int) -> Optional[List[int]]:
 GLOO_AVERAGES_FLOATS = TORCH >= (2, 13)
 
 
+# Freeing a ProcessGroup's Python object releases the GIL before its C++ destructor runs
+# (pytorch#154976, June 2025; the bindings of 2.13 and 2.15 checked here). Before, it held
+# the GIL, and a group holding the last reference to a gloo backend hung the process when
+# freed right after a CPU call: gloo's destructor joins its worker threads while a worker,
+# dropping the finished Work, waits for the GIL to free a tensor that Python let go of
+# (torch 2.7.1, seen here). Earlier than 2.9 is treated as 2.7.1: there a group does not
+# hold its gloo in its own C++ part (cupycoll.shell.GroupShell._keep_gloo_last).
+PROCESS_GROUP_FREED_WITHOUT_GIL = TORCH >= (2, 9)
+
+
 def set_default_backend(group: ProcessGroup, backend_type) -> None:
     """Make ``backend_type`` (one registered on ``group``) its default backend.
 

@@ -52,10 +52,12 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
     # -- construction helpers ---------------------------------------------------------
     def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
         inner, gloo = build_gloo_half(store, rank, size, timeout)
-        # C++ callers asking this group for its CPU backend get the same gloo, also as its
-        # default backend (which torch 2.15's flight-recorder hook looks up at init).
-        self._register_backend(_CPU, _GLOO, gloo)
-        compat.set_default_backend(self, _GLOO)
+        self._keep_gloo_last(gloo)
+        if compat.PROCESS_GROUP_FREED_WITHOUT_GIL:
+            # C++ callers asking this group for its CPU backend get the same gloo, also as
+            # its default backend (which torch 2.15's flight-recorder hook looks up at init).
+            self._register_backend(_CPU, _GLOO, gloo)
+            compat.set_default_backend(self, _GLOO)
         return inner
 
     def _bind(self, device: torch.device) -> None:
@@ -107,6 +109,8 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
         device = torch.device(device)
         if device.type == "cuda":
             return self._cuda
+        if device.type == "cpu" and not compat.PROCESS_GROUP_FREED_WITHOUT_GIL:
+            return self._gloo_backend  # not registered in the C++ part: see _keep_gloo_last
         return super()._get_backend(device)
 
     def __repr__(self) -> str:

@@ -88,7 +88,9 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
     def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
         # The shell's gloo half, as the adapter's: CPU calls routed here, and the group's
         # argument cross-checks, run on it whether or not torch has a gloo of its own.
-        return build_gloo_half(store, rank, size, timeout)[0]
+        inner, gloo = build_gloo_half(store, rank, size, timeout)
+        self._keep_gloo_last(gloo)
+        return inner
 
     def _bind(self, device: torch.device) -> None:
         pass  # torch bound its own ProcessGroup before the eager connect

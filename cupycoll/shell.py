@@ -119,6 +119,10 @@ class GroupShell:
         self._group_id = group_id
         self._group_name = group_id
         self._group_desc = ""
+        # The CPU half, then its gloo backend's own Python object (a shape's _build_cpu_group
+        # sets ``_gloo_backend``), in this order in this object's __dict__: see _keep_gloo_last.
+        self._cpu = None
+        self._gloo_backend = None
         try:
             self._cpu = self._build_cpu_group(store, rank, size, self.settings.timeout)
         except dist.DistStoreError as exc:  # gloo's rendezvous timed out: a rank never came
@@ -147,6 +151,15 @@ class GroupShell:
             raise
         config.log_group(group_id, rank, size, "backend" if isinstance(self, c10d.Backend) else "process_group",
                          self.settings)
+
+    def _keep_gloo_last(self, gloo: ProcessGroup) -> None:
+        """Hold ``gloo``'s Python object: where torch frees a ProcessGroup holding the GIL
+        (:data:`cupycoll.compat.PROCESS_GROUP_FREED_WITHOUT_GIL`), that object, which torch
+        frees without it, must drop the last reference to the gloo backend, never a
+        ProcessGroup. There this group does not register gloo in its own C++ part, and a
+        freed group drops its __dict__ in insertion order (whether freed at once or by the
+        garbage collector): the CPU half, ``_cpu``, then ``_gloo_backend``."""
+        self._gloo_backend = gloo
 
     def _gloo_never_joined(self, store) -> CollectiveTimeoutError:
         """gloo's rendezvous on ``store`` timed out (gloo's error names a store key, never a
