@@ -414,12 +414,13 @@ class CudaBackend:
 
     def all_reduce_parts(self, tensors: Sequence[torch.Tensor], opts) -> Optional[CudaWork]:
         """The all_reduces of one ``allreduce_coalesced`` (the call torch's coalescing manager
-        makes of a block of all_reduces) as one call: one launch making an NCCL group of
-        their ncclAllReduce calls, one Work and one watch slot, each part recorded in the
-        flight recorder as the general path records it (:meth:`Communicator.all_reduces`). None when a part needs the general
-        path (as for :meth:`all_reduce_fast`: another device, not contiguous, no plan learnt
-        for its dtype and op, an algorithm override); the caller checked the fast flag. An
-        open coalescing block or queued calls take it as they take any call (:meth:`submit`)."""
+        makes of a block of all_reduces) as one call: one launch making their ncclAllReduce
+        calls in one NCCL group (:meth:`Communicator.all_reduces`), one Work and one watch
+        slot, each part recorded in the flight recorder as the general path records it.
+        None when a part needs the general path (as for :meth:`all_reduce_fast`: another
+        device, not contiguous, no plan learnt for its dtype and op, an algorithm override);
+        the caller checked the fast flag. An open coalescing block or queued calls take it
+        as they take any call (:meth:`submit`)."""
         index, plans, kind = self._device_index, self._plans, opts.reduceOp.op
         parts = []
         for tensor in tensors:
@@ -434,7 +435,6 @@ class CudaBackend:
             return None
         record = self._recorder.record
         recorded = tuple(record("all_reduce", (t.shape,), (t.dtype,), None, "nccl", "queued") for t in tensors)
-
         return self.submit("all_reduce_coalesced", self.device, list(tensors),
                            lambda comm, stream: comm.all_reduces(parts, stream), keepalive=tuple(tensors),
                            async_op=_async_requested(opts), entry=recorded)
