@@ -9,6 +9,7 @@ paths for real. Three such groups, shared by several test modules, stop short of
 :class:`QueueGroup` records each batch the call queue issues, :class:`IssuingGroup` puts
 each batch in flight on an event the test fires, and :func:`logic_group` launches each call
 at once on a communicator that records the NCCL calls (the real device checks kept).
+:func:`backend_shape` gives any of their cores the Backend shape.
 
 Also the CUDA objects of the issue path as stand-ins: :class:`FakeEvent`,
 :class:`RecordedEvent`, :class:`FakeStream`; :func:`use_cuda_standins`, which puts them in
@@ -53,6 +54,24 @@ class CpuAsCudaGroup(ProcessGroupCupycoll):
     def _classify(self, tensors, op_name):
         super()._classify(tensors, op_name)  # the real mixing/type checks, CPU tensors stand in
         return True
+
+
+def backend_shape(core: type) -> type:
+    """:class:`CpuAsCudaGroup`'s twin in the Backend shape (torch 2.14+): the real
+    CupycollBackend over the CUDA core ``core``, with no gloo half, so that CPU tensors, which
+    torch hands the group's CpuView, take the CUDA route too."""
+    from cupycoll import py_backend  # only where torch has the trampoline
+
+    class StandInShape(py_backend.CupycollBackend):
+        backend_class = core
+
+        def _build_cpu_group(self, store, rank, size, timeout):
+            return None
+
+        def _classify(self, tensors, op_name):
+            super()._classify(tensors, op_name)
+            return True
+    return StandInShape
 
 
 class FakeEvent:

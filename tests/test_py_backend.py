@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from cupycoll import compat
 from cupycoll.errors import CupycollTypeError, CupycollValueError
-from standins import QueueBackend
+from standins import QueueBackend, backend_shape
 
 pytestmark = pytest.mark.skipif(
     not compat.PY_BACKEND, reason=f"torch {torch.__version__} has no PyBackend trampoline (2.14 added it)")
@@ -28,18 +28,8 @@ pytestmark = pytest.mark.skipif(
 if compat.PY_BACKEND:
     from cupycoll import py_backend
 
-    class StandInBackend(py_backend.CupycollBackend):
-        """The real Backend shell over a queue-recording core; no gloo half: CPU tensors,
-        which torch hands the group's CpuView, take the CUDA route."""
-
-        backend_class = QueueBackend
-
-        def _build_cpu_group(self, store, rank, size, timeout):
-            return None
-
-        def _classify(self, tensors, op_name):
-            super()._classify(tensors, op_name)
-            return True
+    class StandInBackend(backend_shape(QueueBackend)):
+        """The real Backend shell over a queue-recording core (tests/standins.py)."""
 
         def _start_coalescing(self, device=None):
             self._open_block()

@@ -29,7 +29,7 @@ from cupycoll import compat
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError
 from cupycoll.faults.lifecycle import GroupState
 from cupycoll.shell import group_arguments
-from standins import CpuAsCudaBackend, CpuAsCudaGroup, FakeStream, RecordedEvent, use_cuda_standins
+from standins import CpuAsCudaBackend, CpuAsCudaGroup, FakeStream, RecordedEvent, backend_shape, use_cuda_standins
 
 EVENTS = []  # every CUDA event the backend made, in order: the test fires them
 
@@ -73,16 +73,7 @@ SHAPES = {"process_group": _process_group_shape}
 if compat.PY_BACKEND:
     from cupycoll import py_backend
 
-    class BackendShape(py_backend.CupycollBackend):
-        backend_class = TrackingBackend
-
-        def _build_cpu_group(self, store, rank, size, timeout):
-            return None
-
-        def _classify(self, tensors, op_name):
-            super()._classify(tensors, op_name)
-            return True
-
+    BackendShape = backend_shape(TrackingBackend)
     SHAPES["backend"] = functools.partial(py_backend.create, cls=BackendShape)
 
 # What torch's holder of a Python Backend's Work answers itself (torch 2.14.1, 2.15).

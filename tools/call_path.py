@@ -335,20 +335,16 @@ def through_dist(timed_calls: int = 2000) -> dict:
     from cupycoll.shell import group_arguments
 
     standins, Backend, Group = _standin_classes()
-    shapes = {"process_group": lambda opts, pg_options: Group(*group_arguments(opts, pg_options)[0],
-                                                               **group_arguments(opts, pg_options)[1])}
+
+    def process_group_shape(opts, pg_options):
+        args, kwargs = group_arguments(opts, pg_options)
+        return Group(*args, **kwargs)
+
+    shapes = {"process_group": process_group_shape}
     if compat.PY_BACKEND:
         from cupycoll import py_backend
 
-        class CudaShape(py_backend.CupycollBackend):
-            backend_class = Backend
-
-            def _build_cpu_group(self, store, rank, size, timeout):
-                return None
-
-            def _classify(self, tensors, op_name):
-                super()._classify(tensors, op_name)
-                return True
+        CudaShape = standins.backend_shape(Backend)
 
         class DoneWork(dist.Work):
             """A Python Work that is done: torch's holder calls its wait() as it calls cupycoll's."""
