@@ -21,9 +21,11 @@ A :class:`CudaBackend` issues a group's CUDA calls:
   (:mod:`cupycoll.faults.watchdog`) with a pooled CUDA event, unless the stream is capturing a
   CUDA graph; its Works ask the watch how it went. How the group ends is its lifetime's
   (:mod:`cupycoll.faults.lifecycle`);
-* **the fast path**: a synchronous all_reduce of one tensor on a healthy group with nothing
-  queued goes from the group's method to NCCL in one frame (:meth:`~CudaBackend.all_reduce_fast`);
-  everything else takes the general path (:meth:`~CudaBackend.submit`);
+* **the fast path**: an all_reduce of one tensor, an all_gather_into_tensor or a
+  reduce_scatter_tensor (DDP's and FSDP's calls) on a healthy group with nothing queued goes
+  from the group's method to NCCL in two frames (:meth:`~CudaBackend.all_reduce_fast` and
+  its siblings, then :meth:`~CudaBackend._call_now`); everything else takes the general path
+  (:meth:`~CudaBackend.submit`);
 * **runners**: of cupycoll's algorithms (:mod:`cupycoll.algorithms`, such as the ring), one
   per algorithm and communicator, made on first use.
 
@@ -54,6 +56,7 @@ from .faults import lifecycle
 from .faults.lifecycle import GroupState
 from .faults.watchdog import Watch, entries
 from .nccl.bootstrap import StoreBootstrap
+from .nccl import bindings as nb
 from .nccl.communicator import Communicator, Communicators
 from .trace.recorder import E_ROUTE, describe_entry
 from .work import CudaWork
@@ -367,21 +370,64 @@ class CudaBackend:
             self._plans[dtype, op] = (plan.dtype, plan.op, plan.count_scale)
 
     def all_reduce_fast(self, tensor: torch.Tensor, opts) -> Optional[CudaWork]:
-        """An all_reduce of ``tensor`` on NCCL in one frame, or None when the call needs the
-        general path: the fast flag is off (see :meth:`_refresh_fast`); the tensor is not
-        contiguous or on another device; no plan is learnt for its dtype and op, or an
-        algorithm override is in force; the current stream captures a CUDA graph; the group
-        is not ``ok``, or calls are queued or a coalescing block is open. An asynchronous
-        call runs on the communicator's stream after the caller's, holding its tensor until
-        the GPU is done, as the general path's. What it does is what the general path would
-        do (tests/test_fast_path.py)."""
-        index = self._device_index
-        if tensor.get_device() != index or not tensor.is_contiguous():
+        """An all_reduce of ``tensor`` on NCCL at once (:meth:`_call_now`), or None when the
+        call needs the general path: the tensor is not contiguous or on another device, no
+        plan is learnt for its dtype and op, or an algorithm override is in force (and what
+        :meth:`_call_now` refuses). What it does is what the general path would do
+        (tests/test_fast_path.py)."""
+        if tensor.get_device() != self._device_index or not tensor.is_contiguous():
             return None
         plan = self._plans.get((tensor.dtype, opts.reduceOp.op))
         if plan is None or _OVERRIDES:
             return None
-        current = compat.current_raw_stream(index)
+        dtype, op, scale = plan
+        ptr = tensor.data_ptr()
+        return self._call_now("all_reduce", tensor, tensor, (tensor.shape,), (tensor.dtype,), opts,
+                              "ncclAllReduce", (ptr, ptr, tensor.numel() * scale, dtype, op))
+
+    def all_gather_fast(self, output: torch.Tensor, input: torch.Tensor, opts) -> Optional[CudaWork]:
+        """An all_gather_into_tensor (FSDP's unsharding) on NCCL at once, or None when the
+        call needs the general path (which checks what this refuses, and raises on bad
+        input): a tensor not contiguous or on another device, ``output`` not one ``input``
+        per rank in its dtype (and what :meth:`_call_now` refuses)."""
+        index = self._device_index
+        if (input.get_device() != index or output.get_device() != index or not input.is_contiguous()
+                or not output.is_contiguous() or output.dtype != input.dtype
+                or output.numel() != input.numel() * self.size):
+            return None
+        return self._call_now("all_gather_into_tensor", output, (input, output), (output.shape, input.shape),
+                              (output.dtype, input.dtype), opts, "ncclAllGather",
+                              (input.data_ptr(), output.data_ptr(), input.numel() * input.element_size(),
+                               nb.ncclUint8))
+
+    def reduce_scatter_fast(self, output: torch.Tensor, input: torch.Tensor, opts) -> Optional[CudaWork]:
+        """A reduce_scatter_tensor (FSDP's gradient reduction) on NCCL at once, or None when
+        the call needs the general path: as :meth:`all_gather_fast` with the roles of the
+        tensors swapped, and as :meth:`all_reduce_fast` for the plan."""
+        index = self._device_index
+        if (input.get_device() != index or output.get_device() != index or not input.is_contiguous()
+                or not output.is_contiguous() or output.dtype != input.dtype
+                or input.numel() != output.numel() * self.size):
+            return None
+        plan = self._plans.get((output.dtype, opts.reduceOp.op))
+        if plan is None or _OVERRIDES:
+            return None
+        dtype, op, scale = plan
+        return self._call_now("reduce_scatter_tensor", output, (input, output), (output.shape, input.shape),
+                              (output.dtype, input.dtype), opts, "ncclReduceScatter",
+                              (input.data_ptr(), output.data_ptr(), output.numel() * scale, dtype, op))
+
+    def _call_now(self, op_name: str, output: torch.Tensor, keep, shapes: tuple, dtypes: tuple, opts,
+                  function: str, args: tuple) -> Optional[CudaWork]:
+        """The fast path's launch: ``function(*args, comm, stream)`` on the group's blocking
+        communicator now, recorded in the flight recorder as ``op_name`` of ``shapes`` and
+        ``dtypes`` (as the group records the call), watched, its Work returned; None when
+        the call needs the general path: the current stream captures a CUDA graph, the
+        group is not ``ok``, calls are queued or a coalescing block is open. The fast flag
+        was checked by the caller (see :meth:`_refresh_fast`). A synchronous call runs on
+        the caller's stream; an asynchronous one on the communicator's stream after the
+        caller's, holding ``keep`` until the GPU is done, as the general path's."""
+        current = compat.current_raw_stream(self._device_index)
         if _cuda.capturing(current):
             return None
         async_op = _async_requested(opts)
@@ -391,15 +437,13 @@ class CudaBackend:
                 return None
             comm = self.comms.group
             if async_op:
-                stream, keepalive = comm.stream, tensor
+                stream, keepalive = comm.stream, keep
                 self._order_after(current, stream)
             else:
                 stream, keepalive = current, None
-            dtype, op, scale = plan
-            entry = self._recorder.record("all_reduce", (tensor.shape,), (tensor.dtype,), None, "nccl", "issued")
-            ptr = tensor.data_ptr()
+            entry = self._recorder.record(op_name, shapes, dtypes, None, "nccl", "issued")
             try:
-                comm.all_reduce_now(ptr, ptr, tensor.numel() * scale, dtype, op, stream)
+                comm.call_now(function, args, stream)
             except BaseException as exc:
                 self._recorder.mark(entry, "failed")
                 timed_out = self.life.timeout_that_cut(exc)
@@ -408,7 +452,7 @@ class CudaBackend:
                 raise
             slot = self.watch.issued(stream, entry, keepalive) if self._watch_calls else None
             calls._seq += 1
-            work = CudaWork("all_reduce", self.device, [tensor], self.watch, seq=calls._seq)
+            work = CudaWork(op_name, self.device, [output], self.watch, seq=calls._seq)
             work._issued(slot, stream, async_op)
         return work
 

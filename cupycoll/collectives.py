@@ -242,6 +242,8 @@ def reduce_scatter_tensor(backend, output, input, opts, entry=None) -> CudaWork:
                            keepalive=keep, async_op=_async_requested(opts), algorithm=plan.algorithm,
                            prepare=_algorithm_prepare(backend, plan, "reduce_scatter", output.numel()), entry=entry)
     count = output.numel() * plan.count_scale
+    if plan.premul_factor is None and config.algorithm_override() is None:
+        backend.learn_plan(output.dtype, _args.op_type(opts.reduceOp), plan)  # the fast path's too
     launch, prepare = _reduce_launch(plan, output.dtype, lambda comm, op, s: comm.reduce_scatter(
         in_ptr, out_ptr, count, plan.dtype, op, s))
     return backend.submit(what, device, [output], launch, keepalive=keep,

@@ -258,7 +258,8 @@ class GroupShell:
     # -- collectives: CPU to gloo, CUDA to cupycoll.collectives ----------------------------
     def allreduce(self, tensors, opts=None):
         cuda = self._cuda
-        if cuda.fast and opts is not None and type(tensors) is list and len(tensors) == 1:
+        if cuda.fast and opts is not None and type(tensors) is list and len(tensors) == 1 \
+                and isinstance(tensors[0], torch.Tensor):
             work = cuda.all_reduce_fast(tensors[0], opts)
             if work is not None:
                 return work
@@ -312,6 +313,11 @@ class GroupShell:
             lambda: [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_tensors)])
 
     def all_gather_single(self, output, input, opts=None):
+        cuda = self._cuda
+        if cuda.fast and opts is not None and isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
+            work = cuda.all_gather_fast(output, input, opts)
+            if work is not None:
+                return work
         opts = opts if opts is not None else c10d.AllgatherOptions()
         cuda, entry = self._route([output, input], "all_gather_into_tensor", opts)
         if not cuda:
@@ -334,6 +340,11 @@ class GroupShell:
         return self._issue(entry, collectives.reduce_scatter, output_tensors, input_tensors, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
+        cuda = self._cuda
+        if cuda.fast and opts is not None and isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
+            work = cuda.reduce_scatter_fast(output, input, opts)
+            if work is not None:
+                return work
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
         cuda, entry = self._route([output, input], "reduce_scatter_tensor", opts)
         if not cuda:

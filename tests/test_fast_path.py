@@ -1,10 +1,11 @@
-"""The synchronous all_reduce's fast path (CudaBackend.all_reduce_fast) on CPU stand-ins: it
-runs only when the general path would do the same thing, and then does what the general path
-does (the same NCCL call, flight-recorder entry, watch and Work answers). Each input that
-sends a call to the general path has a test that shows it does: the fast flag's (what changes
-rarely: a blocking communicator made, settings) and the per-call ones (the tensor, a plan
-learnt, an algorithm override, a capture, the group's state, queued calls, an open coalescing
-block). An asynchronous call takes it too, on the communicator's stream after the caller's.
+"""The fast path (CudaBackend.all_reduce_fast, all_gather_fast, reduce_scatter_fast) on CPU
+stand-ins: it runs only when the general path would do the same thing, and then does what the
+general path does (the same NCCL call, flight-recorder entry, watch and Work answers). Each
+input that sends a call to the general path has a test that shows it does: the fast flag's
+(what changes rarely: a blocking communicator made, settings) and the per-call ones (the
+tensors, a plan learnt, an algorithm override, a capture, the group's state, queued calls, an
+open coalescing block). An asynchronous call takes it too, on the communicator's stream after
+the caller's. Bad input is never the fast path's: the general path raises its typed error.
 
 The parts of an ``allreduce_coalesced`` (what torch's coalescing manager makes of a block of
 all_reduces) take one launch of their own (CudaBackend.all_reduce_parts) under the same
@@ -271,3 +272,134 @@ def test_coalesced_parts_on_an_ended_group_say_why(make):
     group.abort()
     with pytest.raises(CommunicatorAbortedError, match="was aborted"):
         group.allreduce_coalesced([torch.ones(4)], coalesced_opts())
+
+
+# -- FSDP's two calls: all_gather_into_tensor and reduce_scatter_tensor ---------------------
+
+DTYPE_BYTE = 1  # ncclUint8: all_gather moves bytes
+
+
+def flat_opts(kind, op=dist.ReduceOp.SUM, async_op=False):
+    opts = c10d.AllgatherOptions() if kind == "all_gather" else c10d.ReduceScatterOptions()
+    if kind == "reduce_scatter":
+        opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = async_op
+    return opts
+
+
+def flat_call(group, kind, output, input, opts=None):
+    """The group's all_gather_into_tensor or reduce_scatter_tensor, as torch calls it."""
+    opts = flat_opts(kind) if opts is None else opts
+    if kind == "all_gather":
+        return group._allgather_base(output, input, opts)
+    return group._reduce_scatter_base(output, input, opts)
+
+
+def flat_tensors(kind, shard=3, dtype=torch.float32):
+    """(output, input) of a two-rank call: the whole is one shard per rank."""
+    part, whole = torch.ones(shard, dtype=dtype), torch.ones(2 * shard, dtype=dtype)
+    return (whole, part) if kind == "all_gather" else (part, whole)
+
+
+def flat_taken(group, kind, output=None, input=None, opts=None):
+    """Did the call take the fast path? (The group checks the fast flag first; the method
+    returns None when the call needs the general path.)"""
+    if output is None:
+        output, input = flat_tensors(kind)
+    method = group._cuda.all_gather_fast if kind == "all_gather" else group._cuda.reduce_scatter_fast
+    return group._cuda.fast and method(output, input, flat_opts(kind) if opts is None else opts) is not None
+
+
+def flat_warmed(group, kind):
+    """The group after a first call of ``kind`` (the general path: the communicator made,
+    a reduce_scatter's plan learnt)."""
+    flat_call(group, kind, *flat_tensors(kind)).wait()
+    return group
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_fsdps_calls_take_the_fast_path_after_their_first_call(make, kind):
+    group = make()
+    assert not flat_taken(group, kind)  # no communicator yet
+    flat_warmed(group, kind)
+    assert flat_taken(group, kind)
+
+
+@pytest.mark.parametrize("kind, function, dtype", [("all_gather", "ncclAllGather", DTYPE_BYTE),
+                                                   ("reduce_scatter", "ncclReduceScatter", DTYPE_FLOAT)])
+def test_fsdps_calls_on_the_fast_path_do_what_the_general_path_does(make, kind, function, dtype):
+    fast, general = flat_warmed(make(), kind), flat_warmed(make(), kind)
+    general._cuda.fast = False  # the same call, the general way
+    output, input = flat_tensors(kind)
+    works = [flat_call(group, kind, output, input) for group in (fast, general)]
+    calls = [group._cuda.comm._lib.calls[-1] for group in (fast, general)]
+    assert calls[0] == calls[1] and calls[0][0] == function
+    count = input.numel() * input.element_size() if kind == "all_gather" else output.numel()
+    expected = (input.data_ptr(), output.data_ptr(), count, dtype) + ((OP_SUM,) if kind == "reduce_scatter" else ())
+    assert calls[0][1][:len(expected)] == expected
+    entries = [group._trace.recorder.entries[-1] for group in (fast, general)]
+    assert entries[0][2:8] == entries[1][2:8]  # op, shapes, dtypes, root, route, state
+    assert entries[0][3] == (output.shape, input.shape) and entries[0][7] == "issued"
+    for work, group in zip(works, (fast, general)):
+        assert work._in_flight() is not None and group._cuda.watch.in_flight() == 2
+        assert work.result() == [output] and work.exception() is None and work.wait()
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_fsdps_calls_leave_to_the_general_path_what_it_must_check(make, kind):
+    group = flat_warmed(make(), kind)
+    output, input = flat_tensors(kind)
+    assert not flat_taken(group, kind, output, torch.ones(6, 2).t()[0])  # input not contiguous
+    assert not flat_taken(group, kind, torch.ones(6, 2).t()[0], input)  # output not contiguous
+    assert not flat_taken(group, kind, output, input.double())  # dtypes differ
+    assert not flat_taken(group, kind, torch.ones(output.numel() + 1), input)  # not one shard per rank
+    group._cuda._device_index = 3  # the tensors are on another device than the group's
+    assert not flat_taken(group, kind, output, input)
+
+
+def test_a_reduce_scatter_needs_a_plan_learnt_for_its_dtype_and_op(make):
+    group = flat_warmed(make(), "reduce_scatter")
+    assert not flat_taken(group, "reduce_scatter", *flat_tensors("reduce_scatter", dtype=torch.float64))
+    assert not flat_taken(group, "reduce_scatter", opts=flat_opts("reduce_scatter", dist.ReduceOp.MAX))
+    with cupycoll.algorithm("nccl"):
+        assert not flat_taken(group, "reduce_scatter")
+    # an all_gather needs none, and no override concerns it
+    flat_warmed(group, "all_gather")
+    with cupycoll.algorithm("nccl"):
+        assert flat_taken(group, "all_gather")
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_fsdps_calls_on_an_ended_group_say_why(make, kind):
+    group = flat_warmed(make(), kind)
+    group.abort()
+    assert not flat_taken(group, kind)
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        flat_call(group, kind, *flat_tensors(kind))
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_bad_input_to_a_fast_group_gets_the_general_paths_typed_error(make, kind):
+    group = flat_warmed(make(), kind)
+    output, input = flat_tensors(kind)
+    with pytest.raises(cupycoll.CupycollValueError, match="numel|elements"):
+        flat_call(group, kind, torch.ones(output.numel() + 1), input)
+    with pytest.raises(cupycoll.CupycollTypeError, match="NoneType"):
+        flat_call(group, kind, output, None)
+    with pytest.raises(cupycoll.CupycollTypeError, match="NoneType"):
+        group.allreduce([None], sync_opts())
+    assert flat_taken(group, kind)  # the group stays usable, and fast
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_an_asynchronous_fsdp_call_holds_both_tensors_on_the_communicators_stream(make, kind):
+    group = flat_warmed(make(), kind)
+    comm = group._cuda.comm
+    comm.stream = 0x5eed
+    output, input = flat_tensors(kind)
+    work = flat_call(group, kind, output, input, flat_opts(kind, async_op=True))
+    assert comm._lib.calls[-1][1][-1] == 0x5eed
+    slot = work._in_flight()
+    assert slot.stream == 0x5eed and slot.keepalive == (input, output) and work._async
+    assert work.wait() and work.result() == [output]

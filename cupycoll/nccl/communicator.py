@@ -212,21 +212,22 @@ class Communicator(GuardedCalls):
     def all_reduce(self, sendbuf, recvbuf, count, dtype, op, stream):
         self._call("ncclAllReduce", sendbuf, recvbuf, count, dtype, op, stream)
 
-    def all_reduce_now(self, sendbuf, recvbuf, count, dtype, op, stream) -> None:
-        """ncclAllReduce on a blocking communicator, outside any NCCL group: the synchronous
-        hot path's one frame, with the call guard's rules (:meth:`_guarded`) written inline."""
+    def call_now(self, function: str, args: tuple, stream) -> None:
+        """``function(*args, comm, stream)`` (ncclAllReduce, ncclAllGather, ncclReduceScatter)
+        on a blocking communicator, outside any NCCL group: the fast path's one frame, with
+        the call guard's rules (:meth:`_guarded`) written inline."""
         with self._lock:
             handle = self._handle
             if self.state != "ok" or not handle:
                 raise CommunicatorAbortedError(
-                    f"ncclAllReduce: the NCCL communicator on cuda:{self.device} was {self.state}")
-            note = [threading.get_ident(), time.monotonic(), "ncclAllReduce", None]
+                    f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
+            note = [threading.get_ident(), time.monotonic(), function, None]
             self._callers.append(note)
         try:
-            self._lib.ncclAllReduce(sendbuf, recvbuf, count, dtype, op, handle, stream)
+            getattr(self._lib, function)(*args, handle, stream)
         except Exception as exc:
             if self.ended:
-                raise self.cut_short("ncclAllReduce") from exc
+                raise self.cut_short(function) from exc
             raise
         finally:
             self._callers.remove(note)

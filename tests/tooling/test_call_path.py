@@ -42,7 +42,8 @@ def test_the_traced_all_reduce_goes_from_the_group_through_the_backend_to_the_co
     names = [line.strip() for line in tree]
     path = [(c["module"], c["function"].split(".")[-1]) for c in figures["trace"]]
     # in this order, not necessarily adjacent
-    expected = iter([("shell", "allreduce"), ("backend", "all_reduce_fast"), ("nccl.communicator", "all_reduce_now"),
+    expected = iter([("shell", "allreduce"), ("backend", "all_reduce_fast"), ("backend", "_call_now"),
+                     ("nccl.communicator", "call_now"),
                      ("faults.watchdog", "issued"), ("work", "wait")])
     step = next(expected)
     for entry in path:
@@ -72,6 +73,16 @@ def test_the_synchronous_all_reduce_stays_within_the_fast_paths_budget(tmp_path)
     assert figures["modules"] <= FAST_PATH_MODULES, figures["module_names"]
     assert figures["upward_calls"] == []
     assert "collectives" not in figures["module_names"] and "call_queue" not in figures["module_names"]
+
+
+def test_fsdps_two_calls_stay_within_the_fast_paths_budget(tmp_path):
+    # all_gather_into_tensor and reduce_scatter_tensor take the fast path as the all_reduce
+    # does (the general path makes 45 to 51).
+    assert main(["--calls", "20", "--json", str(tmp_path / "figures.json")]) == 0
+    figures = json.loads((tmp_path / "figures.json").read_text(encoding="utf-8"))
+    assert set(figures["fsdp"]) == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+    for name, measured in figures["fsdp"].items():
+        assert measured["calls"] <= FAST_PATH_CALLS and measured["thread_cpu_us"] > 0, (name, measured)
 
 
 def test_a_coalescing_blocks_calls_grow_only_by_each_parts_flight_recorder_entry(tmp_path):
