@@ -50,7 +50,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from . import _cuda, algorithms, compat, config
-from .call_queue import CallQueue, Issue
+from .call_queue import CallQueue, Issue, _block_owner
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 from .faults import lifecycle
 from .faults.lifecycle import GroupState
@@ -423,7 +423,9 @@ class CudaBackend:
         communicator now, recorded in the flight recorder as ``op_name`` of ``shapes`` and
         ``dtypes`` (as the group records the call), watched, its Work returned; None when
         the call needs the general path: the current stream captures a CUDA graph, the
-        group is not ``ok``, calls are queued or a coalescing block is open. The fast flag
+        group is not ``ok``, calls are queued, or a coalescing block is open (this group's,
+        or any group's in this thread: the general path refuses a call of another group
+        inside it, or drops it when stale). The fast flag
         was checked by the caller (see :meth:`_refresh_fast`). A synchronous call runs on
         the caller's stream; an asynchronous one on the communicator's stream after the
         caller's, holding ``keep`` until the GPU is done, as the general path's."""
@@ -433,7 +435,8 @@ class CudaBackend:
         async_op = _async_requested(opts)
         calls = self.calls
         with calls.lock:
-            if self.life.state is not _OK or calls.block is not None or calls.pending:
+            if (self.life.state is not _OK or calls.block is not None or calls.pending
+                    or _block_owner() is not None):  # a block open in this thread, of any group
                 return None
             comm = self.comms.group
             if async_op:

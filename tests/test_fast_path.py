@@ -163,6 +163,25 @@ def test_queued_calls_and_an_open_block_send_the_call_to_the_general_path(make):
     assert fast_taken(group)
 
 
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_another_groups_block_open_in_this_thread_sends_the_call_to_the_general_path(make, kind):
+    # which refuses it: one block coalesces one group's calls
+    blocking, group = warmed(make()), make()
+    if kind == "all_reduce":
+        warmed(group)
+        call = lambda: group.allreduce([torch.ones(4)], sync_opts())  # noqa: E731
+    else:
+        flat_warmed(group, kind)
+        call = lambda: flat_call(group, kind, *flat_tensors(kind))  # noqa: E731
+    blocking._start_coalescing(CUDA)
+    try:
+        with pytest.raises(cupycoll.CupycollValueError, match="inside a coalescing block of group"):
+            call()
+    finally:
+        blocking._end_coalescing(CUDA)
+    assert call().wait()
+
+
 def test_an_ended_group_refuses_the_fast_path_and_the_general_path_says_why(make):
     group = warmed(make())
     group.abort()

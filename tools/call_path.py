@@ -73,7 +73,11 @@ def name(call: Call) -> str:
 
 
 def trace_calls(run: Callable[[], object], package_dir: Path) -> List[Call]:
-    """The Python calls into code under ``package_dir`` that ``run()`` makes on this thread."""
+    """The Python calls into code under ``package_dir`` that ``run()`` makes on this thread.
+    The garbage collector is run first and kept off meanwhile: a collection inside ``run()``
+    would list the finalizers of earlier garbage as its calls."""
+    import gc
+
     prefix = str(package_dir) + os.sep
     calls: List[Call] = []
     open_frames: list = []  # the package's frames under way, innermost last
@@ -95,12 +99,17 @@ def trace_calls(run: Callable[[], object], package_dir: Path) -> List[Call]:
         elif event == "return" and open_frames and open_frames[-1] is frame:
             open_frames.pop()
 
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
     previous = sys.getprofile()
     sys.setprofile(profile)
     try:
         run()
     finally:
         sys.setprofile(previous)
+        if collecting:
+            gc.enable()
     return calls
 
 
@@ -420,6 +429,80 @@ def through_dist(timed_calls: int = 2000) -> dict:
     return figures
 
 
+# -- the CPU route ----------------------------------------------------------------------
+
+
+def cpu_route(timed_calls: int = 2000, rounds: int = 3) -> dict:
+    """The CPU route at world size 1, thread CPU µs per synchronous call of a 4-element CPU
+    tensor (medians of ``rounds`` interleaved rounds, each the median of 3 runs):
+
+    * ``gloo`` and ``cupycoll``: ``dist.all_reduce`` on plain gloo and on a cupycoll group,
+      whose CPU half is a gloo group of its own;
+    * ``cupycoll_share``: what cupycoll adds to the call it makes on its CPU half, measured
+      with torch's ``FakeProcessGroup`` (a C++ group that finishes every call at once) as
+      that half: ``group.allreduce + wait`` minus the fake's own ``allreduce + wait``.
+
+    The process runs on one CPU meanwhile (where the platform lets it choose): gloo runs each
+    Work on a worker thread, and across two CPUs the caller's CPU time mostly counts the
+    cross-CPU wake-ups of that hand-over, which come and go with the scheduler (the same call
+    measured 7 µs or 25 µs from one run to the next); on one CPU it is the code's cost.
+    """
+    import statistics
+
+    import torch
+    from torch._C import _distributed_c10d as c10d
+
+    import cupycoll  # noqa: F401 - registers the backend
+
+    fake_class = c10d.FakeProcessGroup
+    tensor, opts = torch.ones(4), c10d.AllreduceOptions()
+    samples: Dict[str, List[float]] = {"gloo": [], "cupycoll": [], "cupycoll_share": []}
+    pinned = hasattr(os, "sched_setaffinity")
+    if pinned:  # before the groups' worker threads start: they inherit it
+        allowed = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(allowed)})
+    try:
+        _cpu_route_rounds(timed_calls, rounds, tensor, opts, fake_class, samples)
+    finally:
+        if pinned:
+            os.sched_setaffinity(0, allowed)
+    figures = {name: statistics.median(values) for name, values in samples.items()}
+    figures["one_cpu"] = pinned
+    return figures
+
+
+def _cpu_route_rounds(timed_calls, rounds, tensor, opts, fake_class, samples) -> None:
+    import torch.distributed as dist
+
+    from bench.group_cost import per_call_us
+
+    for _ in range(rounds):
+        for backend in ("gloo", "cupycoll"):
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                def call():
+                    dist.all_reduce(tensor)
+                call()
+                per_call_us(call, max(1, timed_calls // 10), repeats=1)
+                samples[backend].append(per_call_us(call, timed_calls, repeats=3, clock=time.thread_time))
+                if backend == "cupycoll":
+                    group = dist.group.WORLD
+                    fake = (fake_class._create_internal(0, 1) if hasattr(fake_class, "_create_internal")
+                            else fake_class(0, 1))
+                    with mock.patch.object(group, "_cpu", fake):
+                        def routed():
+                            group.allreduce([tensor], opts).wait()
+
+                        def alone():
+                            fake.allreduce([tensor], opts).wait()
+                        routed()
+                        samples["cupycoll_share"].append(
+                            per_call_us(routed, timed_calls, repeats=3, clock=time.thread_time)
+                            - per_call_us(alone, timed_calls, repeats=3, clock=time.thread_time))
+            finally:
+                dist.destroy_process_group()
+
+
 # -- output -----------------------------------------------------------------------------
 
 
@@ -461,6 +544,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--through-dist", action="store_true",
                         help="also time dist.all_reduce through torch's dispatch, in each shape this torch "
                              "has, and (torch 2.14+) the floor of its Python-Backend trampoline")
+    parser.add_argument("--cpu-route", action="store_true",
+                        help="also time the CPU route at world size 1 against plain gloo, and cupycoll's "
+                             "share of it (over a CPU half that finishes every call at once)")
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error("--calls must be >= 1")
@@ -472,6 +558,13 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{args.calls}, by how torch holds the group:")
         for shape, us in figures["through_dist"].items():
             print(f"  {shape}: {us:.1f} us")
+    if args.cpu_route:
+        figures["cpu_route"] = route = cpu_route(args.calls)
+        where = "on one CPU, " if route["one_cpu"] else ""
+        print(f"CPU route, dist.all_reduce at world size 1, thread CPU per call ({where}medians of 3 "
+              f"interleaved rounds of {args.calls}): gloo {route['gloo']:.1f} us, cupycoll {route['cupycoll']:.1f} us "
+              f"({route['cupycoll'] / route['gloo']:.2f}x); cupycoll's share over a CPU half that finishes "
+              f"at once: {route['cupycoll_share']:.1f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     return 0

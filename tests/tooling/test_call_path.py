@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -83,6 +84,18 @@ def test_fsdps_two_calls_stay_within_the_fast_paths_budget(tmp_path):
     assert set(figures["fsdp"]) == {"all_gather_into_tensor", "reduce_scatter_tensor"}
     for name, measured in figures["fsdp"].items():
         assert measured["calls"] <= FAST_PATH_CALLS and measured["thread_cpu_us"] > 0, (name, measured)
+
+
+def test_the_cpu_route_and_torchs_dispatch_are_timed_and_the_process_runs_where_it_did(tmp_path):
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    assert main(["--calls", "20", "--cpu-route", "--through-dist", "--json", str(tmp_path / "figures.json")]) == 0
+    figures = json.loads((tmp_path / "figures.json").read_text(encoding="utf-8"))
+    route = figures["cpu_route"]
+    assert route["gloo"] > 0 and route["cupycoll"] > 0 and isinstance(route["cupycoll_share"], float)
+    assert route["one_cpu"] == (allowed is not None)
+    assert figures["through_dist"]["process_group"] > 0
+    if allowed is not None:  # pinned to one CPU for the measurement only
+        assert os.sched_getaffinity(0) == allowed
 
 
 def test_a_coalescing_blocks_calls_grow_only_by_each_parts_flight_recorder_entry(tmp_path):
