@@ -50,7 +50,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from . import _cuda, algorithms, compat, config
-from .call_queue import CallQueue, Issue, _block_owner
+from .call_queue import CallQueue, Issue, open_block_owner
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 from .faults import lifecycle
 from .faults.lifecycle import GroupState
@@ -436,7 +436,7 @@ class CudaBackend:
         calls = self.calls
         with calls.lock:
             if (self.life.state is not _OK or calls.block is not None or calls.pending
-                    or _block_owner() is not None):  # a block open in this thread, of any group
+                    or open_block_owner.__dict__.get("queue") is not None):  # any group's, in this thread
                 return None
             comm = self.comms.group
             if async_op:

@@ -39,12 +39,13 @@ import torch.distributed as dist
 from .errors import CommunicatorAbortedError, CupycollError, CupycollValueError
 from .work import CudaWork, empty_work
 
-# The queue whose block is open in this thread (at most one: a manager coalesces one group).
-_open_block_owner = threading.local()
+# The queue whose block is open in this thread (at most one: a manager coalesces one group),
+# as its attribute "queue" (the fast path reads its __dict__: no call).
+open_block_owner = threading.local()
 
 
 def _block_owner() -> Optional["CallQueue"]:
-    return _open_block_owner.__dict__.get("queue")
+    return open_block_owner.__dict__.get("queue")
 
 
 class Issue:
@@ -101,7 +102,7 @@ class CallQueue:
         hand the call back: ``(its Work, the Issue to enqueue now or None)``. The caller
         holds :attr:`lock` (CudaBackend.submit does) and enqueues that Issue itself.
         ``entry``: the call's flight-recorder entry."""
-        if _open_block_owner.__dict__.get("queue") is not None:
+        if open_block_owner.__dict__.get("queue") is not None:
             self.check_block_scope(op_name)
         self._seq += 1
         queued = self.block is not None or peer is not None
@@ -193,7 +194,7 @@ class CallQueue:
         self.flush()
         self.block = []
         self.block_manager = manager_ref
-        _open_block_owner.queue = self
+        open_block_owner.queue = self
 
     def close_block(self) -> dist.Work:
         """Issue the block's calls as one NCCL group; one Work covers them all."""
@@ -211,7 +212,7 @@ class CallQueue:
         self.block = None
         self.block_manager = None
         if _block_owner() is self:
-            _open_block_owner.queue = None
+            open_block_owner.queue = None
 
     def abandon_block(self) -> None:
         """An exception inside a coalescing block: drop what it queued, stay usable."""
@@ -249,7 +250,7 @@ class CallQueue:
             return
         if owner.drop_stale_block() or owner.block is None:
             if _block_owner() is owner:
-                _open_block_owner.queue = None
+                open_block_owner.queue = None
             return
         if owner is self:
             return

@@ -230,6 +230,20 @@ class GroupShell:
             return self._gloo(entry, cpu_average.summed_then_divided, call, args, outputs, self._size)
         return self._gloo(entry, call, *args)
 
+    def _all_reduce_on_cpu(self, tensor: torch.Tensor, tensors: list, opts) -> Optional[dist.Work]:
+        """The CPU route's common call in one frame: an all_reduce of one CPU tensor straight to
+        the gloo half, recorded and traced as the general path does; None when it needs the
+        general path: the group is not ``ok``, CUDA calls are queued or a coalescing block
+        is open (the general path issues or refuses them), the mismatch check is on, or an
+        AVG gloo cannot do (:mod:`cupycoll.cpu_average`)."""
+        cuda, trace = self._cuda, self._trace
+        calls = cuda.calls
+        if (cuda.life.state is not GroupState.OK or calls.block is not None or calls.pending or trace.check
+                or cpu_average.wanted(opts, tensors)):
+            return None
+        entry = trace.recorder.record("all_reduce", (tensor.shape,), (tensor.dtype,), None, "gloo", "issued")
+        return self._gloo(entry, self._cpu.allreduce, tensors, opts)
+
     def _classify(self, flat, op_name: str) -> bool:
         """Is the call of the tensors ``flat`` a CUDA call? Rejects calls that mix device
         types or CUDA devices."""
@@ -257,10 +271,13 @@ class GroupShell:
 
     # -- collectives: CPU to gloo, CUDA to cupycoll.collectives ----------------------------
     def allreduce(self, tensors, opts=None):
-        cuda = self._cuda
-        if cuda.fast and opts is not None and type(tensors) is list and len(tensors) == 1 \
-                and isinstance(tensors[0], torch.Tensor):
-            work = cuda.all_reduce_fast(tensors[0], opts)
+        if opts is not None and type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
+            tensor, cuda = tensors[0], self._cuda
+            work = None
+            if cuda.fast:
+                work = cuda.all_reduce_fast(tensor, opts)
+            elif tensor.is_cpu:
+                work = self._all_reduce_on_cpu(tensor, tensors, opts)
             if work is not None:
                 return work
         opts = opts if opts is not None else c10d.AllreduceOptions()

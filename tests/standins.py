@@ -1,7 +1,8 @@
 """Stand-in process groups for CPU tests of logic that normally runs on CUDA.
 
-:class:`CpuAsCudaGroup` is the real ProcessGroupCupycoll with two routing seams replaced (no
-inner gloo group; CPU tensors take the CUDA route, after the real type and mixing checks)
+:class:`CpuAsCudaGroup` is the real ProcessGroupCupycoll with its routing seams replaced (no
+inner gloo group; CPU tensors take the CUDA route, after the real type and mixing checks,
+and never the CPU route's one-frame all_reduce)
 and one backend seam: :class:`CpuAsCudaBackend`, the real CudaBackend for which every tensor
 counts as being on ``cuda:0``. What happens after that (queueing, enqueue, faults) is the
 real code unless a test's subclass of the backend replaces it. The GPU tier runs the same
@@ -55,6 +56,9 @@ class CpuAsCudaGroup(ProcessGroupCupycoll):
         super()._classify(tensors, op_name)  # the real mixing/type checks, CPU tensors stand in
         return True
 
+    def _all_reduce_on_cpu(self, tensor, tensors, opts):
+        return None  # a CPU tensor stands in for a CUDA one: never the CPU route
+
 
 def backend_shape(core: type) -> type:
     """:class:`CpuAsCudaGroup`'s twin in the Backend shape (torch 2.14+): the real
@@ -71,6 +75,9 @@ def backend_shape(core: type) -> type:
         def _classify(self, tensors, op_name):
             super()._classify(tensors, op_name)
             return True
+
+        def _all_reduce_on_cpu(self, tensor, tensors, opts):
+            return None
     return StandInShape
 
 

@@ -7,6 +7,10 @@ tensors, a plan learnt, an algorithm override, a capture, the group's state, que
 open coalescing block). An asynchronous call takes it too, on the communicator's stream after
 the caller's. Bad input is never the fast path's: the general path raises its typed error.
 
+On the CPU route, a real group of one rank: an all_reduce of one CPU tensor goes to the gloo
+half in one frame (GroupShell._all_reduce_on_cpu), recorded and traced as the general path
+does, unless the general path has something to do first.
+
 The parts of an ``allreduce_coalesced`` (what torch's coalescing manager makes of a block of
 all_reduces) take one launch of their own (CudaBackend.all_reduce_parts) under the same
 rules: the same NCCL calls in one NCCL group, the same flight-recorder entries, one Work."""
@@ -422,3 +426,89 @@ def test_an_asynchronous_fsdp_call_holds_both_tensors_on_the_communicators_strea
     slot = work._in_flight()
     assert slot.stream == 0x5eed and slot.keepalive == (input, output) and work._async
     assert work.wait() and work.result() == [output]
+
+
+# -- the CPU route's all_reduce ----------------------------------------------------------
+
+
+class RecordingHalf:
+    """The group's gloo half, each call recorded on its way through."""
+
+    def __init__(self, gloo):
+        self.gloo = gloo
+        self.calls = []
+
+    def __getattr__(self, name):
+        method = getattr(self.gloo, name)
+
+        def call(*args):
+            self.calls.append(name)
+            return method(*args)
+        return call
+
+
+@pytest.fixture
+def cpu_group(monkeypatch):
+    from cupycoll.process_group import ProcessGroupCupycoll
+
+    made = []
+
+    def group(**options):
+        g = ProcessGroupCupycoll(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30), config.Options(**options))
+        made.append(g)
+        monkeypatch.setattr(g, "_cpu", RecordingHalf(g._cpu))
+        return g
+    yield group
+    for g in made:
+        g.shutdown()
+
+
+def cpu_taken(group, tensor=None, opts=None):
+    """Did the CPU all_reduce take its one frame? (It returns None otherwise.)"""
+    tensor = torch.ones(4) if tensor is None else tensor
+    return group._all_reduce_on_cpu(tensor, [tensor], sync_opts() if opts is None else opts) is not None
+
+
+def test_a_cpu_all_reduce_goes_to_gloo_in_one_frame_as_the_general_path_would(cpu_group):
+    fast, general = cpu_group(), cpu_group()
+    general._all_reduce_on_cpu = lambda tensor, tensors, opts: None  # the same call, the general way
+    works = []
+    for group in (fast, general):
+        tensor = torch.full((3,), 2.0)
+        work = group.allreduce([tensor], sync_opts())
+        works.append(work)
+        assert work.wait() and torch.equal(tensor, torch.full((3,), 2.0))  # one rank: the sum is itself
+        assert group._cpu.calls == ["allreduce"]
+    assert [type(work) for work in works][0] is type(works[1]) and works[0].is_completed()
+    entries = [group._trace.recorder.entries[-1] for group in (fast, general)]
+    assert entries[0][2:8] == entries[1][2:8] == ["all_reduce", (torch.Size([3]),), (torch.float32,), None,
+                                                  "gloo", "completed"]
+
+
+def test_a_cpu_all_reduce_leaves_to_the_general_path_what_it_must_do_first(cpu_group):
+    group = cpu_group()
+    assert cpu_taken(group)
+    group._cuda.calls.open_block()  # a CUDA block open: the general path refuses CPU tensors in it
+    assert not cpu_taken(group)
+    with pytest.raises(cupycoll.CupycollValueError, match="CPU tensors inside a coalescing block"):
+        group.allreduce([torch.ones(4)], sync_opts())
+    group._cuda.calls.close_block()
+    assert cpu_taken(group)
+    group._cuda.calls.pending.append(None)  # a CUDA send queued: the general path issues it first
+    assert not cpu_taken(group)
+    group._cuda.calls.pending.clear()
+    integers = torch.ones(4, dtype=torch.int64)
+    assert not cpu_taken(group, integers, sync_opts(dist.ReduceOp.AVG))  # gloo cannot average integers
+    assert cpu_taken(group, integers)
+
+
+def test_the_mismatch_check_keeps_the_cpu_all_reduce_on_the_general_path(cpu_group):
+    assert not cpu_taken(cpu_group(check_collectives=True))
+
+
+def test_a_cpu_all_reduce_on_an_ended_group_says_why(cpu_group):
+    group = cpu_group()
+    group.abort()
+    assert not cpu_taken(group)
+    with pytest.raises(CommunicatorAbortedError, match="was aborted"):
+        group.allreduce([torch.ones(4)], sync_opts())
