@@ -52,7 +52,7 @@ import torch
 from . import _cuda, algorithms, compat, config
 from .call_queue import CallQueue, Issue, open_block_owner
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
-from .faults import lifecycle
+from .faults import lifecycle, watchdog_cuda
 from .faults.lifecycle import GroupState
 from .faults.watchdog import Watch, entries
 from .nccl.bootstrap import StoreBootstrap
@@ -572,7 +572,8 @@ class CudaBackend:
         """Make ``stream`` wait for what the caller enqueued on ``current`` so far."""
         event = self._order_event
         if event is None:
-            event = self._order_event = _cuda.new_event()
+            with watchdog_cuda.on_device(self._device_index):  # recorded on the group's streams
+                event = self._order_event = _cuda.new_event()
         event.record(current)
         event.wait_on(stream)
 

@@ -139,7 +139,7 @@ class Watch:
         queue = self._streams.get(stream)
         if not free and queue is not None and len(queue) >= RETIRE_ON_ISSUE:
             self._retire_stream(queue)  # the caller reclaims slots between the watchdog's passes
-        slot = free.pop() if free else InFlight(_cuda.new_event())
+        slot = free.pop() if free else self._new_slot()
         slot.event.record(stream)
         self._seq += 1
         slot.seq = self._seq
@@ -158,6 +158,12 @@ class Watch:
                         queue.pop()
                 slot.keepalive = slot.records = None  # the slot stays its Work's: not reused
         return slot
+
+    def _new_slot(self) -> InFlight:
+        """A slot around a new pooled event, made on the group's device: CUDA records an event
+        only on streams of the device it was made on, whichever device the caller has current."""
+        with watchdog_cuda.on_device(self.device):
+            return InFlight(_cuda.new_event())
 
     # -- what a Work asks ----------------------------------------------------------------
     def failed(self, seq: int) -> Optional[BaseException]:

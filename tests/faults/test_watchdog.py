@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
-from cupycoll import bounds, config
+from cupycoll import _cuda, bounds, config
 from cupycoll.faults import watchdog_cuda
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
 from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog
@@ -33,7 +33,7 @@ from standins import FakeEvent
 _GROUP = """
     import datetime, threading, time
     import standins
-    from cupycoll import bounds, config
+    from cupycoll import _cuda, bounds, config
     from faulty import FakeComm, issued_work
     def group_with(timeout, policy="raise", comm=None):
         group = standins.CpuAsCudaGroup(None, 0, 2, datetime.timedelta(seconds=timeout),
@@ -539,6 +539,21 @@ def test_the_watchdog_thread_queries_events_on_the_groups_device(fake_cuda):
         assert all(device == 3 for _, device in event.seen)
     finally:
         watchdog.stop()
+
+
+def test_a_pooled_event_is_made_on_the_groups_device_whatever_the_caller_has_current(fake_cuda, monkeypatch):
+    made_on = []
+
+    class DeviceNotingEvent(FakeEvent):
+        def __init__(self):
+            super().__init__()
+            made_on.append(FakeDeviceGuard.current.get(threading.get_ident()))
+    monkeypatch.setattr(_cuda, "new_event", DeviceNotingEvent)
+    watch = make_watch(timeout=60)
+    watch.device = 2
+    with FakeDeviceGuard(0):  # the caller's current device
+        watch.issued(0, None)
+        assert made_on == [2] and FakeDeviceGuard.current[threading.get_ident()] == 0
 
 
 def test_drain_queries_on_the_groups_device_and_restores_the_callers(fake_cuda):
