@@ -361,7 +361,8 @@ def through_dist(timed_calls: int = 2000) -> dict:
     """Thread CPU µs per ``dist.all_reduce(t)`` (synchronous) through torch's own dispatch on
     the stand-ins' rank 0 of 1, in each shape this torch has, and, where torch dispatches to
     a Python Backend (2.14+), the floor of that dispatch: a Backend that does nothing and
-    returns a finished Work (torch's trampoline and holder alone)."""
+    returns a finished Work (torch's trampoline and holder alone), and that floor reading
+    the arguments as any backend must to make the call."""
     import torch
     import torch.distributed as dist
     from torch._C import _distributed_c10d as c10d
@@ -400,9 +401,21 @@ def through_dist(timed_calls: int = 2000) -> dict:
             def getBackendName(self):
                 return "floor"
 
+        class Reading(Done):
+            """The floor, reading what any backend reads of its arguments to make the call
+            (the tensor's device, layout, dtype, shape, pointer and size; the op; asyncOp)."""
+
+            def allreduce(self, tensors, opts=None):
+                tensor = tensors[0]
+                (tensor.get_device(), tensor.is_contiguous(), tensor.dtype, tensor.shape, tensor.data_ptr(),
+                 tensor.numel(), opts.reduceOp.op, compat.async_requested(opts))
+                return DoneWork()
+
         shapes["backend"] = lambda opts, pg_options: py_backend.create(opts, pg_options, cls=CudaShape)
         shapes["trampoline floor"] = lambda opts, pg_options: Done(opts.store, opts.group_rank,
                                                                     opts.group_size, opts.timeout)
+        shapes["trampoline floor, reading the arguments"] = lambda opts, pg_options: Reading(
+            opts.store, opts.group_rank, opts.group_size, opts.timeout)
     figures = {}
     with contextlib.ExitStack() as patches:
         def put(obj, attribute, value):
@@ -411,8 +424,8 @@ def through_dist(timed_calls: int = 2000) -> dict:
         standins.use_cuda_standins(put, standins.DoneEvent)
         put(_cuda, "cupy_module", cupy_without_device)
         for shape, creator in shapes.items():
-            name = "cupycoll_call_path_" + shape.replace(" ", "_")
-            floor = shape == "trampoline floor"
+            name = "cupycoll_call_path_" + shape.replace(" ", "_").replace(",", "")
+            floor = shape.startswith("trampoline floor")
             devices = ["cpu", "cuda"] if floor else ["cuda"]  # the floor takes the CPU tensor itself
             if name.upper() not in dist.Backend._plugins:
                 dist.Backend.register_backend(name, creator, extended_api=True, devices=devices)
