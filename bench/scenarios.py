@@ -14,7 +14,9 @@ coalesced CPU time <= 1.0x the baseline's, one-element CPU time <= 1.2x the base
 coalesced GPU time within 5 % of the flattened all_reduce (<= 1.05x); each printed as PASS
 or MISS, never dropped.
 
-``overhead`` times one-element all_reduce calls (sync and async) for every candidate.
+``overhead`` times one-element all_reduce calls (sync and async) and FSDP's two calls
+(all_gather_into_tensor and reduce_scatter_tensor, torch 2.13's all_gather_single and
+reduce_scatter_single; sync, one element per rank) for every candidate.
 ``kernel`` runs :func:`ring_kernels.run` (the ring's reduction kernels against a
 device-to-device copy) on rank 0 and shares its rows with every rank.
 
@@ -54,7 +56,7 @@ def count_steps(cfg, candidates) -> int:
             ours = catalog.CUPYCOLL[cfg.device]
             steps += 6 * len([c for c in candidates if c.name in (ours, cfg.baseline)])
         elif name == "overhead":
-            steps += 2 * len(candidates)
+            steps += len(OVERHEAD_CALLS) * len(candidates)
         else:
             steps += 1
     return steps
@@ -127,6 +129,22 @@ def _tiny_cases(ctx, group, dtype=torch.float32):
     return [
         ("1-element sync", lambda: dist.all_reduce(tiny, group=group), None),
         ("1-element async", lambda: dist.all_reduce(tiny, group=group, async_op=True), lambda w: w.wait()),
+    ]
+
+
+# The overhead scenario's cases: (the collective, for static_unsupported); _overhead_cases
+# makes them in this order.
+OVERHEAD_CALLS = ("all_reduce", "all_reduce", "all_gather", "reduce_scatter")
+
+
+def _overhead_cases(ctx, group):
+    """The one-element all_reduces, then FSDP's two calls on a one-element shard per rank."""
+    shard = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+    whole = torch.zeros(ctx.world, dtype=torch.float32, device=ctx.device)
+    return _tiny_cases(ctx, group) + [
+        ("shard all_gather sync", lambda: compat.all_gather_single(whole, shard, group=group), None),
+        ("shard reduce_scatter sync",
+         lambda: compat.reduce_scatter_single(shard, whole, group=group), None),
     ]
 
 
@@ -246,10 +264,10 @@ def _targets(rows: List[Dict], baseline: str, candidate: str = catalog.CUPYCOLL[
 def overhead(ctx: Rank) -> List[Dict]:
     cfg = ctx.config
     rows = []
-    for index in range(2):
+    for index, collective in enumerate(OVERHEAD_CALLS):
         for cand in ctx.candidates:
-            case, fn, finish = _tiny_cases(ctx, cand.group)[index]
-            reason = catalog.static_unsupported(cand.name, "all_reduce", "float", "sum", ctx.world)
+            case, fn, finish = _overhead_cases(ctx, cand.group)[index]
+            reason = catalog.static_unsupported(cand.name, collective, "float", "sum", ctx.world)
             if reason:
                 result = {"status": "n/a", "note": reason}
             else:

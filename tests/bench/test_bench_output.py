@@ -298,8 +298,11 @@ def test_whole_pipeline_on_cpu(tmp_path):
     baseline_rows = [r for r in swept if r["candidate"] == "torch:gloo"]
     assert all(r["speedup"] == pytest.approx(1.0) for r in baseline_rows)
     overhead = [r for r in rows if r.get("scenario") == "overhead"]
+    cases = ("1-element sync", "1-element async", "shard all_gather sync",
+             "shard reduce_scatter sync")
     assert {(r["case"], r["candidate"]) for r in overhead} == {
-        (case, cand) for case in ("1-element sync", "1-element async") for cand in ("cupycoll:gloo", "torch:gloo")}
+        (case, cand) for case in cases for cand in ("cupycoll:gloo", "torch:gloo")}
+    assert all(r["status"] == "ok" and r["cpu_us"] > 0 for r in overhead), overhead
     _, csv_rows = output.read_csv(str(cs))
     assert len(csv_rows) == len(rows)
     assert png.stat().st_size > 10_000

@@ -164,7 +164,10 @@ def test_coalescing_and_overhead_scenarios_small(tmp_path):
     assert proc.stdout.count("# target:") == 6
     overhead = [r for r in rows if r.get("scenario") == "overhead"]
     assert {r["candidate"] for r in overhead} == set(CANDIDATES)
-    assert all(r["status"] == "ok" for r in overhead), overhead
+    # every candidate makes every call but the ring its all_gather (it reduces only)
+    ring_gather = [r for r in overhead if r["candidate"] == "cupycoll:ring" and "all_gather" in r["case"]]
+    assert [r["status"] for r in ring_gather] == ["n/a"], ring_gather
+    assert all(r["status"] == "ok" for r in overhead if r not in ring_gather), overhead
     if plot:
         assert png.stat().st_size > 10_000
 
