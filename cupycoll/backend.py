@@ -55,8 +55,8 @@ from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollVa
 from .faults import lifecycle, watchdog_cuda
 from .faults.lifecycle import GroupState
 from .faults.watchdog import Watch, entries
-from .nccl.bootstrap import StoreBootstrap
 from .nccl import bindings as nb
+from .nccl.bootstrap import StoreBootstrap
 from .nccl.communicator import Communicator, Communicators
 from .trace.recorder import E_ROUTE, describe_entry
 from .work import CudaWork
@@ -425,10 +425,10 @@ class CudaBackend:
         the call needs the general path: the current stream captures a CUDA graph, the
         group is not ``ok``, calls are queued, or a coalescing block is open (this group's,
         or any group's in this thread: the general path refuses a call of another group
-        inside it, or drops it when stale). The fast flag
-        was checked by the caller (see :meth:`_refresh_fast`). A synchronous call runs on
-        the caller's stream; an asynchronous one on the communicator's stream after the
-        caller's, holding ``keep`` until the GPU is done, as the general path's."""
+        inside it, or drops it when stale). The caller checked the fast flag (see
+        :meth:`_refresh_fast`). A synchronous call runs on the caller's stream; an
+        asynchronous one on the communicator's stream after the caller's, holding ``keep``
+        until the GPU is done, as the general path's."""
         current = compat.current_raw_stream(self._device_index)
         if _cuda.capturing(current):
             return None

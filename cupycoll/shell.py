@@ -273,10 +273,8 @@ class GroupShell:
     def allreduce(self, tensors, opts=None):
         if opts is not None and type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
             tensor, cuda = tensors[0], self._cuda
-            work = None
-            if cuda.fast:
-                work = cuda.all_reduce_fast(tensor, opts)
-            elif tensor.is_cpu:
+            work = cuda.all_reduce_fast(tensor, opts) if cuda.fast else None
+            if work is None and tensor.is_cpu:
                 work = self._all_reduce_on_cpu(tensor, tensors, opts)
             if work is not None:
                 return work

@@ -502,6 +502,16 @@ def test_a_cpu_all_reduce_leaves_to_the_general_path_what_it_must_do_first(cpu_g
     assert cpu_taken(group, integers)
 
 
+def test_a_cpu_all_reduce_takes_its_frame_on_a_group_whose_cuda_calls_take_theirs(cpu_group, monkeypatch):
+    group = cpu_group()
+    monkeypatch.setattr(group._cuda, "fast", True)  # as once its communicator is made
+    taken = []
+    on_cpu = group._all_reduce_on_cpu
+    monkeypatch.setattr(group, "_all_reduce_on_cpu", lambda *args: taken.append(args[0]) or on_cpu(*args))
+    tensor = torch.ones(2)
+    assert group.allreduce([tensor], sync_opts()).wait() and taken == [tensor]
+
+
 def test_the_mismatch_check_keeps_the_cpu_all_reduce_on_the_general_path(cpu_group):
     assert not cpu_taken(cpu_group(check_collectives=True))
 
