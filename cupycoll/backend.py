@@ -21,8 +21,8 @@ A :class:`CudaBackend` issues a group's CUDA calls:
   (:mod:`cupycoll.faults.watchdog`) with a pooled CUDA event, unless the stream is capturing a
   CUDA graph; its Works ask the watch how it went. How the group ends is its lifetime's
   (:mod:`cupycoll.faults.lifecycle`);
-* **the fast path**: an all_reduce of one tensor, an all_gather_into_tensor or a
-  reduce_scatter_tensor (DDP's and FSDP's calls) on a healthy group with nothing queued goes
+* **the fast path**: an all_reduce or a broadcast of one tensor, an all_gather_into_tensor or
+  a reduce_scatter_tensor (DDP's and FSDP's calls) on a healthy group with nothing queued goes
   from the group's method to NCCL in two frames (:meth:`~CudaBackend.all_reduce_fast` and
   its siblings, then :meth:`~CudaBackend._call_now`); everything else takes the general path
   (:meth:`~CudaBackend.submit`);
@@ -417,11 +417,22 @@ class CudaBackend:
                               (output.dtype, input.dtype), opts, "ncclReduceScatter",
                               (input.data_ptr(), output.data_ptr(), output.numel() * scale, dtype, op))
 
+    def broadcast_fast(self, tensor: torch.Tensor, opts) -> Optional[CudaWork]:
+        """A broadcast of ``tensor`` (DDP's buffers, at every forward) on NCCL at once, or None
+        when the call needs the general path: the tensor is not contiguous or on another
+        device, or the root is not a rank of the group (and what :meth:`_call_now` refuses)."""
+        root = opts.rootRank
+        if tensor.get_device() != self._device_index or not tensor.is_contiguous() or not 0 <= root < self.size:
+            return None
+        ptr = tensor.data_ptr()
+        return self._call_now("broadcast", tensor, tensor, (tensor.shape,), (tensor.dtype,), opts, "ncclBroadcast",
+                              (ptr, ptr, tensor.numel() * tensor.element_size(), nb.ncclUint8, root), root)
+
     def _call_now(self, op_name: str, output: torch.Tensor, keep, shapes: tuple, dtypes: tuple, opts,
-                  function: str, args: tuple) -> Optional[CudaWork]:
+                  function: str, args: tuple, root: Optional[int] = None) -> Optional[CudaWork]:
         """The fast path's launch: ``function(*args, comm, stream)`` on the group's blocking
         communicator now, recorded in the flight recorder as ``op_name`` of ``shapes`` and
-        ``dtypes`` (as the group records the call), watched, its Work returned; None when
+        ``dtypes`` (and ``root``, as the group records the call), watched, its Work returned; None when
         the call needs the general path: the current stream captures a CUDA graph, the
         group is not ``ok``, calls are queued, or a coalescing block is open (this group's,
         or any group's in this thread: the general path refuses a call of another group
@@ -444,7 +455,7 @@ class CudaBackend:
                 self._order_after(current, stream)
             else:
                 stream, keepalive = current, None
-            entry = self._recorder.record(op_name, shapes, dtypes, None, "nccl", "issued")
+            entry = self._recorder.record(op_name, shapes, dtypes, root, "nccl", "issued")
             try:
                 comm.call_now(function, args, stream)
             except BaseException as exc:

@@ -296,6 +296,12 @@ class GroupShell:
         return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
 
     def broadcast(self, tensors, opts=None):
+        cuda = self._cuda
+        if cuda.fast and opts is not None and type(tensors) is list and len(tensors) == 1 \
+                and isinstance(tensors[0], torch.Tensor):
+            work = cuda.broadcast_fast(tensors[0], opts)
+            if work is not None:
+                return work
         opts = opts if opts is not None else c10d.BroadcastOptions()
         cuda, entry = self._route(tensors, "broadcast", opts)
         if not cuda:

@@ -1,5 +1,5 @@
-"""The fast path (CudaBackend.all_reduce_fast, all_gather_fast, reduce_scatter_fast) on CPU
-stand-ins: it runs only when the general path would do the same thing, and then does what the
+"""The fast path (CudaBackend.all_reduce_fast, broadcast_fast, all_gather_fast,
+reduce_scatter_fast) on CPU stand-ins: it runs only when the general path would do the same thing, and then does what the
 general path does (the same NCCL call, flight-recorder entry, watch and Work answers). Each
 input that sends a call to the general path has a test that shows it does: the fast flag's
 (what changes rarely: a blocking communicator made, settings) and the per-call ones (the
@@ -426,6 +426,45 @@ def test_an_asynchronous_fsdp_call_holds_both_tensors_on_the_communicators_strea
     slot = work._in_flight()
     assert slot.stream == 0x5eed and slot.keepalive == (input, output) and work._async
     assert work.wait() and work.result() == [output]
+
+
+# -- DDP's buffer broadcast ------------------------------------------------------------------
+
+
+def broadcast_opts(root=0, async_op=False):
+    opts = c10d.BroadcastOptions()
+    opts.rootRank = root
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = async_op
+    return opts
+
+
+def test_a_broadcast_on_the_fast_path_does_what_the_general_path_does(make):
+    fast, general = warmed(make()), warmed(make())
+    general._cuda.fast = False  # the same call, the general way
+    tensor = torch.ones(2, 3)
+    assert fast._cuda.broadcast_fast(tensor, broadcast_opts(1)) is not None  # the fast path, indeed
+    works = [group.broadcast([tensor], broadcast_opts(1)) for group in (fast, general)]
+    calls = [group._cuda.comm._lib.calls[-1] for group in (fast, general)]
+    assert calls[0] == calls[1] and calls[0][0] == "ncclBroadcast"
+    assert calls[0][1][:5] == (tensor.data_ptr(), tensor.data_ptr(), 24, DTYPE_BYTE, 1)  # bytes, from rank 1
+    entries = [group._trace.recorder.entries[-1] for group in (fast, general)]
+    assert entries[0][2:8] == entries[1][2:8] and entries[0][5] == 1  # op, shapes, dtypes, root, route, state
+    for work in works:
+        assert work.wait() and work.result() == [tensor] and work.exception() is None
+
+
+def test_a_broadcast_leaves_to_the_general_path_what_it_must_check(make):
+    group = warmed(make())
+    assert group._cuda.broadcast_fast(torch.ones(4), broadcast_opts(1)) is not None
+    assert group._cuda.broadcast_fast(torch.ones(4, 2).t(), broadcast_opts()) is None  # not contiguous
+    assert group._cuda.broadcast_fast(torch.ones(4), broadcast_opts(2)) is None  # no rank 2 in a group of 2
+    with pytest.raises(cupycoll.CupycollValueError, match="root"):
+        group.broadcast([torch.ones(4)], broadcast_opts(2))
+    with pytest.raises(cupycoll.CupycollTypeError, match="NoneType"):
+        group.broadcast([None], broadcast_opts())
+    group._cuda._device_index = 3  # the tensor is on another device than the group's
+    assert group._cuda.broadcast_fast(torch.ones(4), broadcast_opts()) is None
 
 
 # -- the CPU route's all_reduce ----------------------------------------------------------

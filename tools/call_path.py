@@ -12,8 +12,8 @@ another, and the upward calls: those from a module into one above it in :data:`L
 (docs/design.md, "The house"). Then it times ``--calls`` all_reduce + wait without tracing
 and prints host microseconds per call, wall time and the calling thread's CPU time (which
 other processes on a loaded machine stretch less): a proxy, on CPU, for the Python share of
-the host cost. Then FSDP's two calls (all_gather_into_tensor, reduce_scatter_tensor) the same
-way, and last a coalescing block of 64 all_reduces as torch's ``_coalescing_manager`` makes
+the host cost. Then the fast path's other calls (FSDP's all_gather_into_tensor and
+reduce_scatter_tensor, DDP's broadcast) the same way, and last a coalescing block of 64 all_reduces as torch's ``_coalescing_manager`` makes
 it: the calls each makes into cupycoll and its thread CPU (per all_reduce for the block).
 
 Deliberately left out: the GPU and NCCL themselves (the GPU machine measures the real cost
@@ -241,12 +241,12 @@ def measure(timed_calls: int = 2000) -> dict:
         # The caller's CPU time: what other processes on a loaded machine do not stretch.
         cpu_us = per_call_us(all_reduce, timed_calls, repeats=3, clock=time.thread_time)
         collections, gc_us = garbage_collections(all_reduce, GC_CALLS)
-        fsdp = {}
-        for name, call in fsdp_calls(group).items():
+        other_fast = {}
+        for name, call in other_fast_calls(group).items():
             call()  # the first call takes the general path (a reduction's plan is learnt there)
             group._cuda.watch.retire()
             traced = trace_calls(call, Path(cupycoll.__file__).resolve().parent)
-            fsdp[name] = {"calls": len(traced),
+            other_fast[name] = {"calls": len(traced),
                           "thread_cpu_us": per_call_us(call, timed_calls, repeats=3, clock=time.thread_time)}
         block = coalesced_block(group, BLOCK_PARTS)
         block()  # the first block learns nothing new: the plan is the all_reduce's
@@ -276,27 +276,29 @@ def measure(timed_calls: int = 2000) -> dict:
         "gc_calls": GC_CALLS,
         "gc_collections": collections,
         "gc_us_per_call": gc_us,
-        "fsdp": fsdp,
+        "other_fast_calls": other_fast,
         "block_parts": BLOCK_PARTS,
         "block_calls": len(block_calls),
         "block_thread_cpu_us_per_part": block_us / BLOCK_PARTS,
     }
 
 
-def fsdp_calls(group) -> Dict[str, Callable[[], None]]:
-    """FSDP's two calls as torch hands them to the group, synchronous, on a shard of 4
-    float32 elements per rank: all_gather_into_tensor (unsharding parameters) and
-    reduce_scatter_tensor (reducing gradients), each with its Work's wait."""
+def other_fast_calls(group) -> Dict[str, Callable[[], None]]:
+    """The fast path's other calls as torch hands them to the group, synchronous, on 4
+    float32 elements (per rank: FSDP's shard): all_gather_into_tensor (FSDP unsharding
+    parameters), reduce_scatter_tensor (FSDP reducing gradients) and broadcast (DDP's
+    buffers, at every forward), each with its Work's wait."""
     import torch
     from torch._C import _distributed_c10d as c10d
 
     shard, whole = torch.ones(4), torch.ones(4 * group.size())
-    gather, scatter = c10d.AllgatherOptions(), c10d.ReduceScatterOptions()
-    for opts in (gather, scatter):
+    gather, scatter, broadcast = c10d.AllgatherOptions(), c10d.ReduceScatterOptions(), c10d.BroadcastOptions()
+    for opts in (gather, scatter, broadcast):
         if hasattr(opts, "asyncOp"):
             opts.asyncOp = False
     return {"all_gather_into_tensor": lambda: group._allgather_base(whole, shard, gather).wait(),
-            "reduce_scatter_tensor": lambda: group._reduce_scatter_base(shard, whole, scatter).wait()}
+            "reduce_scatter_tensor": lambda: group._reduce_scatter_base(shard, whole, scatter).wait(),
+            "broadcast": lambda: group.broadcast([shard], broadcast).wait()}
 
 
 # All_reduces in the coalescing block timed beside the single call (the benchmark's
@@ -545,9 +547,9 @@ def report(figures: dict) -> List[str]:
               + f" ({figures['gc_us_per_call']:.2f} us per call in the collector)",
               "  a proxy for the Python share of the host cost; the GPU machine measures the real "
               "cost against torch's nccl (cupycoll-bench --scenario overhead)",
-              "FSDP's calls, synchronous, + wait: " + "; ".join(
+              "the fast path's other calls, synchronous, + wait: " + "; ".join(
                   f"{name} {f['calls']} calls into cupycoll, {f['thread_cpu_us']:.1f} us of thread CPU"
-                  for name, f in figures["fsdp"].items()),
+                  for name, f in figures["other_fast_calls"].items()),
               f"a coalescing block of {figures['block_parts']} all_reduces: {figures['block_calls']} calls into "
               f"cupycoll, {figures['block_thread_cpu_us_per_part']:.1f} us of thread CPU per all_reduce"]
     return lines
