@@ -145,6 +145,11 @@ class CudaBackend:
         # Issued calls are watched (Options.watch_calls: off only to measure what that costs).
         self._watch_calls = settings.watch_calls
 
+    # The fast path's device test is a tensor's is_cuda besides its device index (get_device()
+    # gives any accelerator's index: an XPU tensor's 0 is not cuda:0's). The CPU tests'
+    # backend, whose CPU tensors stand in for CUDA ones, says False.
+    _fast_is_cuda = True
+
     # The group's state and fault are its lifetime's (cupycoll.faults.lifecycle).
     @property
     def state(self) -> GroupState:
@@ -375,7 +380,8 @@ class CudaBackend:
         plan is learnt for its dtype and op, or an algorithm override is in force (and what
         :meth:`_call_now` refuses). What it does is what the general path would do
         (tests/test_fast_path.py)."""
-        if tensor.get_device() != self._device_index or not tensor.is_contiguous():
+        if (tensor.is_cuda is not self._fast_is_cuda or tensor.get_device() != self._device_index
+                or not tensor.is_contiguous()):
             return None
         plan = self._plans.get((tensor.dtype, opts.reduceOp.op))
         if plan is None or _OVERRIDES:
@@ -390,8 +396,9 @@ class CudaBackend:
         call needs the general path (which checks what this refuses, and raises on bad
         input): a tensor not contiguous or on another device, ``output`` not one ``input``
         per rank in its dtype (and what :meth:`_call_now` refuses)."""
-        index = self._device_index
-        if (input.get_device() != index or output.get_device() != index or not input.is_contiguous()
+        index, cuda = self._device_index, self._fast_is_cuda
+        if (input.is_cuda is not cuda or output.is_cuda is not cuda or input.get_device() != index
+                or output.get_device() != index or not input.is_contiguous()
                 or not output.is_contiguous() or output.dtype != input.dtype
                 or output.numel() != input.numel() * self.size):
             return None
@@ -404,8 +411,9 @@ class CudaBackend:
         """A reduce_scatter_tensor (FSDP's gradient reduction) on NCCL at once, or None when
         the call needs the general path: as :meth:`all_gather_fast` with the roles of the
         tensors swapped, and as :meth:`all_reduce_fast` for the plan."""
-        index = self._device_index
-        if (input.get_device() != index or output.get_device() != index or not input.is_contiguous()
+        index, cuda = self._device_index, self._fast_is_cuda
+        if (input.is_cuda is not cuda or output.is_cuda is not cuda or input.get_device() != index
+                or output.get_device() != index or not input.is_contiguous()
                 or not output.is_contiguous() or output.dtype != input.dtype
                 or input.numel() != output.numel() * self.size):
             return None
@@ -422,7 +430,8 @@ class CudaBackend:
         when the call needs the general path: the tensor is not contiguous or on another
         device, or the root is not a rank of the group (and what :meth:`_call_now` refuses)."""
         root = opts.rootRank
-        if tensor.get_device() != self._device_index or not tensor.is_contiguous() or not 0 <= root < self.size:
+        if (tensor.is_cuda is not self._fast_is_cuda or tensor.get_device() != self._device_index
+                or not tensor.is_contiguous() or not 0 <= root < self.size):
             return None
         ptr = tensor.data_ptr()
         return self._call_now("broadcast", tensor, tensor, (tensor.shape,), (tensor.dtype,), opts, "ncclBroadcast",
@@ -482,7 +491,7 @@ class CudaBackend:
         index, plans, kind = self._device_index, self._plans, opts.reduceOp.op
         parts = []
         for tensor in tensors:
-            if tensor.get_device() != index or not tensor.is_contiguous():
+            if tensor.is_cuda is not self._fast_is_cuda or tensor.get_device() != index or not tensor.is_contiguous():
                 return None
             plan = plans.get((tensor.dtype, kind))
             if plan is None:

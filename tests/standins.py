@@ -36,6 +36,8 @@ CUDA = torch.device("cuda", 0)
 
 
 class CpuAsCudaBackend(CudaBackend):
+    _fast_is_cuda = False  # its CPU tensors stand in for CUDA ones on the fast path too
+
     def check_device(self, tensor, what):
         if not tensor.is_contiguous():
             raise CupycollValueError(f"{what} is not contiguous")

@@ -459,12 +459,58 @@ def test_a_broadcast_leaves_to_the_general_path_what_it_must_check(make):
     assert group._cuda.broadcast_fast(torch.ones(4), broadcast_opts(1)) is not None
     assert group._cuda.broadcast_fast(torch.ones(4, 2).t(), broadcast_opts()) is None  # not contiguous
     assert group._cuda.broadcast_fast(torch.ones(4), broadcast_opts(2)) is None  # no rank 2 in a group of 2
+    assert group._cuda.broadcast_fast(torch.ones(4), broadcast_opts(-1)) is None
     with pytest.raises(cupycoll.CupycollValueError, match="root"):
         group.broadcast([torch.ones(4)], broadcast_opts(2))
     with pytest.raises(cupycoll.CupycollTypeError, match="NoneType"):
         group.broadcast([None], broadcast_opts())
     group._cuda._device_index = 3  # the tensor is on another device than the group's
     assert group._cuda.broadcast_fast(torch.ones(4), broadcast_opts()) is None
+
+
+def test_an_asynchronous_broadcast_holds_its_tensor_on_the_communicators_stream(make):
+    group = warmed(make())
+    comm = group._cuda.comm
+    comm.stream = 0x5eed
+    tensor = torch.ones(4)
+    work = group.broadcast([tensor], broadcast_opts(async_op=True))
+    assert comm._lib.calls[-1][0] == "ncclBroadcast" and comm._lib.calls[-1][1][-1] == 0x5eed
+    slot = work._in_flight()
+    assert slot.stream == 0x5eed and slot.keepalive is tensor and work._async
+    assert work.wait() and work.result() == [tensor]
+
+
+class OnAnotherAccelerator(torch.Tensor):
+    """A tensor of index 0 on an accelerator that is not CUDA (its get_device() says 0 too)."""
+
+    @staticmethod
+    def __new__(cls, size, device):
+        return torch.Tensor._make_wrapper_subclass(cls, size, device=device, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(str(func))
+
+
+@pytest.mark.parametrize("device", ["xpu:0", "privateuseone:0"])
+def test_a_tensor_of_another_accelerator_never_takes_the_fast_path(make, device):
+    # the general path names the device it does not support, and makes no NCCL call
+    group = warmed(make())
+    flat_warmed(group, "reduce_scatter")
+    cuda = group._cuda
+    cuda._fast_is_cuda, cuda._device_index = True, 0  # as on cuda:0 (the stand-ins' CPU tensors stand in for none)
+    other = OnAnotherAccelerator((4,), device)
+    whole = OnAnotherAccelerator((8,), device)
+    assert cuda.all_reduce_fast(other, sync_opts()) is None
+    assert cuda.broadcast_fast(other, broadcast_opts()) is None
+    assert cuda.all_gather_fast(whole, other, flat_opts("all_gather")) is None
+    assert cuda.reduce_scatter_fast(other, whole, flat_opts("reduce_scatter")) is None
+    assert cuda.all_reduce_parts([other], coalesced_opts()) is None
+    made = len(cuda.comm._lib.calls)
+    for call in (lambda: group.allreduce([other], sync_opts()), lambda: group.broadcast([other], broadcast_opts())):
+        with pytest.raises(cupycoll.CupycollValueError, match="not supported"):
+            call()
+    assert len(cuda.comm._lib.calls) == made
 
 
 # -- the CPU route's all_reduce ----------------------------------------------------------
@@ -481,7 +527,7 @@ class RecordingHalf:
         method = getattr(self.gloo, name)
 
         def call(*args):
-            self.calls.append(name)
+            self.calls.append((name, args))
             return method(*args)
         return call
 
@@ -513,11 +559,12 @@ def test_a_cpu_all_reduce_goes_to_gloo_in_one_frame_as_the_general_path_would(cp
     general._all_reduce_on_cpu = lambda tensor, tensors, opts: None  # the same call, the general way
     works = []
     for group in (fast, general):
-        tensor = torch.full((3,), 2.0)
-        work = group.allreduce([tensor], sync_opts())
+        tensors, opts = [torch.full((3,), 2.0)], sync_opts()
+        work = group.allreduce(tensors, opts)
         works.append(work)
-        assert work.wait() and torch.equal(tensor, torch.full((3,), 2.0))  # one rank: the sum is itself
-        assert group._cpu.calls == ["allreduce"]
+        assert work.wait() and torch.equal(tensors[0], torch.full((3,), 2.0))  # one rank: the sum is itself
+        [(name, args)] = group._cpu.calls  # the caller's own list and options, handed on
+        assert name == "allreduce" and args[0] is tensors and args[1] is opts
     assert [type(work) for work in works][0] is type(works[1]) and works[0].is_completed()
     entries = [group._trace.recorder.entries[-1] for group in (fast, general)]
     assert entries[0][2:8] == entries[1][2:8] == ["all_reduce", (torch.Size([3]),), (torch.float32,), None,
