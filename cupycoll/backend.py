@@ -51,7 +51,8 @@ import torch
 
 from . import _cuda, algorithms, compat, config
 from .call_queue import CallQueue, Issue, open_block_owner
-from .errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
+from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollTypeError, CupycollValueError,
+                     NcclError)
 from .faults import lifecycle, watchdog_cuda
 from .faults.lifecycle import GroupState
 from .faults.watchdog import Watch, entries
@@ -214,6 +215,9 @@ class CudaBackend:
 
     # -- device --------------------------------------------------------------------------
     def check_device(self, tensor: torch.Tensor, what: str) -> torch.device:
+        if tensor.layout is not torch.strided:  # sparse tensors have no strides to check or send
+            raise CupycollTypeError(f"{what} is a {tensor.layout} tensor: the CUDA route has no sparse "
+                                    "collectives (pass tensor.to_dense())")
         device = tensor.device
         if self.device is not None and device != self.device:
             raise CupycollValueError(

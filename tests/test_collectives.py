@@ -467,6 +467,15 @@ def real_group():
     return ProcessGroupCupycoll(store, 0, 1, datetime.timedelta(seconds=10))
 
 
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_a_sparse_tensor_on_the_cuda_route_gets_a_typed_error_naming_its_layout(real_group, layout):
+    dense = torch.eye(3)
+    sparse = dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()
+    with pytest.raises(CupycollTypeError, match=f"all_reduce tensor is a torch.{layout} tensor"):
+        real_group._cuda.check_device(sparse, "all_reduce tensor")
+    assert real_group._cuda.check_device(dense, "all_reduce tensor") == dense.device
+
+
 def test_no_cuda_device(real_group):
     pytest.importorskip("cupy")
     if torch.cuda.is_available():
