@@ -1,5 +1,5 @@
 """The path of one synchronous CUDA all_reduce through cupycoll, traced and timed on CPU:
-``python -m tools.call_path [--calls N] [--json FILE]``.
+``python -m tools.call_path [--calls N] [--json FILE] [--through-dist] [--cpu-route]``.
 
 It builds the group the CPU tests build (``tests/standins.py``: the real
 ``ProcessGroupCupycoll`` and ``CudaBackend``, every tensor counting as ``cuda:0``, torch.cuda's
