@@ -467,6 +467,7 @@ def real_group():
     return ProcessGroupCupycoll(store, 0, 1, datetime.timedelta(seconds=10))
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
 def test_a_sparse_tensor_on_the_cuda_route_gets_a_typed_error_naming_its_layout(real_group, layout):
     dense = torch.eye(3)
