@@ -400,11 +400,7 @@ class CudaBackend:
         call needs the general path (which checks what this refuses, and raises on bad
         input): a tensor not contiguous or on another device, ``output`` not one ``input``
         per rank in its dtype (and what :meth:`_call_now` refuses)."""
-        index, cuda = self._device_index, self._fast_is_cuda
-        if (input.is_cuda is not cuda or output.is_cuda is not cuda or input.get_device() != index
-                or output.get_device() != index or not input.is_contiguous()
-                or not output.is_contiguous() or output.dtype != input.dtype
-                or output.numel() != input.numel() * self.size):
+        if not self._fast_pair(input, output):
             return None
         return self._call_now("all_gather_into_tensor", output, (input, output), (output.shape, input.shape),
                               (output.dtype, input.dtype), opts, "ncclAllGather",
@@ -415,11 +411,7 @@ class CudaBackend:
         """A reduce_scatter_tensor (FSDP's gradient reduction) on NCCL at once, or None when
         the call needs the general path: as :meth:`all_gather_fast` with the roles of the
         tensors swapped, and as :meth:`all_reduce_fast` for the plan."""
-        index, cuda = self._device_index, self._fast_is_cuda
-        if (input.is_cuda is not cuda or output.is_cuda is not cuda or input.get_device() != index
-                or output.get_device() != index or not input.is_contiguous()
-                or not output.is_contiguous() or output.dtype != input.dtype
-                or input.numel() != output.numel() * self.size):
+        if not self._fast_pair(output, input):
             return None
         plan = self._plans.get((output.dtype, opts.reduceOp.op))
         if plan is None or _OVERRIDES:
@@ -428,6 +420,14 @@ class CudaBackend:
         return self._call_now("reduce_scatter_tensor", output, (input, output), (output.shape, input.shape),
                               (output.dtype, input.dtype), opts, "ncclReduceScatter",
                               (input.data_ptr(), output.data_ptr(), output.numel() * scale, dtype, op))
+
+    def _fast_pair(self, shard: torch.Tensor, whole: torch.Tensor) -> bool:
+        """May FSDP's pair of tensors take the fast path: both CUDA tensors on the group's
+        device, contiguous, in one dtype, ``whole`` one ``shard`` per rank?"""
+        index, cuda = self._device_index, self._fast_is_cuda
+        return (shard.is_cuda is cuda and whole.is_cuda is cuda and shard.get_device() == index
+                and whole.get_device() == index and shard.is_contiguous() and whole.is_contiguous()
+                and whole.dtype == shard.dtype and whole.numel() == shard.numel() * self.size)
 
     def broadcast_fast(self, tensor: torch.Tensor, opts) -> Optional[CudaWork]:
         """A broadcast of ``tensor`` (DDP's buffers, at every forward) on NCCL at once, or None

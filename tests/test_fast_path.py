@@ -1,11 +1,12 @@
 """The fast path (CudaBackend.all_reduce_fast, broadcast_fast, all_gather_fast,
-reduce_scatter_fast) on CPU stand-ins: it runs only when the general path would do the same thing, and then does what the
-general path does (the same NCCL call, flight-recorder entry, watch and Work answers). Each
-input that sends a call to the general path has a test that shows it does: the fast flag's
-(what changes rarely: a blocking communicator made, settings) and the per-call ones (the
-tensors, a plan learnt, an algorithm override, a capture, the group's state, queued calls, an
-open coalescing block). An asynchronous call takes it too, on the communicator's stream after
-the caller's. Bad input is never the fast path's: the general path raises its typed error.
+reduce_scatter_fast) on CPU stand-ins: it runs only when the general path would do the same
+thing, and then does what the general path does (the same NCCL call, flight-recorder entry,
+watch and Work answers). Each input that sends a call to the general path has a test that
+shows it does: the fast flag's (what changes rarely: a blocking communicator made, settings)
+and the per-call ones (the tensors, a plan learnt, an algorithm override, a capture, the
+group's state, queued calls, an open coalescing block). An asynchronous call takes it too, on
+the communicator's stream after the caller's. Bad input is never the fast path's: the general
+path raises its typed error.
 
 On the CPU route, a real group of one rank: an all_reduce of one CPU tensor goes to the gloo
 half in one frame (GroupShell._all_reduce_on_cpu), recorded and traced as the general path
