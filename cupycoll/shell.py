@@ -235,14 +235,21 @@ class GroupShell:
         the gloo half, recorded and traced as the general path does; None when it needs the
         general path: the group is not ``ok``, CUDA calls are queued or a coalescing block
         is open (the general path issues or refuses them), the mismatch check is on, or an
-        AVG gloo cannot do (:mod:`cupycoll.cpu_average`)."""
+        AVG gloo cannot do (:mod:`cupycoll.cpu_average`).
+
+        A synchronous call (``async_op=False``: torch waits on the Work at once) is waited
+        on here and gets gloo's finished Work back, with no Work of cupycoll's own: a Python
+        Work costs more than the rest of the route together. Its failure raises here,
+        explained as a :class:`~cupycoll.trace.group.TracedWork`'s ``wait()`` explains it."""
         cuda, trace = self._cuda, self._trace
         calls = cuda.calls
         if (cuda.life.state is not GroupState.OK or calls.block is not None or calls.pending or trace.check
                 or cpu_average.wanted(opts, tensors)):
             return None
         entry = trace.recorder.record("all_reduce", (tensor.shape,), (tensor.dtype,), None, "gloo", "issued")
-        return self._gloo(entry, self._cpu.allreduce, tensors, opts)
+        if compat.async_requested(opts):
+            return self._gloo(entry, self._cpu.allreduce, tensors, opts)
+        return trace.gloo_waited(entry, self._cpu.allreduce, tensors, opts)
 
     def _classify(self, flat, op_name: str) -> bool:
         """Is the call of the tensors ``flat`` a CUDA call? Rejects calls that mix device

@@ -10,7 +10,8 @@ path raises its typed error.
 
 On the CPU route, a real group of one rank: an all_reduce of one CPU tensor goes to the gloo
 half in one frame (GroupShell._all_reduce_on_cpu), recorded and traced as the general path
-does, unless the general path has something to do first.
+does, unless the general path has something to do first; a synchronous one is waited on in
+the call, hands back gloo's finished Work, and raises a failure there, explained.
 
 The parts of an ``allreduce_coalesced`` (what torch's coalescing manager makes of a block of
 all_reduces) take one launch of their own (CudaBackend.all_reduce_parts) under the same
@@ -29,6 +30,7 @@ import cupycoll
 from cupycoll import config
 from cupycoll.errors import CommunicatorAbortedError
 from cupycoll.nccl.communicator import Communicator
+from cupycoll.trace.group import TracedWork
 from standins import CUDA, CpuAsCudaBackend, CpuAsCudaGroup, capture
 
 DTYPE_FLOAT, OP_SUM = 7, 0  # ncclFloat32, ncclSum
@@ -555,12 +557,20 @@ def cpu_taken(group, tensor=None, opts=None):
     return group._all_reduce_on_cpu(tensor, [tensor], sync_opts() if opts is None else opts) is not None
 
 
+def async_opts(op=dist.ReduceOp.SUM):
+    opts = c10d.AllreduceOptions()
+    opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    return opts
+
+
 def test_a_cpu_all_reduce_goes_to_gloo_in_one_frame_as_the_general_path_would(cpu_group):
     fast, general = cpu_group(), cpu_group()
     general._all_reduce_on_cpu = lambda tensor, tensors, opts: None  # the same call, the general way
     works = []
     for group in (fast, general):
-        tensors, opts = [torch.full((3,), 2.0)], sync_opts()
+        tensors, opts = [torch.full((3,), 2.0)], async_opts()
         work = group.allreduce(tensors, opts)
         works.append(work)
         assert work.wait() and torch.equal(tensors[0], torch.full((3,), 2.0))  # one rank: the sum is itself
@@ -570,6 +580,63 @@ def test_a_cpu_all_reduce_goes_to_gloo_in_one_frame_as_the_general_path_would(cp
     entries = [group._trace.recorder.entries[-1] for group in (fast, general)]
     assert entries[0][2:8] == entries[1][2:8] == ["all_reduce", (torch.Size([3]),), (torch.float32,), None,
                                                   "gloo", "completed"]
+
+
+@pytest.mark.skipif(not hasattr(c10d.AllreduceOptions(), "asyncOp"),
+                    reason="this torch's all_reduce options do not say whether the caller waits at once")
+def test_a_synchronous_cpu_all_reduce_is_waited_on_in_the_call_and_hands_back_gloos_finished_work(cpu_group):
+    group = cpu_group()
+    tensors = [torch.full((3,), 2.0)]
+    work = group.allreduce(tensors, sync_opts())
+    [(name, _)] = group._cpu.calls
+    assert name == "allreduce"
+    assert not isinstance(work, TracedWork) and type(work).__module__.startswith("torch")  # gloo's own
+    entry = group._trace.recorder.entries[-1]
+    assert entry[2] == "all_reduce" and entry[7] == "completed"  # before anybody waited on the Work
+    assert work.is_completed() and work.wait() and torch.equal(tensors[0], torch.full((3,), 2.0))
+    assert group._trace._open == {}  # nothing left for the group's end to fail
+
+
+class FailingWaitHalf:
+    """A group's gloo half whose all_reduce Works fail at ``wait()`` with ``error``, as gloo
+    reports a timeout or a refused argument: only when waited on."""
+
+    def __init__(self, gloo, error):
+        self.gloo, self.error = gloo, error
+
+    def __getattr__(self, name):
+        return getattr(self.gloo, name)
+
+    def allreduce(self, tensors, opts):
+        error = self.error
+
+        class Failing:
+            def wait(self, timeout=None):
+                raise error
+        return Failing()
+
+
+@pytest.mark.skipif(not hasattr(c10d.AllreduceOptions(), "asyncOp"),
+                    reason="this torch's all_reduce options do not say whether the caller waits at once")
+def test_a_synchronous_cpu_all_reduce_raises_gloos_failure_from_the_call_explained(cpu_group, monkeypatch):
+    group = cpu_group()
+    explained = []
+    monkeypatch.setattr(group._trace, "explain_timeout",
+                        lambda entry, timeout_s, *args, **kwargs: explained.append(entry) or "rank 1 is behind")
+    timeout = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv operation")
+    gloo = group._cpu
+    monkeypatch.setattr(group, "_cpu", FailingWaitHalf(gloo, timeout))
+    with pytest.raises(cupycoll.CollectiveTimeoutError, match="rank 1 is behind") as raised:
+        group.allreduce([torch.ones(4)], sync_opts())
+    assert raised.value.__cause__ is timeout
+    entry = group._trace.recorder.entries[-1]
+    assert explained == [entry] and entry[7] == "failed"
+    refused = RuntimeError("Invalid scalar type")  # this rank's own argument: gloo's error as it is
+    monkeypatch.setattr(group, "_cpu", FailingWaitHalf(gloo, refused))
+    with pytest.raises(RuntimeError) as raised:
+        group.allreduce([torch.ones(4)], sync_opts())
+    assert raised.value is refused and explained == [entry]
+    assert group._trace.recorder.entries[-1][7] == "failed"
 
 
 def test_a_cpu_all_reduce_leaves_to_the_general_path_what_it_must_do_first(cpu_group):

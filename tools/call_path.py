@@ -456,9 +456,14 @@ def cpu_route(timed_calls: int = 2000, rounds: int = 3) -> dict:
 
     * ``gloo`` and ``cupycoll``: ``dist.all_reduce`` on plain gloo and on a cupycoll group,
       whose CPU half is a gloo group of its own;
-    * ``cupycoll_share``: what cupycoll adds to the call it makes on its CPU half, measured
-      with torch's ``FakeProcessGroup`` (a C++ group that finishes every call at once) as
-      that half: ``group.allreduce + wait`` minus the fake's own ``allreduce + wait``.
+    * ``recorded_floor``: ``dist.all_reduce`` on the least a Python group that keeps a
+      flight recorder can do: a ProcessGroup subclass whose all_reduce records an entry in
+      cupycoll's recorder, calls gloo, waits and marks the entry completed (no checks, no
+      diagnosis, no CUDA half). What any group recording each call costs at least;
+    * ``cupycoll_share``: what cupycoll adds to the synchronous call it makes on its CPU half
+      (the options ``dist.all_reduce`` passes), measured with torch's ``FakeProcessGroup`` (a
+      C++ group that finishes every call at once) as that half: ``group.allreduce + wait``
+      minus the fake's own ``allreduce + wait``.
 
     The process runs on one CPU meanwhile (where the platform lets it choose): gloo runs each
     Work on a worker thread, and across two CPUs the caller's CPU time mostly counts the
@@ -473,8 +478,8 @@ def cpu_route(timed_calls: int = 2000, rounds: int = 3) -> dict:
     import cupycoll  # noqa: F401 - registers the backend
 
     fake_class = c10d.FakeProcessGroup
-    tensor, opts = torch.ones(4), c10d.AllreduceOptions()
-    samples: Dict[str, List[float]] = {"gloo": [], "cupycoll": [], "cupycoll_share": []}
+    tensor, opts = torch.ones(4), _sync_options()
+    samples: Dict[str, List[float]] = {"gloo": [], "recorded_floor": [], "cupycoll": [], "cupycoll_share": []}
     pinned = hasattr(os, "sched_setaffinity")
     if pinned:  # before the groups' worker threads start: they inherit it
         allowed = os.sched_getaffinity(0)
@@ -489,20 +494,54 @@ def cpu_route(timed_calls: int = 2000, rounds: int = 3) -> dict:
     return figures
 
 
+def _recorded_floor_group():
+    """The creator of the CPU route's floor (see :func:`cpu_route`), registered once."""
+    import torch.distributed as dist
+
+    from cupycoll.process_group import build_gloo_half
+    from cupycoll.trace import recorder
+
+    class Recorded(dist.ProcessGroup):
+        def __init__(self, store, rank, size, timeout):
+            super().__init__(rank, size)
+            self._gloo = build_gloo_half(store, rank, size, timeout)[0]
+            self._recorder = recorder.Recorder("floor", list(range(size)), rank)  # registered nowhere
+
+        def allreduce(self, tensors, opts=None):
+            tensor = tensors[0]
+            entry = self._recorder.record("all_reduce", (tensor.shape,), (tensor.dtype,), None, "gloo", "issued")
+            work = self._gloo.allreduce(tensors, opts)
+            work.wait()
+            self._recorder.mark(entry, "completed")
+            return work
+
+        def getBackendName(self):
+            return "recorded_floor"
+
+    name = "cupycoll_call_path_recorded_floor"
+    if name.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            name, lambda o, _: Recorded(o.store, o.group_rank, o.group_size, o.timeout),
+            extended_api=True, devices=["cpu"])
+    return name
+
+
 def _cpu_route_rounds(timed_calls, rounds, tensor, opts, fake_class, samples) -> None:
     import torch.distributed as dist
 
     from bench.group_cost import per_call_us
 
+    floor = _recorded_floor_group()
     for _ in range(rounds):
-        for backend in ("gloo", "cupycoll"):
+        for backend in ("gloo", floor, "cupycoll"):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             try:
                 def call():
                     dist.all_reduce(tensor)
                 call()
                 per_call_us(call, max(1, timed_calls // 10), repeats=1)
-                samples[backend].append(per_call_us(call, timed_calls, repeats=3, clock=time.thread_time))
+                samples["recorded_floor" if backend == floor else backend].append(
+                    per_call_us(call, timed_calls, repeats=3, clock=time.thread_time))
                 if backend == "cupycoll":
                     group = dist.group.WORLD
                     fake = (fake_class._create_internal(0, 1) if hasattr(fake_class, "_create_internal")
@@ -580,9 +619,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         figures["cpu_route"] = route = cpu_route(args.calls)
         where = "on one CPU, " if route["one_cpu"] else ""
         print(f"CPU route, dist.all_reduce at world size 1, thread CPU per call ({where}medians of 3 "
-              f"interleaved rounds of {args.calls}): gloo {route['gloo']:.1f} us, cupycoll {route['cupycoll']:.1f} us "
-              f"({route['cupycoll'] / route['gloo']:.2f}x); cupycoll's share over a CPU half that finishes "
-              f"at once: {route['cupycoll_share']:.1f} us")
+              f"interleaved rounds of {args.calls}): gloo {route['gloo']:.1f} us, a Python group recording each "
+              f"call and waiting {route['recorded_floor']:.1f} us ({route['recorded_floor'] / route['gloo']:.2f}x), "
+              f"cupycoll {route['cupycoll']:.1f} us ({route['cupycoll'] / route['gloo']:.2f}x); cupycoll's share "
+              f"over a CPU half that finishes at once: {route['cupycoll_share']:.1f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -87,6 +87,23 @@ class GroupTrace:
     def gloo(self, work: dist.Work, entry: Optional[list]) -> dist.Work:
         return TracedWork(work, entry, self)
 
+    def gloo_waited(self, entry: Optional[list], call, *args) -> dist.Work:
+        """``call(*args)`` on the gloo half, waited on now, for a caller that would wait on
+        its Work at once: gloo's own Work, finished (its ``wait()`` returns at once). A
+        failure raises here, as :meth:`TracedWork.wait` raises it; no Work is left for
+        :meth:`close` to fail, since the caller is inside gloo's wait until it returns."""
+        try:
+            work = call(*args)
+            work.wait()
+        except BaseException as exc:
+            self.recorder.mark(entry, "failed")
+            error = self.failure(entry, exc) if isinstance(exc, Exception) else exc
+            if error is exc:
+                raise
+            raise error from exc
+        self.recorder.mark(entry, "completed")
+        return work
+
     def _prune_open(self) -> None:
         """Drop the tracked Works gloo has finished (or nobody holds any more)."""
         for key, work_ref in list(self._open.items()):
