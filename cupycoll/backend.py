@@ -384,8 +384,11 @@ class CudaBackend:
         plan is learnt for its dtype and op, or an algorithm override is in force (and what
         :meth:`_call_now` refuses). What it does is what the general path would do
         (tests/test_fast_path.py)."""
-        if (tensor.is_cuda is not self._fast_is_cuda or tensor.get_device() != self._device_index
-                or not tensor.is_contiguous()):
+        try:
+            if (tensor.is_cuda is not self._fast_is_cuda or tensor.get_device() != self._device_index
+                    or not tensor.is_contiguous()):
+                return None
+        except RuntimeError:  # a layout without strides: the general path names it
             return None
         plan = self._plans.get((tensor.dtype, opts.reduceOp.op))
         if plan is None or _OVERRIDES:
@@ -425,17 +428,23 @@ class CudaBackend:
         """May FSDP's pair of tensors take the fast path: both CUDA tensors on the group's
         device, contiguous, in one dtype, ``whole`` one ``shard`` per rank?"""
         index, cuda = self._device_index, self._fast_is_cuda
-        return (shard.is_cuda is cuda and whole.is_cuda is cuda and shard.get_device() == index
-                and whole.get_device() == index and shard.is_contiguous() and whole.is_contiguous()
-                and whole.dtype == shard.dtype and whole.numel() == shard.numel() * self.size)
+        try:
+            return (shard.is_cuda is cuda and whole.is_cuda is cuda and shard.get_device() == index
+                    and whole.get_device() == index and shard.is_contiguous() and whole.is_contiguous()
+                    and whole.dtype == shard.dtype and whole.numel() == shard.numel() * self.size)
+        except RuntimeError:  # a layout without strides: the general path names it
+            return False
 
     def broadcast_fast(self, tensor: torch.Tensor, opts) -> Optional[CudaWork]:
         """A broadcast of ``tensor`` (DDP's buffers, at every forward) on NCCL at once, or None
         when the call needs the general path: the tensor is not contiguous or on another
         device, or the root is not a rank of the group (and what :meth:`_call_now` refuses)."""
         root = opts.rootRank
-        if (tensor.is_cuda is not self._fast_is_cuda or tensor.get_device() != self._device_index
-                or not tensor.is_contiguous() or not 0 <= root < self.size):
+        try:
+            if (tensor.is_cuda is not self._fast_is_cuda or tensor.get_device() != self._device_index
+                    or not tensor.is_contiguous() or not 0 <= root < self.size):
+                return None
+        except RuntimeError:  # a layout without strides: the general path names it
             return None
         ptr = tensor.data_ptr()
         return self._call_now("broadcast", tensor, tensor, (tensor.shape,), (tensor.dtype,), opts, "ncclBroadcast",
@@ -495,7 +504,10 @@ class CudaBackend:
         index, plans, kind = self._device_index, self._plans, opts.reduceOp.op
         parts = []
         for tensor in tensors:
-            if tensor.is_cuda is not self._fast_is_cuda or tensor.get_device() != index or not tensor.is_contiguous():
+            try:
+                if tensor.is_cuda is not self._fast_is_cuda or tensor.get_device() != index or not tensor.is_contiguous():
+                    return None
+            except RuntimeError:  # a layout without strides: the general path names it
                 return None
             plan = plans.get((tensor.dtype, kind))
             if plan is None:

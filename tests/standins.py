@@ -39,6 +39,8 @@ class CpuAsCudaBackend(CudaBackend):
     _fast_is_cuda = False  # its CPU tensors stand in for CUDA ones on the fast path too
 
     def check_device(self, tensor, what):
+        if tensor.layout is not torch.strided:
+            return super().check_device(tensor, what)  # the real check names the layout first
         if not tensor.is_contiguous():
             raise CupycollValueError(f"{what} is not contiguous")
         return CUDA

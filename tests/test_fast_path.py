@@ -516,6 +516,28 @@ def test_a_tensor_of_another_accelerator_never_takes_the_fast_path(make, device)
     assert len(cuda.comm._lib.calls) == made
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("layout", ["sparse_csr", "sparse_csc"])
+def test_a_compressed_sparse_tensor_on_a_fast_group_gets_the_general_paths_typed_error(make, layout):
+    # such a tensor has no strides: asking whether it is contiguous raises torch's own error
+    group = warmed(make())
+    flat_warmed(group, "reduce_scatter")
+    dense = torch.eye(4)
+    sparse = dense.to_sparse_csr() if layout == "sparse_csr" else dense.to_sparse_csc()
+    cuda = group._cuda
+    made = len(cuda.comm._lib.calls)
+    calls = {"allreduce": lambda: group.allreduce([sparse], sync_opts()),
+             "broadcast": lambda: group.broadcast([sparse], broadcast_opts()),
+             "allreduce_coalesced": lambda: group.allreduce_coalesced([sparse], coalesced_opts()),
+             "all_gather": lambda: flat_call(group, "all_gather", torch.ones(32), sparse),
+             "reduce_scatter": lambda: flat_call(group, "reduce_scatter", sparse, torch.ones(32))}
+    for name, call in calls.items():
+        with pytest.raises(cupycoll.CupycollTypeError, match=f"torch.{layout} tensor"):
+            call()
+    assert len(cuda.comm._lib.calls) == made  # nothing reached NCCL
+    assert fast_taken(group)  # the group stays usable, and fast
+
+
 # -- the CPU route's all_reduce ----------------------------------------------------------
 
 
