@@ -6,7 +6,7 @@ difference, a benchmark run's ok / error / n/a / #wrong counts, the probe's chec
 :func:`evaluate_targets` then judges the figures of one run against the targets below
 (bench/README.md, "Targets"), each PASS, MISS or "not measured" (with why), never left out:
 
-* host µs per synchronous all_reduce, cupycoll / torch:nccl <= 1.0 (1 and 2 ranks);
+* host µs per synchronous all_reduce, cupycoll / torch:nccl <= 1.2 (1 and 2 ranks);
 * 64-op coalesced host time, cupycoll / torch:nccl <= 1.0 (sync and async, worse of two);
 * ring kernel bandwidth >= 0.9x a device-to-device copy (worst dtype x kernel, largest size);
 * ring / NCCL time at >= 64 MiB, 2 ranks: <= 1.3x for fp32, <= 2.3x for bf16 (whose partials
@@ -29,6 +29,10 @@ from typing import Dict, List, Optional
 
 MIB = 1 << 20
 OURS, RING, TORCH = "cupycoll:nccl", "cupycoll:ring", "torch:nccl"
+# The benchmark's own host-time targets (bench.scenarios.TARGETS, which imports torch; a test
+# keeps the two equal): a synchronous one-element all_reduce, and a 64-op coalesced block.
+HOST_RATIO_LIMIT = 1.2
+COALESCED_RATIO_LIMIT = 1.0
 
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b")
 _TIER_FIGURE = re.compile(r"^GPU-FIGURE ([^:]+): (.+)$", re.MULTILINE)  # tests/gpu/test_gpu_faults.py
@@ -134,7 +138,7 @@ def _host_ratio(document, world: int, missing: str) -> Dict:
         document, "coalescing", "1-element sync", OURS)
     value = row.get("cpu_ratio") if row else None
     detail = f"{row['cpu_us']:.1f} µs per call ({row['scenario']})" if row and value is not None else ""
-    return _target(name, 1.0, "max", value, detail, missing)
+    return _target(name, HOST_RATIO_LIMIT, "max", value, detail, missing)
 
 
 def _coalesced(document, world: int, missing: str) -> Dict:
@@ -143,7 +147,7 @@ def _coalesced(document, world: int, missing: str) -> Dict:
     ratios = {case: r.get("cpu_ratio") for case, r in found.items() if r and r.get("cpu_ratio") is not None}
     value = max(ratios.values()) if ratios else None
     detail = ", ".join(f"{case.split()[1]} {v:.3f}" for case, v in ratios.items())
-    return _target(name, 1.0, "max", value, detail + " (worse of the two)", missing)
+    return _target(name, COALESCED_RATIO_LIMIT, "max", value, detail + " (worse of the two)", missing)
 
 
 def _kernel(document, missing: str) -> Dict:
