@@ -8,9 +8,9 @@ that returned it and NCCL's own last-error text.
 Failures of the backend itself (NCCL errors, timeouts, an aborted communicator) also derive
 from ``torch.distributed.DistBackendError``, which is what torch's own nccl backend raises,
 so ``except dist.DistBackendError`` catches both backends' failures alike; timeouts keep the
-builtin ``TimeoutError`` as well. A CPU (gloo) collective's ``wait()`` raises
-:class:`CollectiveTimeoutError` or :class:`PeerFailedError` too (see
-``trace.group.TracedWork``).
+builtin ``TimeoutError`` as well. A CPU (gloo) collective's ``wait()`` (a synchronous
+all_reduce: the call itself) raises :class:`CollectiveTimeoutError` or
+:class:`PeerFailedError` too (see ``trace.group``).
 
 Deliberately left out: any retry or recovery policy. Errors describe; callers decide.
 """

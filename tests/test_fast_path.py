@@ -20,6 +20,7 @@ rules: the same NCCL calls in one NCCL group, the same flight-recorder entries, 
 from __future__ import annotations
 
 import datetime
+import threading
 
 import pytest
 import torch
@@ -659,6 +660,52 @@ def test_a_synchronous_cpu_all_reduce_raises_gloos_failure_from_the_call_explain
         group.allreduce([torch.ones(4)], sync_opts())
     assert raised.value is refused and explained == [entry]
     assert group._trace.recorder.entries[-1][7] == "failed"
+
+
+class BlockingWaitHalf(FailingWaitHalf):
+    """A gloo half whose all_reduce Works block in ``wait()`` until ``release`` is set, then
+    fail with ``error``: gloo's timeout coming after the group's close."""
+
+    def __init__(self, gloo, error):
+        super().__init__(gloo, error)
+        self.waiting, self.release = threading.Event(), threading.Event()
+
+    def allreduce(self, tensors, opts):
+        half = self
+
+        class Blocking:
+            def wait(self, timeout=None):
+                half.waiting.set()
+                half.release.wait(30)
+                raise half.error
+        return Blocking()
+
+
+@pytest.mark.skipif(not hasattr(c10d.AllreduceOptions(), "asyncOp"),
+                    reason="this torch's all_reduce options do not say whether the caller waits at once")
+def test_a_synchronous_cpu_all_reduce_the_groups_close_caught_fails_as_closed_asking_nobody(cpu_group, monkeypatch):
+    group = cpu_group()
+    explained = []
+    monkeypatch.setattr(group._trace, "explain_timeout", lambda *args, **kwargs: explained.append(args) or "asked")
+    half = BlockingWaitHalf(group._cpu, RuntimeError("[gloo] Timed out waiting 5000ms for recv operation"))
+    monkeypatch.setattr(group, "_cpu", half)
+    raised = []
+
+    def call():
+        try:
+            group.allreduce([torch.ones(4)], sync_opts())
+        except BaseException as exc:  # noqa: BLE001 - what the caller saw
+            raised.append(exc)
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert half.waiting.wait(30)
+    group._trace.close("aborted")  # what the group's abort does to its CPU half's calls
+    half.release.set()
+    caller.join(30)
+    [error] = raised
+    assert isinstance(error, CommunicatorAbortedError) and "was aborted before all_reduce #" in str(error)
+    assert error.__cause__ is half.error and explained == []  # the other ranks are not asked
+    assert group._trace.recorder.entries[-1][7] in ("failed", "aborted")
 
 
 def test_a_cpu_all_reduce_leaves_to_the_general_path_what_it_must_do_first(cpu_group):

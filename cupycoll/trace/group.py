@@ -12,7 +12,8 @@ with ``check_collectives``, compares it across ranks first (:mod:`cupycoll.trace
 * A CPU call goes to gloo; :meth:`GroupTrace.gloo` wraps gloo's Work in a
   :class:`TracedWork` whose ``wait()`` marks the entry completed, or, when gloo reports a
   timeout, runs the diagnosis and raises :class:`~cupycoll.CollectiveTimeoutError` with its
-  message ("rank 2 is behind: ...").
+  message ("rank 2 is behind: ..."). A synchronous all_reduce is waited on in the call
+  instead (:meth:`GroupTrace.gloo_waited`), marked and explained alike.
 
 Every group also registers with the process's responder (:mod:`cupycoll.trace.diagnosis`), which
 answers the other ranks' diagnosis requests while this rank is busy elsewhere.
@@ -56,7 +57,7 @@ class GroupTrace:
         # holds needs no failing): what close() fails. A finished Work leaves it.
         self._open: Dict[int, "ref[TracedWork]"] = {}
         self._prune_at = _OPEN_PRUNE_AT
-        self._closed = False
+        self._closed: Optional[str] = None  # how the group ended: "shut down", "aborted", "failed"
         # A group of one has nobody to ask; the stand-ins of the tests have no store.
         if store is not None and len(global_ranks) > 1:
             diagnosis.serve(store, self.recorder, settings.trace_dir)
@@ -90,14 +91,20 @@ class GroupTrace:
     def gloo_waited(self, entry: Optional[list], call, *args) -> dist.Work:
         """``call(*args)`` on the gloo half, waited on now, for a caller that would wait on
         its Work at once: gloo's own Work, finished (its ``wait()`` returns at once). A
-        failure raises here, as :meth:`TracedWork.wait` raises it; no Work is left for
-        :meth:`close` to fail, since the caller is inside gloo's wait until it returns."""
+        failure raises here, as :meth:`TracedWork.wait` raises it: explained, or, when the
+        group was closed meanwhile, the close's :class:`~cupycoll.CommunicatorAbortedError`
+        (nobody is left to ask). Nothing is tracked for :meth:`close` to fail: the caller is
+        inside gloo's wait until gloo returns, as a :class:`TracedWork`'s ``wait()`` is."""
         try:
             work = call(*args)
             work.wait()
-        except BaseException as exc:
+        except Exception as exc:  # noqa: BLE001 - explained, then raised again
             self.recorder.mark(entry, "failed")
-            error = self.failure(entry, exc) if isinstance(exc, Exception) else exc
+            ended = self._closed
+            if ended is not None:
+                description = recorder.describe(entry[E_OP], entry[E_SEQ], entry[E_SHAPES], entry[E_DTYPES])
+                raise self._ended_error(ended, description) from exc
+            error = self.failure(entry, exc)
             if error is exc:
                 raise
             raise error from exc
@@ -145,21 +152,25 @@ class GroupTrace:
         not finished yet fails now, with this as its reason: gloo cannot cancel it, and its
         own timeout may be minutes away. Then this rank stops answering diagnoses for the
         group and counts itself out of its store keys."""
-        if self._closed:
+        if self._closed is not None:
             return
-        self._closed = True
+        self._closed = state
         for work_ref in list(self._open.values()):
             work = work_ref()
             if work is not None:
-                work.fail_unfinished(CommunicatorAbortedError(
-                    f"process group {self.recorder.group!r} was {state} before {work.description} "
-                    f"finished on rank {self.recorder.rank}; gloo may still write its output until "
-                    f"its own timeout"))
+                work.fail_unfinished(self._ended_error(state, work.description))
         self._open.clear()
         diagnosis.unserve(self.recorder)
         self.recorder.mark_unfinished("aborted" if state == "aborted" else "failed")
         recorder.retire(self.recorder)
         diagnosis.forget(self.store, self.recorder)
+
+
+    def _ended_error(self, state: str, description: str) -> CommunicatorAbortedError:
+        """What a CPU call the group's close caught unfinished fails with."""
+        return CommunicatorAbortedError(
+            f"process group {self.recorder.group!r} was {state} before {description} finished on rank "
+            f"{self.recorder.rank}; gloo may still write its output until its own timeout")
 
 
 class TracedWork(dist.Work):
