@@ -580,6 +580,11 @@ def cpu_taken(group, tensor=None, opts=None):
     return group._all_reduce_on_cpu(tensor, [tensor], sync_opts() if opts is None else opts) is not None
 
 
+synchronous_calls_exist = pytest.mark.skipif(
+    not hasattr(c10d.AllreduceOptions(), "asyncOp"),
+    reason="this torch's all_reduce options do not say whether the caller waits at once")
+
+
 def async_opts(op=dist.ReduceOp.SUM):
     opts = c10d.AllreduceOptions()
     opts.reduceOp = op
@@ -605,8 +610,7 @@ def test_a_cpu_all_reduce_goes_to_gloo_in_one_frame_as_the_general_path_would(cp
                                                   "gloo", "completed"]
 
 
-@pytest.mark.skipif(not hasattr(c10d.AllreduceOptions(), "asyncOp"),
-                    reason="this torch's all_reduce options do not say whether the caller waits at once")
+@synchronous_calls_exist
 def test_a_synchronous_cpu_all_reduce_is_waited_on_in_the_call_and_hands_back_gloos_finished_work(cpu_group):
     group = cpu_group()
     tensors = [torch.full((3,), 2.0)]
@@ -639,8 +643,7 @@ class FailingWaitHalf:
         return Failing()
 
 
-@pytest.mark.skipif(not hasattr(c10d.AllreduceOptions(), "asyncOp"),
-                    reason="this torch's all_reduce options do not say whether the caller waits at once")
+@synchronous_calls_exist
 def test_a_synchronous_cpu_all_reduce_raises_gloos_failure_from_the_call_explained(cpu_group, monkeypatch):
     group = cpu_group()
     explained = []
@@ -681,8 +684,7 @@ class BlockingWaitHalf(FailingWaitHalf):
         return Blocking()
 
 
-@pytest.mark.skipif(not hasattr(c10d.AllreduceOptions(), "asyncOp"),
-                    reason="this torch's all_reduce options do not say whether the caller waits at once")
+@synchronous_calls_exist
 def test_a_synchronous_cpu_all_reduce_the_groups_close_caught_fails_as_closed_asking_nobody(cpu_group, monkeypatch):
     group = cpu_group()
     explained = []
