@@ -88,25 +88,30 @@ def make(cuda_standins, monkeypatch):
         g.abort()
 
 
-def sync_opts(op=dist.ReduceOp.SUM):
-    """Options of a synchronous all_reduce (on a torch whose options have no asyncOp every
-    call is asynchronous: these rules hold for it alike)."""
+def asking(opts, async_op: bool):
+    """``opts`` with ``asyncOp`` set where this torch's options have it (where not, every
+    call is asynchronous: the rules these tests pin hold for it alike)."""
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = async_op
+    return opts
+
+
+def all_reduce_opts(op=dist.ReduceOp.SUM, async_op=False):
+    """Options of an all_reduce, synchronous unless ``async_op``."""
     opts = c10d.AllreduceOptions()
     opts.reduceOp = op
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = False
-    return opts
+    return asking(opts, async_op)
 
 
 def fast_taken(group, tensor=None, opts=None):
     """Did an all_reduce of ``tensor`` take the fast path? (It returns None otherwise.)"""
     tensor = torch.ones(4) if tensor is None else tensor
-    return group._cuda.all_reduce_fast(tensor, sync_opts() if opts is None else opts) is not None
+    return group._cuda.all_reduce_fast(tensor, all_reduce_opts() if opts is None else opts) is not None
 
 
 def warmed(group):
     """The group after its first all_reduce: the communicator made, the plan learnt."""
-    group.allreduce([torch.ones(4)], sync_opts()).wait()
+    group.allreduce([torch.ones(4)], all_reduce_opts()).wait()
     return group
 
 
@@ -121,9 +126,9 @@ def test_a_synchronous_all_reduce_takes_the_fast_path_once_the_plan_is_learnt(ma
 def test_the_fast_path_does_what_the_general_path_does(make):
     fast, general = warmed(make()), warmed(make())
     tensor = torch.ones(4)
-    fast_work = fast._cuda.all_reduce_fast(tensor, sync_opts())
+    fast_work = fast._cuda.all_reduce_fast(tensor, all_reduce_opts())
     general._cuda.fast = False  # the same call, the general way
-    general_work = general.allreduce([tensor], sync_opts())
+    general_work = general.allreduce([tensor], all_reduce_opts())
     calls = [group._cuda.comm._lib.calls[-1] for group in (fast, general)]
     assert calls[0] == calls[1] and calls[0][0] == "ncclAllReduce"
     assert calls[0][1][:5] == (tensor.data_ptr(), tensor.data_ptr(), 4, DTYPE_FLOAT, OP_SUM)
@@ -139,7 +144,7 @@ def test_the_fast_path_refuses_what_it_cannot_call(make):
     group = warmed(make())
     assert not fast_taken(group, torch.ones(4, 2).t())  # not contiguous
     assert not fast_taken(group, torch.ones(4, dtype=torch.float64))  # no plan learnt for float64
-    assert not fast_taken(group, opts=sync_opts(dist.ReduceOp.MAX))  # nor for MAX
+    assert not fast_taken(group, opts=all_reduce_opts(dist.ReduceOp.MAX))  # nor for MAX
     group._cuda._device_index = 3  # the tensor is on another device than the group's
     assert not fast_taken(group)
 
@@ -177,7 +182,7 @@ def test_another_groups_block_open_in_this_thread_sends_the_call_to_the_general_
     blocking, group = warmed(make()), make()
     if kind == "all_reduce":
         warmed(group)
-        call = lambda: group.allreduce([torch.ones(4)], sync_opts())  # noqa: E731
+        call = lambda: group.allreduce([torch.ones(4)], all_reduce_opts())  # noqa: E731
     else:
         flat_warmed(group, kind)
         call = lambda: flat_call(group, kind, *flat_tensors(kind))  # noqa: E731
@@ -195,7 +200,7 @@ def test_an_ended_group_refuses_the_fast_path_and_the_general_path_says_why(make
     group.abort()
     assert not fast_taken(group)
     with pytest.raises(CommunicatorAbortedError, match="was aborted"):
-        group.allreduce([torch.ones(4)], sync_opts())
+        group.allreduce([torch.ones(4)], all_reduce_opts())
 
 
 @pytest.mark.parametrize("setting", [{"check_collectives": True}, {"blocking_wait": True}, {"algorithm": "ring"}])
@@ -218,9 +223,7 @@ def test_an_asynchronous_all_reduce_runs_on_the_communicators_stream_after_the_c
     group = warmed(make())
     comm = group._cuda.comm
     comm.stream = 0x5eed  # its own stream, apart from the caller's (the stand-ins' is 0)
-    opts = sync_opts()
-    if hasattr(opts, "asyncOp"):  # else every call is asynchronous
-        opts.asyncOp = True
+    opts = all_reduce_opts(async_op=True)
     tensor = torch.ones(4)
     earlier = group._cuda._order_event  # made by the warm-up where it was asynchronous too
     recorded = earlier.records if earlier is not None else 0
@@ -236,9 +239,7 @@ def test_an_asynchronous_all_reduce_runs_on_the_communicators_stream_after_the_c
 def coalesced_opts(op=dist.ReduceOp.SUM, async_op=False):
     opts = c10d.AllreduceCoalescedOptions()
     opts.reduceOp = op
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = async_op
-    return opts
+    return asking(opts, async_op)
 
 
 def parts_taken(group, tensors, opts=None):
@@ -310,9 +311,7 @@ def flat_opts(kind, op=dist.ReduceOp.SUM, async_op=False):
     opts = c10d.AllgatherOptions() if kind == "all_gather" else c10d.ReduceScatterOptions()
     if kind == "reduce_scatter":
         opts.reduceOp = op
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = async_op
-    return opts
+    return asking(opts, async_op)
 
 
 def flat_call(group, kind, output, input, opts=None):
@@ -415,7 +414,7 @@ def test_bad_input_to_a_fast_group_gets_the_general_paths_typed_error(make, kind
     with pytest.raises(cupycoll.CupycollTypeError, match="NoneType"):
         flat_call(group, kind, output, None)
     with pytest.raises(cupycoll.CupycollTypeError, match="NoneType"):
-        group.allreduce([None], sync_opts())
+        group.allreduce([None], all_reduce_opts())
     assert flat_taken(group, kind)  # the group stays usable, and fast
 
 
@@ -438,9 +437,7 @@ def test_an_asynchronous_fsdp_call_holds_both_tensors_on_the_communicators_strea
 def broadcast_opts(root=0, async_op=False):
     opts = c10d.BroadcastOptions()
     opts.rootRank = root
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = async_op
-    return opts
+    return asking(opts, async_op)
 
 
 def test_a_broadcast_on_the_fast_path_does_what_the_general_path_does(make):
@@ -505,13 +502,13 @@ def test_a_tensor_of_another_accelerator_never_takes_the_fast_path(make, device)
     cuda._fast_is_cuda, cuda._device_index = True, 0  # as on cuda:0 (the stand-ins' CPU tensors stand in for none)
     other = OnAnotherAccelerator((4,), device)
     whole = OnAnotherAccelerator((8,), device)
-    assert cuda.all_reduce_fast(other, sync_opts()) is None
+    assert cuda.all_reduce_fast(other, all_reduce_opts()) is None
     assert cuda.broadcast_fast(other, broadcast_opts()) is None
     assert cuda.all_gather_fast(whole, other, flat_opts("all_gather")) is None
     assert cuda.reduce_scatter_fast(other, whole, flat_opts("reduce_scatter")) is None
     assert cuda.all_reduce_parts([other], coalesced_opts()) is None
     made = len(cuda.comm._lib.calls)
-    for call in (lambda: group.allreduce([other], sync_opts()), lambda: group.broadcast([other], broadcast_opts())):
+    for call in (lambda: group.allreduce([other], all_reduce_opts()), lambda: group.broadcast([other], broadcast_opts())):
         with pytest.raises(cupycoll.CupycollValueError, match="not supported"):
             call()
     assert len(cuda.comm._lib.calls) == made
@@ -527,7 +524,7 @@ def test_a_compressed_sparse_tensor_on_a_fast_group_gets_the_general_paths_typed
     sparse = dense.to_sparse_csr() if layout == "sparse_csr" else dense.to_sparse_csc()
     cuda = group._cuda
     made = len(cuda.comm._lib.calls)
-    calls = {"allreduce": lambda: group.allreduce([sparse], sync_opts()),
+    calls = {"allreduce": lambda: group.allreduce([sparse], all_reduce_opts()),
              "broadcast": lambda: group.broadcast([sparse], broadcast_opts()),
              "allreduce_coalesced": lambda: group.allreduce_coalesced([sparse], coalesced_opts()),
              "all_gather": lambda: flat_call(group, "all_gather", torch.ones(32), sparse),
@@ -577,7 +574,7 @@ def cpu_group(monkeypatch):
 def cpu_taken(group, tensor=None, opts=None):
     """Did the CPU all_reduce take its one frame? (It returns None otherwise.)"""
     tensor = torch.ones(4) if tensor is None else tensor
-    return group._all_reduce_on_cpu(tensor, [tensor], sync_opts() if opts is None else opts) is not None
+    return group._all_reduce_on_cpu(tensor, [tensor], all_reduce_opts() if opts is None else opts) is not None
 
 
 synchronous_calls_exist = pytest.mark.skipif(
@@ -585,20 +582,12 @@ synchronous_calls_exist = pytest.mark.skipif(
     reason="this torch's all_reduce options do not say whether the caller waits at once")
 
 
-def async_opts(op=dist.ReduceOp.SUM):
-    opts = c10d.AllreduceOptions()
-    opts.reduceOp = op
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = True
-    return opts
-
-
 def test_a_cpu_all_reduce_goes_to_gloo_in_one_frame_as_the_general_path_would(cpu_group):
     fast, general = cpu_group(), cpu_group()
     general._all_reduce_on_cpu = lambda tensor, tensors, opts: None  # the same call, the general way
     works = []
     for group in (fast, general):
-        tensors, opts = [torch.full((3,), 2.0)], async_opts()
+        tensors, opts = [torch.full((3,), 2.0)], all_reduce_opts(async_op=True)
         work = group.allreduce(tensors, opts)
         works.append(work)
         assert work.wait() and torch.equal(tensors[0], torch.full((3,), 2.0))  # one rank: the sum is itself
@@ -614,7 +603,7 @@ def test_a_cpu_all_reduce_goes_to_gloo_in_one_frame_as_the_general_path_would(cp
 def test_a_synchronous_cpu_all_reduce_is_waited_on_in_the_call_and_hands_back_gloos_finished_work(cpu_group):
     group = cpu_group()
     tensors = [torch.full((3,), 2.0)]
-    work = group.allreduce(tensors, sync_opts())
+    work = group.allreduce(tensors, all_reduce_opts())
     [(name, _)] = group._cpu.calls
     assert name == "allreduce"
     assert not isinstance(work, TracedWork) and type(work).__module__.startswith("torch")  # gloo's own
@@ -653,14 +642,14 @@ def test_a_synchronous_cpu_all_reduce_raises_gloos_failure_from_the_call_explain
     gloo = group._cpu
     monkeypatch.setattr(group, "_cpu", FailingWaitHalf(gloo, timeout))
     with pytest.raises(cupycoll.CollectiveTimeoutError, match="rank 1 is behind") as raised:
-        group.allreduce([torch.ones(4)], sync_opts())
+        group.allreduce([torch.ones(4)], all_reduce_opts())
     assert raised.value.__cause__ is timeout
     entry = group._trace.recorder.entries[-1]
     assert explained == [entry] and entry[7] == "failed"
     refused = RuntimeError("Invalid scalar type")  # this rank's own argument: gloo's error as it is
     monkeypatch.setattr(group, "_cpu", FailingWaitHalf(gloo, refused))
     with pytest.raises(RuntimeError) as raised:
-        group.allreduce([torch.ones(4)], sync_opts())
+        group.allreduce([torch.ones(4)], all_reduce_opts())
     assert raised.value is refused and explained == [entry]
     assert group._trace.recorder.entries[-1][7] == "failed"
 
@@ -695,7 +684,7 @@ def test_a_synchronous_cpu_all_reduce_the_groups_close_caught_fails_as_closed_as
 
     def call():
         try:
-            group.allreduce([torch.ones(4)], sync_opts())
+            group.allreduce([torch.ones(4)], all_reduce_opts())
         except BaseException as exc:  # noqa: BLE001 - what the caller saw
             raised.append(exc)
     caller = threading.Thread(target=call)
@@ -716,14 +705,14 @@ def test_a_cpu_all_reduce_leaves_to_the_general_path_what_it_must_do_first(cpu_g
     group._cuda.calls.open_block()  # a CUDA block open: the general path refuses CPU tensors in it
     assert not cpu_taken(group)
     with pytest.raises(cupycoll.CupycollValueError, match="CPU tensors inside a coalescing block"):
-        group.allreduce([torch.ones(4)], sync_opts())
+        group.allreduce([torch.ones(4)], all_reduce_opts())
     group._cuda.calls.close_block()
     assert cpu_taken(group)
     group._cuda.calls.pending.append(None)  # a CUDA send queued: the general path issues it first
     assert not cpu_taken(group)
     group._cuda.calls.pending.clear()
     integers = torch.ones(4, dtype=torch.int64)
-    assert not cpu_taken(group, integers, sync_opts(dist.ReduceOp.AVG))  # gloo cannot average integers
+    assert not cpu_taken(group, integers, all_reduce_opts(dist.ReduceOp.AVG))  # gloo cannot average integers
     assert cpu_taken(group, integers)
 
 
@@ -734,7 +723,7 @@ def test_a_cpu_all_reduce_takes_its_frame_on_a_group_whose_cuda_calls_take_their
     on_cpu = group._all_reduce_on_cpu
     monkeypatch.setattr(group, "_all_reduce_on_cpu", lambda *args: taken.append(args[0]) or on_cpu(*args))
     tensor = torch.ones(2)
-    assert group.allreduce([tensor], sync_opts()).wait() and taken == [tensor]
+    assert group.allreduce([tensor], all_reduce_opts()).wait() and taken == [tensor]
 
 
 def test_the_mismatch_check_keeps_the_cpu_all_reduce_on_the_general_path(cpu_group):
@@ -746,4 +735,4 @@ def test_a_cpu_all_reduce_on_an_ended_group_says_why(cpu_group):
     group.abort()
     assert not cpu_taken(group)
     with pytest.raises(CommunicatorAbortedError, match="was aborted"):
-        group.allreduce([torch.ones(4)], sync_opts())
+        group.allreduce([torch.ones(4)], all_reduce_opts())
