@@ -13,8 +13,9 @@ another, and the upward calls: those from a module into one above it in :data:`L
 and prints host microseconds per call, wall time and the calling thread's CPU time (which
 other processes on a loaded machine stretch less): a proxy, on CPU, for the Python share of
 the host cost. Then the fast path's other calls (FSDP's all_gather_into_tensor and
-reduce_scatter_tensor, DDP's broadcast) the same way, and last a coalescing block of 64 all_reduces as torch's ``_coalescing_manager`` makes
-it: the calls each makes into cupycoll and its thread CPU (per all_reduce for the block).
+reduce_scatter_tensor, DDP's broadcast) the same way, and last a coalescing block of 64
+all_reduces as torch's ``_coalescing_manager`` makes it: the calls each makes into cupycoll
+and its thread CPU (per all_reduce for the block).
 
 Deliberately left out: the GPU and NCCL themselves (the GPU machine measures the real cost
 against torch's nccl: ``cupycoll-bench --scenario overhead``), C functions and code outside
@@ -210,11 +211,12 @@ def standin_group(size: int = 2) -> Iterator[object]:
             group.abort()
 
 
-def _sync_options():
+def _sync_options(kind: str = "AllreduceOptions"):
+    """A synchronous call's options: torch's c10d options class ``kind``, asyncOp off."""
     from torch._C import _distributed_c10d as c10d
 
-    opts = c10d.AllreduceOptions()
-    if hasattr(opts, "asyncOp"):  # none on torch 2.7's: every call is asynchronous there
+    opts = getattr(c10d, kind)()
+    if hasattr(opts, "asyncOp"):  # none on torch 2.7's all_reduce: every call is asynchronous there
         opts.asyncOp = False
     return opts
 
@@ -247,7 +249,7 @@ def measure(timed_calls: int = 2000) -> dict:
             group._cuda.watch.retire()
             traced = trace_calls(call, Path(cupycoll.__file__).resolve().parent)
             other_fast[name] = {"calls": len(traced),
-                          "thread_cpu_us": per_call_us(call, timed_calls, repeats=3, clock=time.thread_time)}
+                                "thread_cpu_us": per_call_us(call, timed_calls, repeats=3, clock=time.thread_time)}
         block = coalesced_block(group, BLOCK_PARTS)
         block()  # the first block learns nothing new: the plan is the all_reduce's
         block_calls = trace_calls(block, Path(cupycoll.__file__).resolve().parent)
@@ -289,13 +291,10 @@ def other_fast_calls(group) -> Dict[str, Callable[[], None]]:
     parameters), reduce_scatter_tensor (FSDP reducing gradients) and broadcast (DDP's
     buffers, at every forward), each with its Work's wait."""
     import torch
-    from torch._C import _distributed_c10d as c10d
 
     shard, whole = torch.ones(4), torch.ones(4 * group.size())
-    gather, scatter, broadcast = c10d.AllgatherOptions(), c10d.ReduceScatterOptions(), c10d.BroadcastOptions()
-    for opts in (gather, scatter, broadcast):
-        if hasattr(opts, "asyncOp"):
-            opts.asyncOp = False
+    gather, scatter, broadcast = (_sync_options(kind) for kind in
+                                  ("AllgatherOptions", "ReduceScatterOptions", "BroadcastOptions"))
     return {"all_gather_into_tensor": lambda: group._allgather_base(whole, shard, gather).wait(),
             "reduce_scatter_tensor": lambda: group._reduce_scatter_base(shard, whole, scatter).wait(),
             "broadcast": lambda: group.broadcast([shard], broadcast).wait()}
@@ -602,8 +601,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also time dist.all_reduce through torch's dispatch, in each shape this torch "
                              "has, and (torch 2.14+) the floor of its Python-Backend trampoline")
     parser.add_argument("--cpu-route", action="store_true",
-                        help="also time the CPU route at world size 1 against plain gloo, and cupycoll's "
-                             "share of it (over a CPU half that finishes every call at once)")
+                        help="also time the CPU route at world size 1 against plain gloo and against the "
+                             "floor of a Python group that records each call, and cupycoll's share of it "
+                             "(over a CPU half that finishes every call at once)")
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error("--calls must be >= 1")

@@ -102,8 +102,7 @@ class GroupTrace:
             self.recorder.mark(entry, "failed")
             ended = self._closed
             if ended is not None:
-                description = recorder.describe(entry[E_OP], entry[E_SEQ], entry[E_SHAPES], entry[E_DTYPES])
-                raise self._ended_error(ended, description) from exc
+                raise self._ended_error(ended, _described(entry)) from exc
             error = self.failure(entry, exc)
             if error is exc:
                 raise
@@ -165,12 +164,18 @@ class GroupTrace:
         recorder.retire(self.recorder)
         diagnosis.forget(self.store, self.recorder)
 
-
     def _ended_error(self, state: str, description: str) -> CommunicatorAbortedError:
         """What a CPU call the group's close caught unfinished fails with."""
         return CommunicatorAbortedError(
             f"process group {self.recorder.group!r} was {state} before {description} finished on rank "
             f"{self.recorder.rank}; gloo may still write its output until its own timeout")
+
+
+def _described(entry: Optional[list]) -> str:
+    """A CPU call in words, from its flight-recorder entry ("a call" without one)."""
+    if entry is None:
+        return "a call"
+    return recorder.describe(entry[E_OP], entry[E_SEQ], entry[E_SHAPES], entry[E_DTYPES])
 
 
 class TracedWork(dist.Work):
@@ -205,10 +210,7 @@ class TracedWork(dist.Work):
 
     @property
     def description(self) -> str:
-        entry = self._entry
-        if entry is None:
-            return "a call"
-        return recorder.describe(entry[E_OP], entry[E_SEQ], entry[E_SHAPES], entry[E_DTYPES])
+        return _described(self._entry)
 
     def fail_unfinished(self, error: BaseException) -> None:
         """The group closed: unless gloo finished this Work already, it has failed with
