@@ -30,6 +30,11 @@ PLACEMENTS = {
     "all_to_all": ("out-of-place",), "sendrecv": ("out-of-place",),
 }
 DEFAULT_TIMEOUT_S = 1800.0  # every group's timeout when -T is 0
+# The cupycoll group's own algorithm (``Options.algorithm``). The candidate of that
+# algorithm runs with no scope, as a user's group does, so its figures are those of the
+# path users get (the fast path learns a reduction only without an override in force);
+# the other algorithms run under ``cupycoll.algorithm(...)``.
+GROUP_ALGORITHM = "nccl"
 
 
 # -- candidates -------------------------------------------------------------------------
@@ -64,13 +69,15 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def build_candidates(names: List[str], timeout=None) -> List[Candidate]:
     """Create the groups in one fixed order (every rank must create the same groups).
-    cupycoll's algorithms share the default group, each under ``cupycoll.algorithm(...)``."""
+    cupycoll's algorithms share the default group: its own (:data:`GROUP_ALGORITHM`) as it
+    is, each other under ``cupycoll.algorithm(...)``."""
     picked = []
     for name in names:
         spec = catalog.CANDIDATES[name]
         if spec.library == "cupycoll":
             group = dist.group.WORLD
-            scope = (lambda alg=spec.algorithm: cupycoll.algorithm(alg))
+            scope = (contextlib.nullcontext if spec.algorithm == GROUP_ALGORITHM
+                     else (lambda alg=spec.algorithm: cupycoll.algorithm(alg)))
         else:
             group = dist.new_group(backend=spec.algorithm, timeout=timeout)
             scope = contextlib.nullcontext

@@ -85,7 +85,7 @@ class CandidateSpec:
 
 CANDIDATES: Dict[str, CandidateSpec] = {
     "cupycoll:nccl": CandidateSpec("cupycoll:nccl", "cupycoll", "nccl", "cuda",
-                                   "cupycoll, NCCL collectives (cupycoll.algorithm('nccl'))"),
+                                   "cupycoll, NCCL collectives (the group's own algorithm)"),
     "cupycoll:ring": CandidateSpec("cupycoll:ring", "cupycoll", "ring", "cuda",
                                    "cupycoll, its own ring kernels (cupycoll.algorithm('ring'))"),
     "torch:nccl": CandidateSpec("torch:nccl", "torch", "nccl", "cuda", "torch's ProcessGroupNCCL (baseline)"),

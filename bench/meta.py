@@ -90,7 +90,7 @@ def collect_meta(ctx) -> Dict:
         "torch": torch.__version__, "torch_cuda": torch.version.cuda or "none",
         "torch_nccl": "n/a", "cupy": "not installed", "cupy_nccl": "n/a",
         "cupycoll": cupycoll.__version__,
-        "algorithm_selection": "cupycoll.algorithm() context on one cupycoll group",
+        "algorithm_selection": "one cupycoll group, Options(algorithm='nccl'); the ring under cupycoll.algorithm('ring')",
         "ring_scratch": ring_scratch([c.name for c in ctx.candidates]),
         "candidates": [c.name for c in ctx.candidates], "baseline": cfg.baseline,
         "timer": ctx.timer.description,

@@ -2,8 +2,9 @@
 
 Every rank builds one default group ``"cpu:gloo,cuda:cupycoll"``, a torch nccl group
 (``new_group(backend="nccl")``) and a plain gloo group used only to coordinate (barriers,
-summing the per-rank measurements). cupycoll's two algorithms run on the cupycoll group
-inside ``cupycoll.algorithm("nccl" | "ring")``.
+summing the per-rank measurements). cupycoll's two algorithms run on the cupycoll group:
+NCCL as the group's own algorithm (``Options(algorithm="nccl")``, the path a user's calls
+take), the ring inside ``cupycoll.algorithm("ring")``.
 
 For each point (collective, type, op, size, placement) the candidates run one after the
 other on the same buffers, so drift hits them alike. For each candidate: one checked call
@@ -35,11 +36,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-import cupycoll  # noqa: F401 - registers the "cupycoll" backend for init_process_group
+import cupycoll  # registers the "cupycoll" backend for init_process_group
 
 from . import catalog, checks, launch, metrics, output, scenarios
-from .calls import (PLACEMENTS, Buffers, Candidate, build_candidates, group_timeout, make_buffers,
-                    make_call, ring_unsupported, torch_dtype)
+from .calls import (GROUP_ALGORITHM, PLACEMENTS, Buffers, Candidate, build_candidates, group_timeout,
+                    make_buffers, make_call, ring_unsupported, torch_dtype)
 from .meta import collect_meta, describe_time
 from .rank import Rank
 from .timing import Progress, Timer
@@ -246,7 +247,8 @@ def rank_main(cfg, plan: Optional[launch.Plan]) -> int:
     # No device_id: a bound default group would make new_group(backend="nccl") try to split
     # from cupycoll's communicator, which is not a ProcessGroupNCCL.
     dist.init_process_group("cpu:gloo,cuda:cupycoll", init_method="env://", rank=rank,
-                            world_size=world, timeout=timeout)
+                            world_size=world, timeout=timeout,
+                            pg_options=cupycoll.Options(algorithm=GROUP_ALGORITHM))
     # Coordination waits for the slowest rank's whole measurement: never shorter than 30 min.
     coord = dist.new_group(backend="gloo", timeout=max(timeout, datetime.timedelta(minutes=30)))
     candidates = build_candidates(cfg.candidates, timeout)

@@ -9,9 +9,10 @@ Each rank writes OUT_DIR/<scenario>-rank<N>.json and exits 0 (except a rank kill
   blocked in the host inside NCCL, where the watchdog cannot see it (docs/design.md,
   "Decision: blocking communicators by default, for now"); a deadline thread then records
   ``"outcome": "hang"`` with the stacks and ends the rank, so the tier records what happened
-  instead of hanging. Rank 0 records what the Work said right after
-  ``torch.cuda.synchronize()`` returned (it must already say failed: Works are failed before
-  the abort).
+  instead of hanging. When the timeout ends rank 0's process instead (exit 70), the
+  skipper's wait on the store (rank 0 hosts it) ends with it, and the skipper records that.
+  Rank 0 records what the Work said right after ``torch.cuda.synchronize()`` returned (it
+  must already say failed: Works are failed before the abort).
 * kill_mid_ddp: 3 ranks train DDP; the last is SIGKILLed at step 20. The survivors'
   error latency, ``destroy_process_group`` time, whether their parameters still agree
   (an aborted last bucket may already be applied), then the documented recovery:
@@ -134,7 +135,10 @@ def cold_skip(ctx):
     ctx.init(eager=True)  # device_id: the communicator exists, no collective has run
     x = torch.ones(1 << 16, device=ctx.device)
     if ctx.rank == ctx.world - 1:
-        ctx.wait_for("done", seconds=HANG_DEADLINE_S + 20)  # alive, but never issues it
+        try:
+            ctx.wait_for("done", seconds=HANG_DEADLINE_S + 20)  # alive, but never issues it
+        except dist.DistError:  # rank 0 hosts the store: its process ended (blocking: exit 70)
+            return {"skipped": True, "store_host_ended": True}
         return {"skipped": True}
     result = {"timeout_s": TIMEOUT_S, "mode": "nonblocking" if ctx.nonblocking else "blocking"}
     start = time.monotonic()
