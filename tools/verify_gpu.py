@@ -84,7 +84,7 @@ DESELECT = {"tests/gpu/test_gpu_semantics.py::test_ddp_parity_with_torch_nccl": 
 # step's time on the GPU machine named in MEASURED_ON where ``measured``, otherwise an
 # estimate; it is the estimate the summary shows, and a measured time replaces it after
 # each run that recorded it.
-MEASURED_ON = "one NVIDIA H200, torch 2.11.0+cu130, CuPy 14.2.0, NCCL 2.28.9, the lease of 2026-11-26 at 338a4df"
+MEASURED_ON = "one NVIDIA H200, torch 2.11.0+cu130, CuPy 14.2.0, NCCL 2.28.9, the lease of 2026-11-27 at b9f8a17"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,21 +96,21 @@ class Timing:
 
 TIMINGS = {
     "env.env": Timing(60, 9),
-    "tier.probe": Timing(60, 16),
-    "tier.semantics": Timing(None, 23),  # DDP parity deselected: the demo runs it
-    "tier.api": Timing(None, 38),
-    "tier.ring": Timing(None, 43),
-    "tier.faults": Timing(None, 95, measured=False),  # its runs took 142 s, 130 s of that a hung launch
-    "tier.compile": Timing(None, 70, measured=False),  # its one run ended at 32 s in a crash
-    "tier.fsdp": Timing(None, 45, measured=False),  # never run: pytest's start and ~30 s launches (tier.py)
-    "demo.demo": Timing(120, 29),
-    "faults.fault_bench": Timing(150, 65),
-    "bench.row": Timing(60, 23),
-    "bench.small": Timing(90, 21),
-    "bench.small-quick": Timing(60, 9),
-    "bench.large": Timing(150, 61),
-    "bench.scenarios-1rank": Timing(90, 22),
-    "bench.scenarios-2ranks": Timing(90, 58),
+    "tier.probe": Timing(60, 8),
+    "tier.semantics": Timing(None, 24),  # DDP parity deselected: the demo runs it
+    "tier.api": Timing(None, 32),
+    "tier.ring": Timing(None, 37),
+    "tier.faults": Timing(None, 81),
+    "tier.compile": Timing(None, 57),
+    "tier.fsdp": Timing(None, 29),
+    "demo.demo": Timing(120, 28),
+    "faults.fault_bench": Timing(150, 43),
+    "bench.row": Timing(60, 15),
+    "bench.small": Timing(90, 15),
+    "bench.small-quick": Timing(60, 9),  # the first lease's (2026-11-26); not run since
+    "bench.large": Timing(150, 39),
+    "bench.scenarios-1rank": Timing(90, 15),
+    "bench.scenarios-2ranks": Timing(90, 55),
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu.tier import GPU_TIER_BUDGETS_S
+from gpu.tier import GPU_TIER_BUDGETS_S, print_figure
 from mp import ddp_parity_with_torch_nccl, gpu_count, largest_difference, train_ddp_side_by_side
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +24,7 @@ TRAIN_ARGS = ("--compile", "aot_eager", "--steps", "20")
 TORCH_ALONE = {}
 
 
-def test_compiled_ddp_trains_as_on_torchs_nccl_each_in_processes_of_its_own(tmp_path):
+def test_compiled_ddp_trains_as_on_torchs_nccl_each_in_processes_of_its_own(tmp_path, capsys):
     runs = train_ddp_side_by_side(SUBPROCESS_LIMITS_S["side by side"], ("cupycoll", "nccl"), tmp_path, *TRAIN_ARGS,
                                   share_gpu=gpu_count() < 2)
     ours, torchs = runs["cupycoll"], runs["nccl"]
@@ -36,12 +36,16 @@ def test_compiled_ddp_trains_as_on_torchs_nccl_each_in_processes_of_its_own(tmp_
         pytest.xfail(f"torch's nccl, compiled, alone in its processes, died of {TORCH_ALONE['crashed']}: "
                      f"parity not judged\n{torchs.explain()}")
     assert torchs.proc.returncode == 0 and torchs.params is not None, torchs.explain()
-    assert largest_difference(ours.params, torchs.params) <= 1e-5
+    diff = largest_difference(ours.params, torchs.params)
+    print_figure(capsys, "compiled DDP, processes of its own",
+                 f"largest parameter difference vs torch's nccl {diff:.3e}")
+    assert diff <= 1e-5
 
 
-def test_torchs_nccl_trains_compiled_ddp_after_cupycoll_in_one_process():
+def test_torchs_nccl_trains_compiled_ddp_after_cupycoll_in_one_process(capsys):
     if TORCH_ALONE.get("crashed"):
         pytest.xfail(f"torch's nccl, compiled, crashed alone ({TORCH_ALONE['crashed']}) in the test before: "
                      "its half of this one cannot be judged")
     diff = ddp_parity_with_torch_nccl(SUBPROCESS_LIMITS_S["one process"], *TRAIN_ARGS)
+    print_figure(capsys, "compiled DDP, one process", f"largest parameter difference vs torch's nccl {diff:.3e}")
     assert diff <= 1e-5

@@ -29,6 +29,7 @@ import sys
 import pytest
 
 from gpu.tier import GPU_TIER_BUDGETS_S
+from gpu.tier import print_figure as figure
 from mp import ROOT, WorkersFailed, gpu_count, start_ranks
 from workers.fault_worker import NEVER_JOINED_WORDS, SUITE, SUITE_CYCLES, TIMEOUT_S
 from workers.gpu_hang_worker import WORLDS
@@ -58,12 +59,6 @@ SUBPROCESS_LIMITS_S = {"suite launch": 130, "cold skip": 75, "kill mid-DDP": 90,
 LAUNCHES = [("cold_skip", mode, "cold skip") for mode in MODES] + \
     [("kill_mid_ddp", mode, "kill mid-DDP") for mode in MODES] + \
     [("cycles", "blocking", "cycles"), ("cuda_hang", "blocking", "CUDA hang")]
-
-
-def figure(capsys, name, value):
-    """One figure, printed past pytest's capture so that the part's output records it."""
-    with capsys.disabled():
-        print(f"\nGPU-FIGURE {name}: {value}", flush=True)
 
 
 def _limit(label):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu.tier import GPU_TIER_BUDGETS_S
+from gpu.tier import GPU_TIER_BUDGETS_S, print_figure
 from mp import gpu_count, largest_difference, start_train_fsdp, wait_train_fsdp
 
 pytestmark = pytest.mark.gpu
@@ -84,7 +84,7 @@ def _runs(launch, backend):
     return launch.results["backends"][backend]["runs"]
 
 
-def _compare(trained, kind, run, tolerance):
+def _compare(trained, kind, run, tolerance, capsys):
     """The largest parameter difference of ``run`` between cupycoll and torch's nccl."""
     ours = _runs(trained[OURS, kind], OURS)
     torchs = trained[TORCHS, kind]
@@ -96,36 +96,36 @@ def _compare(trained, kind, run, tolerance):
     reference = _runs(torchs, TORCHS)
     assert list(ours[run]["params"]) == list(reference[run]["params"])
     diff = largest_difference(list(ours[run]["params"].values()), list(reference[run]["params"].values()))
-    print(f"GPU-FIGURE fsdp {run} largest parameter difference vs torch's nccl: {diff:.3e} "
-          f"(tolerance {tolerance:g})")
+    print_figure(capsys, f"fsdp {run}", f"largest parameter difference vs torch's nccl {diff:.3e} "
+                 f"(tolerance {tolerance:g})")
     assert diff <= tolerance, f"{run}: {diff:.3e} > {tolerance:g}; losses {ours[run]['losses']} vs " \
                               f"{reference[run]['losses']}"
     return ours, reference
 
 
-def test_fsdp2_in_fp32_ends_with_torch_nccls_parameters(trained):
-    _compare(trained, "fsdp2", "2 fp32", FP32_TOLERANCE)
+def test_fsdp2_in_fp32_ends_with_torch_nccls_parameters(trained, capsys):
+    _compare(trained, "fsdp2", "2 fp32", FP32_TOLERANCE, capsys)
 
 
-def test_fsdp2_with_bf16_parameters_and_fp32_reduction_ends_with_torch_nccls_parameters(trained):
-    ours, reference = _compare(trained, "fsdp2", "2 bf16", BF16_TOLERANCE)
+def test_fsdp2_with_bf16_parameters_and_fp32_reduction_ends_with_torch_nccls_parameters(trained, capsys):
+    ours, reference = _compare(trained, "fsdp2", "2 bf16", BF16_TOLERANCE, capsys)
     for runs in (ours, reference):  # the run computed in bf16: its parameters are not the fp32 run's
         fp32, bf16 = (list(runs[run]["params"].values()) for run in ("2 fp32", "2 bf16"))
         assert largest_difference(fp32, bf16) > 1e-5
 
 
-def test_tp_inside_fsdp2_on_a_2x2_mesh_ends_with_torch_nccls_parameters(trained):
-    ours, _reference = _compare(trained, "tp", "2x2 fp32", FP32_TOLERANCE)
+def test_tp_inside_fsdp2_on_a_2x2_mesh_ends_with_torch_nccls_parameters(trained, capsys):
+    ours, _reference = _compare(trained, "tp", "2x2 fp32", FP32_TOLERANCE, capsys)
     layouts = ours["2x2 fp32"]["layouts"]
     assert layouts["blocks.0.attn.q.weight"].startswith("('dp', 'tp') ("), layouts
 
 
-def test_dcp_loads_the_fsdp2_model_and_optimizer_it_saved_on_cuda(trained):
+def test_dcp_loads_the_fsdp2_model_and_optimizer_it_saved_on_cuda(trained, capsys):
     launch = trained[OURS, "fsdp2"]
     assert launch.failure is None and launch.results is not None, launch.explain()
     checkpoint = launch.results["backends"][OURS]["checkpoints"]["2"]
-    print(f"GPU-FIGURE fsdp DCP round trip: {checkpoint['tensors']} tensors, {checkpoint['mismatches']} differ "
-          f"after the load")
+    print_figure(capsys, "fsdp DCP round trip", f"{checkpoint['tensors']} tensors, {checkpoint['mismatches']} "
+                 f"differ after the load")
     # model and momentum tensors of both ranks, nearly all of which differed before the load
     assert checkpoint["tensors"] > 100 and checkpoint["differed_before_load"] > 100, checkpoint
     assert checkpoint["mismatches"] == 0, checkpoint

@@ -59,10 +59,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 #   bench      15 + six runs one after another, 255 (tests/gpu/test_gpu_bench.py)
 #   compile    15 + two runs side by side 50 + one run on both backends 50
 #   fsdp       15 + four launches side by side 90 (examples/train_fsdp.py, 12 ranks in all) + 5 s
-#              to compare what they saved. Not yet run on a GPU: the launches should take ~30 s,
-#              what one torchrun launch of train_ddp.py took there (demo 29 s, compile 32 s); on
-#              a loaded 2-core CPU the same runs take 7 s (2 ranks) and 16 s (4 ranks), both
-#              backends each. 90 s is 3x the expectation (tests/gpu/test_gpu_fsdp.py).
+#              to compare what they saved. The whole part took 29 s on one H200; on a loaded
+#              2-core CPU the same runs take 7 s (2 ranks) and 16 s (4 ranks), both backends
+#              each. 90 s leaves room for a cold start (tests/gpu/test_gpu_fsdp.py).
 GPU_TIER: List[Tuple[str, str, int]] = [
     ("semantics", "tests/gpu/test_gpu_semantics.py", 90),
     ("api", "tests/gpu/test_gpu_api.py", 120),
@@ -73,13 +72,12 @@ GPU_TIER: List[Tuple[str, str, int]] = [
     ("fsdp", "tests/gpu/test_gpu_fsdp.py", 110),
 ]
 GPU_TIER_BUDGETS_S = {name: budget for name, _path, budget in GPU_TIER}
-# What each part takes (s). Measured on one H200 (docs/gpu-verification.md, 2026-11-26):
-# semantics 16 without its DDP parity run (~25 s more), api 24, ring 31. Estimated: faults
-# (its one run lost 130 s to a hang; its launches run side by side, the longest ~80 s),
-# bench (never run), compile (its one run crashed) and fsdp (never run: pytest's start and
-# the ~30 s launches).
-GPU_TIER_ESTIMATES_S = {"semantics": 40, "api": 30, "ring": 35, "faults": 95, "bench": 140, "compile": 70,
-                        "fsdp": 45}
+# What each part takes (s), measured on one H200 (docs/gpu-verification.md): semantics 24
+# without its DDP parity run (~25 s more), api 32, ring 37, faults 81, compile 57, fsdp 29
+# (the lease of 2026-11-27). The bench part has never run as a whole: its six runs took
+# about 140 s as separate steps of that lease.
+GPU_TIER_ESTIMATES_S = {"semantics": 50, "api": 32, "ring": 37, "faults": 81, "bench": 140, "compile": 57,
+                        "fsdp": 29}
 
 # pytest's own start in a part's command, before its first subprocess: the interpreter,
 # torch and CuPy imported, test collection (more on a cold page cache).
@@ -108,6 +106,14 @@ OPTIONAL = {
 # Parts whose tests only read what the runs a fixture started recorded: one failed
 # assertion must not hide the verdicts after it, the device time is already spent.
 READS_FINISHED_RUNS = {"tests/gpu/test_gpu_api.py", "tests/gpu/test_gpu_faults.py", "tests/gpu/test_gpu_fsdp.py"}
+
+
+def print_figure(capsys, name: str, value) -> None:
+    """One figure of a part as a ``GPU-FIGURE name: value`` line, printed past pytest's
+    capture (``capsys``, the test's fixture) so that a passing test's figures reach the
+    part's output, which ``make verify-gpu`` reads (tools/verify_figures.py)."""
+    with capsys.disabled():
+        print(f"\nGPU-FIGURE {name}: {value}", flush=True)
 
 
 def pytest_command(path: str, python: Optional[str] = None, extra: Sequence[str] = ()) -> List[str]:

@@ -553,6 +553,25 @@ def test_the_gpu_tier_collects_and_skips_with_a_reason_without_a_gpu():
     assert "needs a CUDA GPU" in proc.stdout
 
 
+@pytest.mark.launches
+def test_a_passing_tests_figures_reach_the_parts_output_and_the_summary(tmp_path):
+    from tools import verify_figures
+    from tools.verify_runner import StepResult
+
+    (tmp_path / "test_figure.py").write_text(
+        "from gpu.tier import print_figure\n\n"
+        "def test_one(capsys):\n"
+        "    print('captured, not shown')\n"
+        "    print_figure(capsys, 'fsdp 2 fp32', 'largest parameter difference 0.000e+00')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "captured, not shown" not in proc.stdout
+    figures = verify_figures.read_pytest(StepResult(None, "passed", "", 1.0, 10.0, 0, proc.stdout))
+    assert figures["passed"] == 1 and figures["fsdp 2 fp32"] == "largest parameter difference 0.000e+00", figures
+
+
 # -- the gpu_hang_worker launches of the faults part (tests/workers/gpu_hang_worker.py) -------
 
 
