@@ -94,6 +94,20 @@ def test_candidates_and_aliases():
     assert catalog.resolve_candidates("cupycoll") == ["cupycoll:nccl"]
 
 
+def test_cupycolls_nccl_candidate_runs_with_no_override_as_a_users_group_does():
+    # the fast path steps aside while an algorithm override is in force: under one the
+    # candidate would measure the general path, not what a user's calls take
+    from bench import calls
+    from cupycoll import config
+
+    picked = {c.name: c for c in calls.build_candidates(["cupycoll:nccl", "cupycoll:ring"])}
+    assert catalog.CANDIDATES["cupycoll:nccl"].algorithm == calls.GROUP_ALGORITHM
+    with picked["cupycoll:nccl"].scope():
+        assert config.algorithm_override() is None
+    with picked["cupycoll:ring"].scope():
+        assert config.algorithm_override() == "ring"
+
+
 def test_cpu_mode_names_cupycolls_path_gloo_not_nccl():
     cfg = cli.parse(["--device", "cpu"])
     assert cfg.candidates == ["cupycoll:gloo", "torch:gloo"] and cfg.baseline == "torch:gloo"
