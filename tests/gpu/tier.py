@@ -74,8 +74,8 @@ GPU_TIER: List[Tuple[str, str, int]] = [
 GPU_TIER_BUDGETS_S = {name: budget for name, _path, budget in GPU_TIER}
 # What each part takes (s), measured on one H200 (docs/gpu-verification.md): semantics 24
 # without its DDP parity run (~25 s more), api 32, ring 37, faults 81, compile 57, fsdp 29
-# (the lease of 2026-11-27). The bench part has never run as a whole: its six runs took
-# about 140 s as separate steps of that lease.
+# (the lease of 2026-11-27). The bench part has not run yet (the lease runs the benchmark
+# as steps of its own): 140 s is an estimate.
 GPU_TIER_ESTIMATES_S = {"semantics": 50, "api": 32, "ring": 37, "faults": 81, "bench": 140, "compile": 57,
                         "fsdp": 29}
 
