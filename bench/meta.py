@@ -21,7 +21,7 @@ from cupycoll.nccl import bindings as nccl_bindings
 from cupycoll.ring import schedule as ring_schedule
 
 from . import gpu_info, launch, output
-from .calls import group_timeout
+from .calls import GROUP_ALGORITHM, group_timeout
 from .timing import Timer
 
 COMMIT_ENV = "CUPYCOLL_BENCH_GIT_COMMIT"  # the commit to record where git cannot tell
@@ -90,7 +90,8 @@ def collect_meta(ctx) -> Dict:
         "torch": torch.__version__, "torch_cuda": torch.version.cuda or "none",
         "torch_nccl": "n/a", "cupy": "not installed", "cupy_nccl": "n/a",
         "cupycoll": cupycoll.__version__,
-        "algorithm_selection": "one cupycoll group, Options(algorithm='nccl'); the ring under cupycoll.algorithm('ring')",
+        "algorithm_selection": (f"one cupycoll group, Options(algorithm={GROUP_ALGORITHM!r}); "
+                                "the other algorithms under cupycoll.algorithm()"),
         "ring_scratch": ring_scratch([c.name for c in ctx.candidates]),
         "candidates": [c.name for c in ctx.candidates], "baseline": cfg.baseline,
         "timer": ctx.timer.description,

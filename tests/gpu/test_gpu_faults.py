@@ -253,8 +253,8 @@ def _launch(launched, scenario, mode):
 
 def _ended_by_the_timeout(results, rank):
     """``rank``'s output if the group's timeout ended its process (exit 70: a blocking call
-    stuck inside NCCL, which no abort may end), else None. The launch's other ranks may
-    have ended in time (a list of results) or not (WorkersFailed)."""
+    stuck inside NCCL, which no abort may end), else None; whether the launch's other ranks
+    then ended in time (a list of results) or not (WorkersFailed)."""
     if isinstance(results, WorkersFailed):
         text = str(results)
         return text if f"--- rank {rank}: exit 70 ---" in text else None
@@ -281,6 +281,8 @@ def test_a_peer_skipping_the_first_collective_of_a_cold_communicator(launched, m
     ended = _ended_by_the_timeout(results, rank=0)
     if report is None and mode == "blocking" and ended is not None:
         assert "no abort can end it safely" in ended and "has been inside NCCL" in ended, logs
+        assert not isinstance(results, WorkersFailed), \
+            f"rank 0 ended with the timeout (exit 70), but the skipping rank outlived the launch's limit\n{logs}"
         assert reports.get(1) in ({"skipped": True}, {"skipped": True, "store_host_ended": True}), logs
         figure(capsys, f"cold skip {mode}", "the process ended (exit 70) with the timeout: a blocking call "
                "stuck in NCCL's connect")
