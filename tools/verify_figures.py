@@ -35,7 +35,7 @@ HOST_RATIO_LIMIT = 1.2
 COALESCED_RATIO_LIMIT = 1.0
 
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b")
-_TIER_FIGURE = re.compile(r"^GPU-FIGURE ([^:]+): (.+)$", re.MULTILINE)  # tests/gpu/test_gpu_faults.py
+_TIER_FIGURE = re.compile(r"^GPU-FIGURE ([^:]+): (.+)$", re.MULTILINE)  # tests/gpu/tier.print_figure
 _DEMO_DIFF = re.compile(r"max \|param difference\| (\S+) vs (\S+): ([0-9.eE+-]+)")
 
 

@@ -26,11 +26,11 @@ import torch.distributed as dist
 try:  # run as a script (tests/workers on sys.path), or imported by the CPU tier
     from api_plan import (LARGE, kept, reduce_check, reduce_ops_for, reference_lacks,
                           self_p2p_cases_apply)
-    from epilogue import end_suite
+    from epilogue import end_suite, plain_gloo_teardown_can_hang
 except ImportError:
     from workers.api_plan import (LARGE, kept, reduce_check, reduce_ops_for, reference_lacks,
                                   self_p2p_cases_apply)
-    from workers.epilogue import end_suite
+    from workers.epilogue import end_suite, plain_gloo_teardown_can_hang
 
 # Defaults let the CPU tier import the checking code without a launcher.
 RANK = int(os.environ.get("RANK", "0"))
@@ -577,21 +577,10 @@ def check_subgroups(s: Suite, cover: Coverage) -> None:
         t = s.t(RANK, 3, torch.float32)
         dist.all_reduce(t)
         s.check(name + "/world_after", t, reduce_ref([value(r, 3, torch.float32) for r in range(WORLD)], R.SUM))
-        if RANK in members and not _freeing_can_hang(s.backend):
+        # a destroyed subgroup is freed as the case returns; torch keeps one not destroyed
+        if RANK in members and not plain_gloo_teardown_can_hang(s.backend):
             dist.destroy_process_group(sub)
     s.run("new_group", case)
-
-
-def _freeing_can_hang(backend: str) -> bool:
-    """Whether freeing a group right after a CPU call can hang this process: plain gloo
-    where torch frees a ProcessGroup holding the GIL (cupycoll.compat.PROCESS_GROUP_FREED_WITHOUT_GIL;
-    cupycoll's own groups avoid it). A destroyed subgroup is freed as the case returns; the
-    reference keeps its subgroup instead (torch holds it until the suite's end), since its
-    teardown is not what the suite compares."""
-    if "cupycoll" in backend:
-        return False
-    from cupycoll import compat  # the reference alone: a cupycoll run may rely on the entry point
-    return not compat.PROCESS_GROUP_FREED_WITHOUT_GIL
 
 
 def coverage(args, device: torch.device) -> Coverage:

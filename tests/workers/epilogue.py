@@ -23,6 +23,18 @@ def write_json(out_dir: str, name: str, result) -> None:
         json.dump(result, fh)
 
 
+def plain_gloo_teardown_can_hang(backend: str) -> bool:
+    """Whether freeing a plain gloo group right after a CPU call can hang this process: where
+    torch frees a ProcessGroup holding the GIL (cupycoll.compat.PROCESS_GROUP_FREED_WITHOUT_GIL),
+    gloo's worker thread dropping a finished Work can wait for that GIL for ever. cupycoll's
+    own groups avoid it (GroupShell._keep_gloo_last). A reference run whose teardown is not
+    what its test compares then skips that teardown."""
+    if "cupycoll" in backend:
+        return False
+    from cupycoll import compat  # the reference alone: a cupycoll run may rely on the entry point
+    return not compat.PROCESS_GROUP_FREED_WITHOUT_GIL
+
+
 def end_suite(out_dir: str, rank: int, summary: dict) -> int:
     """The end of a checking suite's rank: ``summary`` (with its ``cases`` count and
     ``failures`` list) in ``out_dir/rank{rank}.json``, the default group destroyed, a line
