@@ -19,7 +19,6 @@ import contextlib
 import statistics
 import sys
 import time
-import types
 from typing import Callable, List, Optional
 
 
@@ -36,36 +35,28 @@ def per_call_us(call: Callable[[], None], iterations: int, repeats: int = 7,
     return statistics.median(samples)
 
 
-class _Stream:
-    ptr = 0
-
-    def __init__(self, non_blocking: bool = False):
-        pass
-
-    def synchronize(self):
-        """Nothing ran on it: a shutdown's wait for the stream returns at once."""
-
-
-def cupy_without_device():
-    """What :class:`cupycoll.nccl.communicator.Communicator` asks of CuPy (``cuda.Device``, a
-    ``cuda.Stream``), answered without a device: put in place of ``_cuda.cupy_module()``'s
-    answer, a blocking-mode Communicator is built, used and aborted on a CPU-only machine."""
-    return types.SimpleNamespace(
-        cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(), Stream=_Stream))
-
-
 def _communicator(nccl_library: Optional[str]):
     """A blocking-mode Communicator with no NCCL communicator (a NULL handle) and no device:
     enough for group(), which only needs the library the communicator holds."""
     from cupycoll import _cuda
     from cupycoll.nccl import communicator
 
-    real = _cuda.cupy_module
-    _cuda.cupy_module = cupy_without_device
-    try:
-        return communicator.Communicator(0, 0, 1, nccl_library, handle=0, timeout=60.0)
-    finally:
-        _cuda.cupy_module = real
+    class Stream:
+        ptr = 0
+
+        def synchronize(self):
+            """Nothing ran on it: a shutdown's wait for the stream returns at once."""
+
+    class NoDevice(_cuda.Runtime):
+        """The CUDA runtime of a communicator that never touches a device."""
+
+        def on_device(self, index):
+            return contextlib.nullcontext()
+
+        def new_stream(self, index):
+            return Stream()
+
+    return communicator.Communicator(0, 0, 1, nccl_library, handle=0, timeout=60.0, runtime=NoDevice())
 
 
 def measure(iterations: int = 20000, nccl_library: Optional[str] = None) -> dict:

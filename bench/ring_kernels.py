@@ -60,7 +60,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, dtypes: Sequence[str] = DEFAULT_DT
         for dtype in dtypes:
             _kernels.check(dtype, "sum")
             element = _kernels.ELEMENTS[dtype]
-            kernels = _kernels.compile_module(device, dtype, "sum")
+            kernels = _kernels.compile_module(_cuda.CUDA, device, dtype, "sum")
             for size in sizes:
                 n = size // element.itemsize
                 local = cupy.ones(n * element.itemsize, dtype=cupy.uint8)
@@ -81,8 +81,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, dtypes: Sequence[str] = DEFAULT_DT
                     ("ring_reduce_final", final, n * element.itemsize),
                 ):
                     def step(kind=kind, out=out):
-                        ring.launch_kernel(kernels[kind], dtype, local.data.ptr, partial.data.ptr,
-                                           out.data.ptr, n, stream)
+                        ring.launch_kernel(_cuda.CUDA, kernels[kind], dtype, local.data.ptr, partial.data.ptr,
+                                           out.data.ptr, n, stream.ptr)
 
                     seconds = _median_seconds(cupy, stream, step, iterations, warmup)
                     moved = read_bytes + written

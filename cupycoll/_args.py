@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed import ReduceOp
@@ -124,13 +124,14 @@ def is_cpu(device) -> bool:
     return device is not None and torch.device(device).type == "cpu"
 
 
-def barrier_device(opts) -> Optional[torch.device]:
-    """The CUDA device a barrier should run on, or None for a CPU (gloo) barrier."""
+def barrier_device(opts, current_device: Callable[[], int]) -> Optional[torch.device]:
+    """The CUDA device a barrier should run on, or None for a CPU (gloo) barrier;
+    ``current_device()``: the thread's (when the options name no index)."""
     device = getattr(opts, "device", None)
     device_ids = list(getattr(opts, "device_ids", None) or [])
     if device is not None and device.type == "cuda":
         if device.index is None:
-            return torch.device("cuda", device_ids[0] if device_ids else torch.cuda.current_device())
+            return torch.device("cuda", device_ids[0] if device_ids else current_device())
         return device
     if device_ids and (device is None or device.type != "cpu"):
         return torch.device("cuda", device_ids[0])

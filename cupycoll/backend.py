@@ -53,7 +53,7 @@ from . import _cuda, algorithms, compat, config
 from .call_queue import CallQueue, Issue, open_block_owner
 from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollTypeError, CupycollValueError,
                      NcclError)
-from .faults import lifecycle, watchdog_cuda
+from .faults import lifecycle
 from .faults.lifecycle import GroupState
 from .faults.watchdog import Watch, entries
 from .nccl import bindings as nb
@@ -118,9 +118,15 @@ class CudaBackend:
         self._name = _weak(name)
         self._on_bind = _weak(on_bind)
         self.device: Optional[torch.device] = None
-        self._device_index = -1  # the device's index once chosen (-1: none; a CPU tensor's)
+        # The device's index once chosen (-1: none): ``_index`` is where its streams and guard
+        # are, ``_device_index`` what ``get_device()`` says of a tensor there (the fast path's
+        # test; the CPU tests' stand-in, whose CPU tensors stand in, says -1).
+        self._index = -1
+        self._device_index = -1
+        # The CUDA runtime every CUDA call of the group's goes through (cupycoll._cuda): the
+        # one in force when the group was built.
+        self.runtime = _cuda.current()
         self.comms = Communicators()
-        self._comm_stream = None  # torch view of the communicator's internal stream
         self._order_event = None  # a pooled event that orders the internal stream after the caller's
         self._p2p_on_group = False  # the group's communicator was made at init: P2P uses it
         # The group's flight recorder (cupycoll.trace.group.GroupTrace), if any.
@@ -129,7 +135,8 @@ class CudaBackend:
         self._recorder = recorder
         timeout = settings.timeout.total_seconds()
         self._bootstrap = StoreBootstrap(store, rank, timeout, self._name, _weak(self.check_usable))
-        self.watch = Watch(group_id or "default", timeout, self.comms, recorder, describe=describe_batch)
+        self.watch = Watch(group_id or "default", timeout, self.comms, recorder, describe=describe_batch,
+                           runtime=self.runtime)
         self.life = lifecycle.GroupLifetime(
             self._name, self.watch, self.comms, settings.watchdog_interval, settings.on_timeout,
             explain=trace.explain_timeout if trace is not None else None, close_cpu=_weak(on_abort))
@@ -145,6 +152,9 @@ class CudaBackend:
         self.fast = False
         # Issued calls are watched (Options.watch_calls: off only to measure what that costs).
         self._watch_calls = settings.watch_calls
+        # A call was captured into a CUDA graph: NCCL's finalize then waits for every such
+        # graph to be destroyed, so the group's shutdown aborts instead (bounded).
+        self.captured = False
 
     # The fast path's device test is a tensor's is_cuda besides its device index (get_device()
     # gives any accelerator's index: an XPU tensor's 0 is not cuda:0's). The CPU tests'
@@ -229,9 +239,9 @@ class CudaBackend:
 
     def _adopt_device(self, device: torch.device) -> None:
         if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", self.runtime.current_device())
         self.device = device
-        self._device_index = device.index
+        self._index = self._device_index = device.index
         self.watch.device = device.index  # its events are queried with it current (not cuda:0)
         # Watched from now: a call can be stuck inside NCCL before any event exists.
         self.life.watching()
@@ -299,7 +309,7 @@ class CudaBackend:
         self.check_usable()
         if self.comm is None:
             if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
+                device = torch.device("cuda", self.runtime.current_device())
             self.life.watching()  # a blocking creation waits for every peer inside NCCL
             comm = self._connect("comm", self.rank == 0, self.size, self.rank, device.index)
             self.comm = comm
@@ -313,7 +323,13 @@ class CudaBackend:
         one of just the two ranks, created on first use (a send between two ranks never needs
         the others). Never "the group's own once it exists": when that happens differs by
         rank (rank 0 may have made its first collective before a send that rank 1 receives
-        before its own), and both ends of a send/recv must use the same communicator."""
+        before its own), and both ends of a send/recv must use the same communicator.
+
+        A call of a batch torch made (``batch_isend_irecv``, or inside a coalescing block) runs
+        on the group's communicator instead, made now if need be, as ProcessGroupNCCL runs
+        it: torch asks every member of the group to take part in such a batch when it is the
+        group's first call, so both ends choose alike. A batch to k peers then costs no
+        communicator of its own, where lone calls cost one pair communicator per peer."""
         if self._p2p_on_group:
             return self.comm
         comm = self.comms.pairs.get(peer)
@@ -328,7 +344,7 @@ class CudaBackend:
     def _connect(self, key: str, creator: bool, size: int, rank: int, device: int) -> Communicator:
         """Local checks first (a rank failing after the store gate would leave its peers in
         blocking ncclCommInitRank for good), then the gate and NCCL."""
-        Communicator.preflight(device, self.settings.nccl_library, self.settings.nonblocking)
+        Communicator.preflight(device, self.settings.nccl_library, self.settings.nonblocking, self.runtime)
         try:
             return self._create_comm(self._bootstrap.unique_id(key, creator, size), rank, size, device)
         except (CollectiveTimeoutError, NcclError) as exc:
@@ -348,7 +364,8 @@ class CudaBackend:
         settings = self.settings
         with self.comms.creation("ncclCommInitRankConfig") if not settings.nonblocking else contextlib.nullcontext():
             comm = Communicator.begin(unique_id, rank, size, device, settings.nccl_library, settings.nonblocking,
-                                      timeout=settings.timeout.total_seconds(), on_abort=self.life.fault_once)
+                                      timeout=settings.timeout.total_seconds(), on_abort=self.life.fault_once,
+                                      runtime=self.runtime)
         self.comms.pending.append(comm)
         try:
             if not self.life.usable:  # aborted while NCCL was starting
@@ -462,8 +479,11 @@ class CudaBackend:
         :meth:`_refresh_fast`). A synchronous call runs on the caller's stream; an
         asynchronous one on the communicator's stream after the caller's, holding ``keep``
         until the GPU is done, as the general path's."""
-        current = compat.current_raw_stream(self._device_index)
-        if _cuda.capturing(current):
+        runtime, index = self.runtime, self._index
+        if runtime.current_device() != index:  # the general path switches to the group's device
+            return None
+        current = runtime.current_stream(index)
+        if runtime.capturing(current):
             return None
         async_op = _async_requested(opts)
         calls = self.calls
@@ -524,13 +544,16 @@ class CudaBackend:
 
     # -- issuing -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-               peer=None, blocking_wait=False, algorithm=None, prepare=None, entry=None) -> CudaWork:
+               peer=None, blocking_wait=False, algorithm=None, prepare=None, entry=None,
+               batched: bool = False) -> CudaWork:
         """Issue (or queue) one CUDA call and return its Work. Everything is validated.
         ``launch(comm, stream_ptr)`` (``launch(comm, stream_ptr, comm_peer)`` for a
         point-to-point call) makes the NCCL calls; ``prepare(comm)`` precedes its NCCL group,
         ``finish()`` follows it. ``algorithm``: the name of the algorithm the call runs
         (NCCL groups of its own: never inside a batch's), recorded as its route. ``entry``:
-        the call's flight-recorder entry (the group recorded it)."""
+        the call's flight-recorder entry (the group recorded it). ``batched``: a point-to-point
+        call of a batch torch made (``batch_isend_irecv``), which runs on the group's
+        communicator, as one inside a coalescing block does (see :meth:`p2p_comm`)."""
         own_group = algorithm is not None
         if entry is not None and own_group:
             entry[E_ROUTE] = algorithm
@@ -540,7 +563,7 @@ class CudaBackend:
                 self._adopt_device(device)  # the first CUDA call picks the group's device
             work, now = self.calls.submit(op_name, device, outputs, launch, finish, keepalive, async_op,
                                           peer, blocking_wait or self.settings.blocking_wait, own_group,
-                                          prepare, entry)
+                                          prepare, entry, batched)
             if now is not None:
                 self._enqueue([now])
         return work
@@ -550,25 +573,32 @@ class CudaBackend:
         self.calls.flush()
 
     def _enqueue(self, issues: List[Issue]) -> None:
-        device = self.device
+        """Issue ``issues`` as one batch, with the group's device current: NCCL sets back the
+        device current when it was called, and an event or stream call with another one
+        current makes a context there (a rank on cuda:3 whose thread never chose a device
+        would hold one on cuda:0)."""
+        with self.runtime.on_device(self.device.index):
+            self._enqueue_here(issues)
+
+    def _enqueue_here(self, issues: List[Issue]) -> None:
+        device, runtime = self.device, self.runtime
         if len(issues) == 1 and issues[0].peer is None:  # one collective
             comms = None
             if self.comm is None:
                 self.comm_for(device)
         else:
-            if any(i.peer is None for i in issues):
+            if any(i.peer is None or i.on_group for i in issues):
                 self.comm_for(device)
             # Pair communicators are created in one global order (by peer), so creating
             # them can never wait in a cycle.
-            comms = {peer: self.p2p_comm(peer) for peer in sorted({i.peer for i in issues} - {None})}
-        current = compat.current_raw_stream(device.index)
+            comms = {peer: self.p2p_comm(peer) for peer in sorted({i.peer for i in issues if not i.on_group} - {None})}
+        current = runtime.current_stream(device.index)
         async_op = issues[0].async_op if len(issues) == 1 else any(i.async_op for i in issues)
         if async_op:
-            stream_object = self._internal_stream(self.comm or comms[min(comms)])
-            stream = stream_object.cuda_stream
+            stream = (self.comm or comms[min(comms)]).stream
             self._order_after(current, stream)
         else:
-            stream_object, stream = None, current
+            stream = current
         # Marked issued before the launch: a launch stuck inside NCCL (a blocking connect) is
         # then the call the flight recorder and the diagnosis name.
         recorder = self._recorder
@@ -579,18 +609,15 @@ class CudaBackend:
         launched = []  # not empty once part of the batch may be on the stream
         try:
             if async_op:
-                # Make the internal stream (and its device) current for what launch/finish allocate.
-                with torch.cuda.stream(stream_object):
-                    self._launch_all(issues, comms, stream, launched)
-            elif device.index != torch.cuda.current_device():
-                with torch.cuda.device(device.index):
+                # The internal stream current for what launch/finish allocate and copy.
+                with runtime.use_stream(stream, device.index):
                     self._launch_all(issues, comms, stream, launched)
             else:
                 self._launch_all(issues, comms, stream, launched)
         except BaseException as exc:
             if launched:  # it runs (its tensors stay kept) and the peers wait for the rest
                 try:
-                    self._track(issues, stream, async_op)
+                    self._track(issues, stream, current, async_op)
                 except Exception:  # noqa: BLE001 - untracked: the queue fails them
                     pass
                 self.life.fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
@@ -602,30 +629,39 @@ class CudaBackend:
             if timed_out is not None:
                 raise timed_out from exc
             raise
-        self._track(issues, stream, async_op)
+        self._track(issues, stream, current, async_op)
 
     def _order_after(self, current: int, stream: int) -> None:
-        """Make ``stream`` wait for what the caller enqueued on ``current`` so far."""
+        """Make ``stream`` wait for what the caller enqueued on ``current`` so far (the group's
+        device current)."""
         event = self._order_event
         if event is None:
-            with watchdog_cuda.on_device(self._device_index):  # recorded on the group's streams
-                event = self._order_event = _cuda.new_event()
+            event = self._order_event = self.runtime.new_event()  # of the group's device: recorded on its streams
         event.record(current)
         event.wait_on(stream)
 
-    def _track(self, issues: List[Issue], stream: int, async_op: bool) -> None:
+    def _track(self, issues: List[Issue], stream: int, current: int, async_op: bool) -> None:
         """Put the launched batch in flight in the watch (not a call captured into a CUDA
         graph, as ProcessGroupNCCL: it runs nothing until replayed, and the watchdog's event
         queries would invalidate the capture; nor any with ``Options.watch_calls`` off), and
-        tell its Works where it is."""
-        if not self._watch_calls or _cuda.capturing(stream):
+        tell its Works where it is. An asynchronous batch captured into a graph from
+        ``current`` forked the internal stream off it: its Works keep an event recorded after
+        the batch, which ``wait()`` joins back into the capture."""
+        join = None
+        if self.runtime.capturing(stream):
+            slot = None
+            self.captured = True
+            if async_op:
+                join = self.watch.join_event(stream)
+                join.record(stream)
+        elif not self._watch_calls:
             slot = None
         else:
             records = [entry for issue in issues for entry in entries(issue.entry)]
             keepalive = [issue.keepalive for issue in issues] if async_op else None
             slot = self.watch.issued(stream, records[0] if len(records) == 1 else tuple(records), keepalive)
         for issue in issues:
-            issue.work._issued(slot, stream, async_op)
+            issue.work._issued(slot, stream, async_op, join)
             issue.tracked = True
 
     def _launch_all(self, issues: List[Issue], comms, stream_ptr: int, launched=None) -> None:
@@ -636,7 +672,7 @@ class CudaBackend:
         if len(issues) == 1:
             issue = issues[0]
             if issue.prepare is not None:
-                issue.prepare(self.comm if issue.peer is None else comms[issue.peer])
+                issue.prepare(self._comm_of(issue, comms))
             if issue.own_group:  # an algorithm: several steps, any of them may fail
                 launched.append(issue)
             if issue.peer is None:  # one collective on the group's communicator
@@ -647,7 +683,7 @@ class CudaBackend:
         else:
             for issue in issues:
                 if issue.prepare is not None:
-                    issue.prepare(self.comm if issue.peer is None else comms[issue.peer])
+                    issue.prepare(self._comm_of(issue, comms))
             launched.append(issues)  # ncclGroupEnd launches whatever the group got, even on error
             # One NCCL group for the batch; every communicator of the group has the same library.
             with (self.comm or comms[min(comms)]).group():
@@ -662,18 +698,17 @@ class CudaBackend:
             if issue.finish is not None:
                 issue.finish()
 
+    def _comm_of(self, issue: Issue, comms) -> Communicator:
+        """The communicator ``issue`` runs on: the group's, or its peer's pair communicator."""
+        return self.comm if issue.peer is None or issue.on_group else comms[issue.peer]
+
     def _launch(self, issue: Issue, comms, stream_ptr: int) -> None:
         if issue.peer is None:
             issue.launch(self.comm, stream_ptr)
             return
-        comm = comms[issue.peer]
+        comm = self._comm_of(issue, comms)
         # On a two-rank pair communicator the peer is whichever of the two we are not.
         issue.launch(comm, stream_ptr, issue.peer if comm is self.comm else 1 - comm.rank)
-
-    def _internal_stream(self, comm: Communicator):
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.ExternalStream(comm.stream, device=self.device)
-        return self._comm_stream
 
     # -- its end (the rules and their order: cupycoll.faults.lifecycle) ----------------------
     def shutdown(self) -> None:
@@ -685,7 +720,7 @@ class CudaBackend:
             self.calls.flush()
         except Exception:  # noqa: BLE001 - the Works of that batch carry the error
             pass
-        self.life.shutdown(self.settings.timeout.total_seconds())
+        self.life.shutdown(self.settings.timeout.total_seconds(), captured=self.captured)
 
     def abort(self, reason: Optional[BaseException] = None) -> None:
         """Abort the communicators at once, without waiting for peers or the GPU: a

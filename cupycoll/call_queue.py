@@ -52,10 +52,10 @@ class Issue:
     """One NCCL call (or a few, e.g. an all-to-all) waiting to be enqueued."""
 
     __slots__ = ("work", "launch", "finish", "keepalive", "async_op", "peer", "own_group", "prepare",
-                 "tracked", "entry")
+                 "tracked", "entry", "on_group")
 
     def __init__(self, work, launch, finish, keepalive, async_op, peer=None, own_group=False, prepare=None,
-                 entry=None):
+                 entry=None, on_group=False):
         self.work = work
         # its flight-recorder entry, a tuple of them (the parts of one coalesced call), or
         # None (the group records nothing)
@@ -68,6 +68,9 @@ class Issue:
         self.keepalive = keepalive
         self.async_op = async_op
         self.peer = peer  # point-to-point peer (group rank), None for collectives
+        # A point-to-point call of a batch torch made (batch_isend_irecv, a coalescing block):
+        # on the group's communicator, as every member's batch is, not a pair communicator.
+        self.on_group = on_group
         # The ring algorithm: NCCL groups of its own plus kernels, so never inside another group.
         self.own_group = own_group
         # Set by the backend once the Work is the watchdog's (it launched; see _flush).
@@ -97,7 +100,8 @@ class CallQueue:
 
     # -- calls -------------------------------------------------------------------------
     def submit(self, op_name, device, outputs, launch, finish, keepalive, async_op, peer,
-               blocking_wait, own_group, prepare=None, entry=None) -> Tuple[CudaWork, Optional[Issue]]:
+               blocking_wait, own_group, prepare=None, entry=None,
+               on_group: bool = False) -> Tuple[CudaWork, Optional[Issue]]:
         """Queue one call, or, for a collective outside a block, issue what is queued and
         hand the call back: ``(its Work, the Issue to enqueue now or None)``. The caller
         holds :attr:`lock` (CudaBackend.submit does) and enqueues that Issue itself.
@@ -108,7 +112,8 @@ class CallQueue:
         queued = self.block is not None or peer is not None
         work = CudaWork(op_name, device, outputs, self._watch, flush=self.flush if queued else None,
                         seq=self._seq, blocking_wait=blocking_wait)
-        issue = Issue(work, launch, finish, keepalive, async_op, peer, own_group, prepare, entry)
+        issue = Issue(work, launch, finish, keepalive, async_op, peer, own_group, prepare, entry,
+                      on_group or (peer is not None and self.block is not None))
         if queued:
             self.pending.append(issue)
             if self.block is not None:

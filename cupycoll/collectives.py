@@ -322,8 +322,9 @@ def _rooted(backend, op_name: str, own_tensors, root_lists, opts, to_root: bool,
                        async_op=_async_requested(opts), entry=entry)
 
 
-def point_to_point(backend, op_name: str, tensors, peer: int, entry=None) -> CudaWork:
-    """send or recv: queued until the batch is issued (see cupycoll.call_queue)."""
+def point_to_point(backend, op_name: str, tensors, peer: int, batched: bool = False, entry=None) -> CudaWork:
+    """send or recv: queued until the batch is issued (see cupycoll.call_queue); ``batched``:
+    one of a batch torch made (``batch_isend_irecv``), run on the group's communicator."""
     tensor = _args.single(tensors, op_name)
     device = backend.check_device(tensor, f"{op_name} tensor")
     peer = _args.check_peer(peer, backend.rank, backend.size)
@@ -332,7 +333,8 @@ def point_to_point(backend, op_name: str, tensors, peer: int, entry=None) -> Cud
         launch = lambda comm, s, comm_peer: comm.send(ptr, size, NCCL_BYTE, comm_peer, s)
     else:
         launch = lambda comm, s, comm_peer: comm.recv(ptr, size, NCCL_BYTE, comm_peer, s)
-    return backend.submit(op_name, device, [tensor], launch, keepalive=tensor, peer=peer, async_op=True, entry=entry)
+    return backend.submit(op_name, device, [tensor], launch, keepalive=tensor, peer=peer, async_op=True, entry=entry,
+                          batched=batched)
 
 
 def barrier(backend, device: torch.device, entry=None) -> CudaWork:

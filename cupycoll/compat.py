@@ -108,11 +108,13 @@ def async_requested(opts) -> bool:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def current_raw_stream(device_index: int) -> int:
-    """The current CUDA stream of device ``device_index`` on this thread, as a raw pointer."""
-    if _raw_stream is not None:
-        return _raw_stream(device_index)
+def _current_stream_pointer(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
+
+
+#: current_raw_stream(device_index): the current CUDA stream of device ``device_index`` on
+#: this thread, as a raw pointer (the C call itself where torch has it: no Python frame).
+current_raw_stream = _raw_stream if _raw_stream is not None else _current_stream_pointer
 
 
 # torch 2.14 dispatches to a Python subclass of c10d's Backend: its PyBackend trampoline
@@ -439,6 +441,29 @@ def calling_coalescing_manager(on_freed: Optional[Callable] = None):
             return weakref.ref(generator, lambda ref: method() and method()(ref))
         frame = frame.f_back
     return None
+
+
+# How far above its caller calling_batch_isend_irecv looks: the caller (a group's send or
+# recv), torch.compiler.disable's wrapper around it, torch's isend/irecv and its logging
+# decorators, batch_isend_irecv.
+_BATCH_REACH = 8
+_C10D_FILE = dist.distributed_c10d.__file__
+
+
+def calling_batch_isend_irecv() -> bool:
+    """Is torch's ``batch_isend_irecv`` up the caller's stack (the caller: a group's send or
+    recv)? torch 2.7.1 - 2.15 hand a ProcessGroup written in Python the ops of a batch one by
+    one (its coalescing manager is taken only for torch's own ProcessGroup type), and their
+    frame is all that tells a batch's send from a lone one."""
+    frame = sys._getframe(1)
+    for _ in range(_BATCH_REACH):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "batch_isend_irecv" and code.co_filename == _C10D_FILE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def forget_coalescing_manager(group: ProcessGroup) -> None:

@@ -176,9 +176,10 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
     def barrier(self, opts=None):
         # torch sends a barrier here only when it chose CUDA for it, and the options it
         # dispatches may name no device: then the group's (or the current) one.
-        device = _args.barrier_device(opts) if opts is not None else None
+        runtime = self._cuda.runtime
+        device = _args.barrier_device(opts, runtime.current_device) if opts is not None else None
         if device is None:
-            device = self._cuda.device or torch.device("cuda", torch.cuda.current_device())
+            device = self._cuda.device or torch.device("cuda", runtime.current_device())
         return self._cuda_barrier(device)
 
     def get_error(self):

@@ -422,13 +422,15 @@ class GroupShell:
         cuda, entry = self._route(tensors, "send", peer=dst_rank)
         if not cuda:
             return self._cpu.send(tensors, dst_rank, tag)
-        return self._issue(entry, collectives.point_to_point, "send", tensors, dst_rank)
+        return self._issue(entry, collectives.point_to_point, "send", tensors, dst_rank,
+                           compat.calling_batch_isend_irecv())
 
     def recv(self, tensors, src_rank, tag=0):
         cuda, entry = self._route(tensors, "recv", peer=src_rank)
         if not cuda:
             return self._cpu.recv(tensors, src_rank, tag)
-        return self._issue(entry, collectives.point_to_point, "recv", tensors, src_rank)
+        return self._issue(entry, collectives.point_to_point, "recv", tensors, src_rank,
+                           compat.calling_batch_isend_irecv())
 
     def recv_anysource(self, tensors, tag=0):
         cuda, entry = self._route(tensors, "recv_anysource")
@@ -439,7 +441,7 @@ class GroupShell:
 
     def barrier(self, opts=None):
         opts = opts if opts is not None else c10d.BarrierOptions()
-        device = _args.barrier_device(opts)
+        device = _args.barrier_device(opts, self._cuda.runtime.current_device)
         if device is None:
             self._cuda.check_usable()
             entry = self._trace.call("barrier", (), route="gloo", cpu_group=self._cpu)

@@ -33,7 +33,6 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import compat
 from .errors import CollectiveTimeoutError, CupycollError
 
 
@@ -41,7 +40,7 @@ class CudaWork(dist.Work):
     """The handle of one collective (or one coalesced batch) on a CUDA device."""
 
     __slots__ = ("op_name", "seq", "device", "_outputs", "_flush", "_blocking_wait", "_watch",
-                 "_slot", "_batch", "_stream", "_async", "_seen", "_error", "_future")
+                 "_slot", "_batch", "_stream", "_async", "_seen", "_error", "_future", "_join")
 
     def __init__(self, op_name: str, device: torch.device, outputs: List[torch.Tensor], watch,
                  flush: Optional[Callable[[], None]] = None, blocking_wait: bool = False, seq: int = 0):
@@ -60,6 +59,9 @@ class CudaWork(dist.Work):
         self._seen = False  # its caller saw it complete while the group was healthy
         self._error: Optional[BaseException] = None  # its own: it was never issued
         self._future: Optional[torch.futures.Future] = None
+        # An asynchronous call captured into a CUDA graph: the event recorded after it on the
+        # internal stream, which wait() joins back into the capture (None otherwise).
+        self._join = None
 
     @classmethod
     def covering(cls, works: List["CudaWork"], blocking_wait: bool = False) -> "CudaWork":
@@ -68,19 +70,21 @@ class CudaWork(dist.Work):
         first = works[0]
         work = cls("coalesced", first.device, [t for w in works for t in w._outputs], first._watch,
                    seq=works[-1].seq, blocking_wait=blocking_wait)
-        work._issued(first._slot, first._stream, first._async)
+        work._issued(first._slot, first._stream, first._async, first._join)
         work._error = next((w._error for w in works if w._error is not None), None)
         return work
 
     # -- called by the backend -------------------------------------------------------
-    def _issued(self, slot, stream: int, async_op: bool) -> None:
+    def _issued(self, slot, stream: int, async_op: bool, join=None) -> None:
         """The batch was enqueued on ``stream`` and is in flight in the watch as ``slot``
-        (None: not watched, as a call captured into a CUDA graph)."""
+        (None: not watched, as a call captured into a CUDA graph; ``join``: the event an
+        asynchronous one's capture is joined back by)."""
         self._flush = None
         self._slot = slot
         self._batch = slot.seq if slot is not None else 0
         self._stream = stream
         self._async = async_op
+        self._join = join
 
     def _failed(self, error: BaseException) -> None:
         """Issuing the queue this Work was in raised: it will never run."""
@@ -118,9 +122,14 @@ class CudaWork(dist.Work):
         return slot if slot is not None and slot.seq == self._batch else None
 
     def _done(self) -> bool:
-        """Has the GPU finished it? (Without the fault check: see is_completed.)"""
+        """Has the GPU finished it? (Without the fault check: see is_completed.) Asked with
+        the group's device current: a query from a thread that never chose a device would
+        make a context on cuda:0."""
         slot = self._in_flight()
-        return slot is None or slot.event.query()
+        if slot is None:
+            return True
+        with self._watch.runtime.on_device(self.device.index):
+            return slot.event.query()
 
     def describe(self) -> str:
         """op, sequence number, shapes and dtypes: what a timeout message names."""
@@ -145,11 +154,29 @@ class CudaWork(dist.Work):
                 raise error
         slot = self._in_flight()
         if slot is not None:
-            current = compat.current_raw_stream(self.device.index)
+            runtime = self._watch.runtime
+            index = self.device.index
+            current = runtime.current_stream(index)
             # A synchronous call ran on the caller's stream: still current, it is ordered already.
             if self._async or current != self._stream:
-                slot.event.wait_on(current)
+                if runtime.current_device() == index:
+                    slot.event.wait_on(current)
+                else:  # the wait is a CUDA call: made on the group's device, no other
+                    with runtime.on_device(index):
+                        slot.event.wait_on(current)
+        elif self._join is not None:
+            self._join_capture()
         return True
+
+    def _join_capture(self) -> None:
+        """An asynchronous call captured into a CUDA graph: while the caller's stream still
+        captures, make it wait for the call (the capture's join, as ProcessGroupNCCL's
+        wait() makes); outside the capture there is nothing to wait for."""
+        runtime, index = self._watch.runtime, self.device.index
+        with runtime.on_device(index):
+            current = runtime.current_stream(index)
+            if runtime.capturing(current):
+                self._join.wait_on(current)
 
     def _wait_on_host(self, timeout) -> None:
         """Block the CPU: until done within ``timeout`` (raising CollectiveTimeoutError past
@@ -164,7 +191,8 @@ class CudaWork(dist.Work):
         elif self._blocking_wait:
             slot = self._in_flight()
             if slot is not None:
-                slot.event.synchronize()
+                with self._watch.runtime.on_device(self.device.index):
+                    slot.event.synchronize()
             self._saw(True)
 
     def synchronize(self) -> None:
@@ -210,16 +238,13 @@ class CudaWork(dist.Work):
             if error is not None:
                 self._future = failed_future(error)
                 return self._future
-            future = torch.futures.Future(devices=[self.device])
-            # set_result records an event on the current stream: make that stream one
-            # that is ordered right after this collective and nothing later.
-            stream = torch.cuda.Stream(self.device)
+            runtime, index = self._watch.runtime, self.device.index
             slot = self._in_flight()
-            if slot is not None:
-                slot.event.wait_on(stream.cuda_stream)
-            with torch.cuda.stream(stream):
-                future.set_result(self._outputs)
-            self._future = future
+            after = slot.event if slot is not None else None
+            with runtime.on_device(index):
+                if after is None and self._join is not None and runtime.capturing(runtime.current_stream(index)):
+                    after = self._join  # captured: the future's stream joins the capture after the call
+                self._future = runtime.future(self._outputs, index, after)
         return self._future
 
     def get_future_result(self):

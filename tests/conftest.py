@@ -63,59 +63,31 @@ def once_per_run(tmp_path_factory):
     return once
 
 
+@pytest.fixture(autouse=True)
+def cuda_standins():
+    """The CUDA runtime of the groups and communicators a test builds: a fresh device ledger
+    (tests/standins.py's DeviceLedger: a current device per thread, the contexts made, the
+    device of every object), which a test may ask for by this name to look into it."""
+    from standins import DeviceLedger  # imports cupycoll: only once a test runs
+    from cupycoll import _cuda
+
+    with _cuda.install(DeviceLedger()) as ledger:
+        yield ledger
+
+
 @pytest.fixture
-def cuda_standins(monkeypatch):
-    """The few torch.cuda calls of the issue path, answered on CPU."""
-    from standins import use_cuda_standins  # imports cupycoll: only where it is used
-
-    use_cuda_standins(monkeypatch.setattr)
-
-
-@pytest.fixture
-def no_device(monkeypatch):
-    """A CuPy whose ``cuda.Device`` does nothing: a Communicator (cupycoll.nccl.communicator)
-    switches to no device on CPU."""
-    from cupycoll.nccl import communicator as communicator_module
-
-    class Device:
-        def __init__(self, index):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    class Cuda:
-        pass
-
-    class FakeCupy:
-        cuda = Cuda()
-
-    FakeCupy.cuda.Device = Device
-    monkeypatch.setattr(communicator_module._cuda, "cupy_module", lambda: FakeCupy)
+def no_device(cuda_standins):
+    """The runtime of a Communicator (cupycoll.nccl.communicator) on CPU: the device ledger."""
+    return cuda_standins
 
 
 @pytest.fixture
 def made(monkeypatch, no_device):
-    """Communicator.begin with a RecordingLibrary (tests/faulty.py) and no device:
+    """Communicator.begin with a RecordingLibrary (tests/faulty.py) on the device ledger:
     ``made(nonblocking, **lib)``."""
     from cupycoll.nccl import communicator as communicator_module
     from cupycoll.nccl.communicator import Communicator
     from faulty import RecordingLibrary
-
-    class Stream:
-        ptr = 0
-
-        def __init__(self, non_blocking=False):
-            pass
-
-        def synchronize(self):
-            pass
-
-    communicator_module._cuda.cupy_module().cuda.Stream = Stream
-    monkeypatch.setattr(Communicator, "preflight", staticmethod(lambda *args: None))
 
     def make(nonblocking=False, **kwargs):
         library = RecordingLibrary(**kwargs)

@@ -28,7 +28,7 @@ from cupycoll.nccl import bindings as nb
 from cupycoll.nccl.communicator import Communicator, Communicators
 from cupycoll.work import CudaWork
 import warm_python
-from standins import CUDA, CpuAsCudaGroup, FakeEvent
+from standins import CUDA, CpuAsCudaGroup, DeviceLedger, FakeEvent
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -279,6 +279,7 @@ def polling_comm(states, timeout=5.0):
     comm.device, comm.rank, comm.size = 0, 0, 2
     comm.timeout = timeout
     comm.state = "ok"
+    comm.runtime = DeviceLedger()
     comm._init_guard()
     return comm
 

@@ -12,10 +12,12 @@ each batch in flight on an event the test fires, and :func:`logic_group` launche
 at once on a communicator that records the NCCL calls (the real device checks kept).
 :func:`backend_shape` gives any of their cores the Backend shape.
 
-Also the CUDA objects of the issue path as stand-ins: :class:`FakeEvent`,
-:class:`RecordedEvent`, :class:`FakeStream`; :func:`use_cuda_standins`, which puts them in
-place of torch.cuda's (conftest.py's ``cuda_standins`` fixture, ``tools/call_path.py``), and
-:func:`capture`, which says whether a CUDA graph is being captured.
+Also the CUDA runtime as a stand-in, the device ledger (:class:`DeviceLedger`: a current device
+per thread, the contexts made, the device of every object and call), with its events
+(:class:`FakeEvent`, :class:`RecordedEvent`, :class:`DoneEvent`) and streams;
+:func:`cuda_standins` installs one for the groups built meanwhile (conftest.py installs a
+fresh one for every test, ``tools/call_path.py`` one of its own), and :func:`capture` says
+whether a CUDA graph is being captured.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import threading
 
 import torch
 
-from cupycoll import _cuda, compat
+from cupycoll import _cuda
 from cupycoll.backend import CudaBackend
 from cupycoll.errors import CupycollValueError
 from cupycoll.faults.watchdog import InFlight
@@ -37,13 +39,14 @@ CUDA = torch.device("cuda", 0)
 
 class CpuAsCudaBackend(CudaBackend):
     _fast_is_cuda = False  # its CPU tensors stand in for CUDA ones on the fast path too
+    stands_for = CUDA  # the device its CPU tensors stand for
 
     def check_device(self, tensor, what):
         if tensor.layout is not torch.strided:
             return super().check_device(tensor, what)  # the real check names the layout first
         if not tensor.is_contiguous():
             raise CupycollValueError(f"{what} is not contiguous")
-        return CUDA
+        return self.stands_for
 
     def _adopt_device(self, device):
         super()._adopt_device(device)
@@ -87,28 +90,38 @@ def backend_shape(core: type) -> type:
 
 class FakeEvent:
     """A CUDA event stand-in (cupycoll._cuda.Event's): ``query()`` turns True when the test
-    says the GPU is done; recording it, waiting on it and syncing it do nothing."""
+    says the GPU is done; recording it, waiting on it and syncing it do nothing but tell the
+    ledger that made it (:class:`DeviceLedger`), if one did, which device the call ran on."""
+
+    ledger = None  # the DeviceLedger that made it
+    device = None  # the device it was made on
 
     def __init__(self):
         self.fired = threading.Event()
         self.records = 0
 
+    def _call(self, name):
+        if self.ledger is not None:
+            self.ledger.call(name, self)
+
     def query(self):
+        self._call("cudaEventQuery")
         return self.fired.is_set()
 
     def record(self, stream=None):
         # Recorded again (a pooled event): not done until the GPU passes this new point.
+        self._call("cudaEventRecord")
         self.records += 1
         self.fired.clear()
 
     def synchronize(self):
-        pass
+        self._call("cudaEventSynchronize")
 
     def wait_on(self, stream):
-        pass
+        self._call("cudaStreamWaitEvent")
 
     def destroy(self):
-        pass
+        self._call("cudaEventDestroy")
 
 
 class RecordedEvent(FakeEvent):
@@ -120,37 +133,197 @@ class DoneEvent(FakeEvent):
     """An event the GPU has always passed (the call path's stand-in)."""
 
     def query(self):
+        self._call("cudaEventQuery")
         return True
 
 
 class FakeStream:
-    device_index = 0
-    cuda_stream = 0
+    """A stream a :class:`DeviceLedger` made: its raw pointer and device."""
 
-    def wait_event(self, event):
-        pass
+    def __init__(self, ptr=0, device=0, ledger=None):
+        self.ptr, self.device, self._ledger = ptr, device, ledger
 
-    def wait_stream(self, stream):
-        pass
+    def synchronize(self):
+        if self._ledger is not None:
+            self._ledger.call("cudaStreamSynchronize", self)
 
 
-def capture(monkeypatch, on: bool) -> None:
+class FakeKernel:
+    """A kernel a :class:`DeviceLedger` compiled: launching it computes nothing."""
+
+    def __init__(self, name, device):
+        self.name, self.device = name, device
+
+
+class DeviceLedger(_cuda.Runtime):
+    """The CUDA runtime on CPU (cupycoll._cuda.Runtime's stand-in), modelling what a node of
+    several GPUs does:
+
+    * a current device per thread, device 0 on a new thread;
+    * the devices that have a context (:attr:`contexts`): setting a device makes its context,
+      and so does any call that needs one on the device current when it is made (an event's
+      or a stream's, a copy, a launch, a capture query, an NCCL call of :class:`LedgerLibrary`);
+    * torch's device guard (:meth:`on_device`): its exit sets the previous device back only
+      where that one has a context (else torch only remembers it, as its lazy target does);
+    * the device every event, stream, scratch buffer and kernel is made on (:attr:`made`),
+      and the thread and device of every call (:attr:`calls`).
+
+    ``event``: the class of the events it makes (:class:`RecordedEvent`: done when the test
+    fires them); ``capture``: every stream captures a CUDA graph. Its streams are numbers;
+    ``current_stream(d)`` is 0, every device's default stream."""
+
+    def __init__(self, event=RecordedEvent, devices: int = 8, keep_calls: bool = True):
+        self.event_class = event
+        self.keep_calls = keep_calls  # off: only the contexts and the objects made are kept
+        self.devices = devices
+        self.capture = False
+        self.contexts: set = set()
+        self.made: list = []  # (what, device)
+        self.calls: list = []  # (thread name, call, device current)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._streams = 0x1000
+
+    # -- the model --------------------------------------------------------------------
+    def device_in_thread(self) -> int:
+        """The CUDA runtime's current device on this thread (what NCCL saves and restores)."""
+        return getattr(self._local, "device", 0)
+
+    def set_device(self, index: int) -> None:
+        """cudaSetDevice: current on this thread, with its context (made now if need be)."""
+        self._local.device = index
+        self._local.target = None
+        with self._lock:
+            self.contexts.add(index)
+
+    def call(self, name: str, subject=None) -> int:
+        """A call that needs a context, on the current device; that device."""
+        device = self.device_in_thread()
+        if device not in self.contexts:
+            with self._lock:
+                self.contexts.add(device)
+        if self.keep_calls:
+            self.calls.append((threading.current_thread().name, name, device))
+        return device
+
+    def _make(self, what: str, thing):
+        device = self.call(what)
+        thing.device = device
+        with self._lock:
+            self.made.append((what, device))
+        return thing
+
+    def devices_made_on(self) -> set:
+        return {device for _, device in self.made}
+
+    # -- the runtime --------------------------------------------------------------------
+    def current_device(self) -> int:
+        target = getattr(self._local, "target", None)
+        return self.device_in_thread() if target is None else target
+
+    def on_device(self, index):
+        if index is None or index < 0 or self.current_device() == index:
+            return contextlib.nullcontext()
+        return self._guard(index)
+
+    @contextlib.contextmanager
+    def _guard(self, index):
+        previous = self.current_device()
+        self.set_device(index)
+        try:
+            yield
+        finally:
+            if previous in self.contexts:
+                self.set_device(previous)
+            else:  # torch's MaybeExchangeDevice: no context is made to go back
+                self._local.target = previous
+
+    def require_device(self, index: int) -> None:
+        if not 0 <= index < self.devices:
+            from cupycoll.errors import NoCudaDeviceError
+
+            raise NoCudaDeviceError(f"CUDA device {index} does not exist ({self.devices} visible)")
+
+    def current_stream(self, index: int) -> int:
+        return 0
+
+    def capturing(self, stream: int) -> bool:
+        self.call("cudaStreamIsCapturing")
+        return self.capture
+
+    def new_stream(self, index: int):
+        with self._lock:
+            self._streams += 1
+            ptr = self._streams
+        return self._make("stream", FakeStream(ptr, ledger=self))
+
+    def use_stream(self, stream: int, index: int):
+        return contextlib.nullcontext()
+
+    def future(self, outputs, index: int, after):
+        self.call("future")
+        future = torch.futures.Future()
+        future.set_result(outputs)
+        return future
+
+    def new_event(self):
+        event = self.event_class()
+        event.ledger = self
+        return self._make("event", event)
+
+    @property
+    def out_of_memory(self) -> type:
+        return MemoryError
+
+    def scratch(self, nbytes: int, index: int):
+        scratch = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        with self._lock:
+            self.made.append(("scratch", index))
+        return scratch
+
+    def copy(self, dst, src, nbytes, stream) -> None:
+        self.call("cudaMemcpyAsync")
+
+    def compile(self, index, source, options, names):
+        return {kind: self._make("kernel", FakeKernel(kind, None)) for kind in names}
+
+    def launch(self, kernel, grid, block, args, stream) -> None:
+        self.call("cudaLaunchKernel")
+
+
+class InstantRuntime(DeviceLedger):
+    """A device ledger of one device, every thread on it, whose GPU is done at once and that
+    keeps nothing per call: what ``tools/call_path.py`` times the package's own cost on (the
+    ledger's bookkeeping would be most of the figure)."""
+
+    def __init__(self):
+        super().__init__(DoneEvent, keep_calls=False)
+        self.contexts.add(0)
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, index: int) -> int:
+        return 0
+
+    def capturing(self, stream: int) -> bool:
+        return False
+
+    def new_event(self):
+        event = DoneEvent()
+        event.device = 0
+        return event
+
+
+def cuda_standins(event=RecordedEvent, keep_calls: bool = True):
+    """A :class:`DeviceLedger` making ``event`` events, installed (cupycoll._cuda.install) for the
+    groups built while it is: use as ``with cuda_standins() as ledger:``."""
+    return _cuda.install(DeviceLedger(event, keep_calls=keep_calls))
+
+
+def capture(ledger: DeviceLedger, on: bool) -> None:
     """Every stream is (``on``) or is not capturing a CUDA graph."""
-    monkeypatch.setattr(_cuda, "capturing", lambda stream: on)
-
-
-def use_cuda_standins(setattr, event=RecordedEvent) -> None:
-    """The few CUDA calls of the issue path, answered on CPU. ``setattr(obj, name, value)``
-    puts each in place and is what undoes it (pytest's ``monkeypatch.setattr``); ``event``:
-    the class that stands in for cupycoll's pooled CUDA event."""
-    setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
-    setattr(torch.cuda, "current_device", lambda: 0)
-    setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: FakeStream())
-    setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    setattr(_cuda, "new_event", event)
-    setattr(_cuda, "capturing", lambda stream: False)
-    setattr(compat, "current_raw_stream", lambda device_index: FakeStream.cuda_stream)
+    ledger.capture = on
 
 
 # -- groups whose backend stops short of NCCL ----------------------------------------------

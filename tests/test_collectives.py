@@ -463,8 +463,12 @@ def test_a_number_premul_factor_keeps_nothing_extra():
 # ---- the real group on this machine ---------------------------------------------------
 @pytest.fixture
 def real_group():
+    """A group on the process's real CUDA runtime (no stand-in), which finds no device here."""
+    from cupycoll import _cuda
+
     store = dist.HashStore()
-    return ProcessGroupCupycoll(store, 0, 1, datetime.timedelta(seconds=10))
+    with _cuda.install(_cuda.CUDA):
+        return ProcessGroupCupycoll(store, 0, 1, datetime.timedelta(seconds=10))
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")

@@ -72,11 +72,7 @@ class Group(CpuAsCudaGroup):
 
 
 @pytest.fixture
-def make(cuda_standins, monkeypatch):
-    from bench.group_cost import cupy_without_device
-    from cupycoll import _cuda
-
-    monkeypatch.setattr(_cuda, "cupy_module", cupy_without_device)
+def make(cuda_standins):
     made = []
 
     def group(**options):
@@ -156,11 +152,11 @@ def test_an_algorithm_override_sends_the_call_to_the_general_path(make):
     assert fast_taken(group)
 
 
-def test_a_capture_sends_the_call_to_the_general_path(make, monkeypatch):
+def test_a_capture_sends_the_call_to_the_general_path(make, cuda_standins):
     group = warmed(make())
-    capture(monkeypatch, True)
+    capture(cuda_standins, True)
     assert not fast_taken(group)
-    capture(monkeypatch, False)
+    capture(cuda_standins, False)
     assert fast_taken(group)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TypeVar
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from cupycoll import compat
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError
 from cupycoll.faults.lifecycle import GroupState
 from cupycoll.shell import group_arguments
-from standins import CpuAsCudaBackend, CpuAsCudaGroup, FakeStream, RecordedEvent, backend_shape, use_cuda_standins
+from standins import CpuAsCudaBackend, CpuAsCudaGroup, RecordedEvent, backend_shape
 
 EVENTS = []  # every CUDA event the backend made, in order: the test fires them
 
@@ -43,21 +42,11 @@ class Event(RecordedEvent):
         self.fired.wait(30)
 
 
-T = TypeVar("T")
-
-
-class CpuFuture(torch.futures.Future[T]):
-    """torch's future without the CUDA devices a Work's future names (none here)."""
-
-    def __init__(self, devices=None):
-        super().__init__()
-
-
 class TrackingBackend(CpuAsCudaBackend):
     """The real CUDA core, but a batch is tracked (event, watch, recorder) without NCCL."""
 
     def _enqueue(self, issues):
-        self._track(issues, None, True)
+        self._track(issues, None, None, True)
 
 
 class ProcessGroupShape(CpuAsCudaGroup):
@@ -135,10 +124,8 @@ def _same(got, expected):
 
 
 @pytest.fixture
-def make_group(monkeypatch):
-    use_cuda_standins(monkeypatch.setattr, event=Event)
-    monkeypatch.setattr(torch.futures, "Future", CpuFuture)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream())
+def make_group(monkeypatch, cuda_standins):
+    cuda_standins.event_class = Event
     EVENTS.clear()
     made = []
 

@@ -2,9 +2,9 @@
 ``python -m tools.call_path [--calls N] [--json FILE] [--through-dist] [--cpu-route]``.
 
 It builds the group the CPU tests build (``tests/standins.py``: the real
-``ProcessGroupCupycoll`` and ``CudaBackend``, every tensor counting as ``cuda:0``, torch.cuda's
-streams and events answered on CPU) over a real blocking :class:`~cupycoll.nccl.communicator.Communicator`
-whose CuPy communicator does nothing. A first all_reduce creates the communicator; then one
+``ProcessGroupCupycoll`` and ``CudaBackend``, every tensor counting as ``cuda:0``, the CUDA
+runtime answered on CPU by a GPU that is done at once) over a real blocking
+:class:`~cupycoll.nccl.communicator.Communicator` whose NCCL does nothing. A first all_reduce creates the communicator; then one
 ``group.allreduce([t], opts)`` and its ``wait()`` run under ``sys.setprofile``, and every
 Python call whose code lives in the cupycoll package is listed with its depth. From that list
 it prints the number of calls, the modules they touch, the calls from one module into
@@ -193,17 +193,12 @@ def standin_group(size: int = 2) -> Iterator[object]:
     """Rank 0 of a ``size``-rank cupycoll group whose CUDA route runs on CPU tensors and whose
     GPU finishes every call at once; aborted on exit, when the stand-ins go."""
     import torch.distributed as dist
-    from bench.group_cost import cupy_without_device
     from cupycoll import _cuda
 
     standins, Backend, Group = _standin_classes()
 
-    with contextlib.ExitStack() as patches:
-        def put(obj, attribute, value):
-            patches.enter_context(mock.patch.object(obj, attribute, value))
-
-        standins.use_cuda_standins(put, standins.DoneEvent)  # the GPU is done at once
-        put(_cuda, "cupy_module", cupy_without_device)
+    # The CUDA runtime of a GPU that is done at once (the stand-ins' InstantRuntime).
+    with _cuda.install(standins.InstantRuntime()):
         group = Group(dist.HashStore(), 0, size, datetime.timedelta(seconds=60))
         try:
             yield group
@@ -368,7 +363,7 @@ def through_dist(timed_calls: int = 2000) -> dict:
     import torch.distributed as dist
     from torch._C import _distributed_c10d as c10d
 
-    from bench.group_cost import cupy_without_device, per_call_us
+    from bench.group_cost import per_call_us
     from cupycoll import _cuda, compat
     from cupycoll.shell import group_arguments
 
@@ -418,12 +413,7 @@ def through_dist(timed_calls: int = 2000) -> dict:
         shapes["trampoline floor, reading the arguments"] = lambda opts, pg_options: Reading(
             opts.store, opts.group_rank, opts.group_size, opts.timeout)
     figures = {}
-    with contextlib.ExitStack() as patches:
-        def put(obj, attribute, value):
-            patches.enter_context(mock.patch.object(obj, attribute, value))
-
-        standins.use_cuda_standins(put, standins.DoneEvent)
-        put(_cuda, "cupy_module", cupy_without_device)
+    with _cuda.install(standins.InstantRuntime()):
         for shape, creator in shapes.items():
             name = "cupycoll_call_path_" + shape.replace(" ", "_").replace(",", "")
             floor = shape.startswith("trampoline floor")

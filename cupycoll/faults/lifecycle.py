@@ -312,6 +312,15 @@ class GroupLifetime:
         me = threading.get_ident()
         self._enders.add(me)
         interrupts = []
+        # The end's CUDA calls (the aborts, freeing events and scratch) run with the group's
+        # device current: on a thread that never chose one, cuda:0 is, and NCCL's abort sets
+        # back the device it was called with, which would make a context there.
+        guard = self.watch.on_device()
+        try:
+            guard.__enter__()
+        except BaseException as exc:  # noqa: BLE001 - the end runs anyway, on this device
+            _warn(f"cupycoll: making the device of process group {self.name!r} current failed: {exc!r}")
+            guard = None
         try:
             for comm, error in self.comms.abort(asker if asker is not None else me):
                 _warn(f"cupycoll: aborting {comm} failed: {error!r}")
@@ -327,6 +336,8 @@ class GroupLifetime:
             if self._close_cpu is not None:
                 interrupts.append(_step("shutting down the group's CPU half", self._close_cpu))
         finally:
+            if guard is not None:
+                _step("setting the previous device back", guard.__exit__, None, None, None)
             self._enders.discard(me)
             self.ended.set()
         _reraise(interrupts)
@@ -399,14 +410,23 @@ class GroupLifetime:
         stream's events once, never waits."""
         return not self.watch.drain(0.0)
 
-    def shutdown(self, timeout: float) -> None:
-        """See the module docstring (``timeout``: the group's). Never raises."""
+    def shutdown(self, timeout: float, captured: bool = False) -> None:
+        """See the module docstring (``timeout``: the group's). Never raises. ``captured``: a
+        call of the group's was captured into a CUDA graph, and a blocking ncclCommFinalize
+        waits until every such graph is destroyed, for as long as the program holds one: the
+        group is aborted instead (bounded)."""
         state = self.state
         if state is GroupState.ABORTING:
             # The fault is still being explained; the group may be gone once we return.
             _step("aborting a group whose fault is being explained", self.abort, self.fault)
             return
         if state is not GroupState.OK:
+            return
+        if captured:
+            self.abort(CommunicatorAbortedError(
+                f"process group {self.name!r} was shut down; a CUDA graph captured its NCCL calls, "
+                f"so its communicators were aborted, not finalized (finalizing waits until every "
+                f"such graph is destroyed)"))
             return
         grace = min(bounds.SHUTDOWN_GRACE, timeout)
         try:

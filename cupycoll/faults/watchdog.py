@@ -30,7 +30,8 @@ retired while closed: the abort may end kernels whose tensors must stay held unt
 One :class:`Watchdog` thread per process polls every registered group each interval (it
 calls the group's ``poll``, which checks its watch and decides); a monitor thread checks the
 watchdog's heartbeat (:mod:`cupycoll.faults.heartbeat`). Events are queried with the group's
-device current and in thread-local capture mode (:mod:`cupycoll.faults.watchdog_cuda`).
+device current (:meth:`Watch.on_device`) and in thread-local capture mode
+(:mod:`cupycoll.faults.watchdog_cuda`).
 
 Deliberately left out: any device synchronisation (events are only queried), handling a
 finding (the lifetime's), and retries. A Python watchdog cannot detect a thread that hangs
@@ -109,7 +110,7 @@ class Watch:
     """The watchdog's view of one group: its calls in flight, and what is wrong with them."""
 
     def __init__(self, name: str, timeout: float, communicators=None, recorder=None, device=None,
-                 describe=None):
+                 describe=None, runtime: Optional[_cuda.Runtime] = None):
         self.name = name
         self.timeout = float(timeout)
         # The group's communicators (cupycoll.nccl.communicator.Communicators): its calls
@@ -117,12 +118,15 @@ class Watch:
         self.communicators = communicators
         # The group's flight recorder: retired batches are marked completed in it.
         self.recorder = recorder
-        # The group's CUDA device index, current while events are queried; None until known.
+        # The group's CUDA device index, current while events are made, queried and freed;
+        # None until known. ``runtime``: the CUDA runtime its events come from (cupycoll._cuda).
         self.device = device
+        self.runtime = runtime if runtime is not None else _cuda.current()
         # describe(records) -> the text a timeout message names the batch by.
         self._describe = describe if describe is not None else _describe_records
         self._streams: dict = {}  # stream -> deque of InFlight, oldest first
         self._free: List[InFlight] = []  # retired slots, their events kept for reuse
+        self._joins: dict = {}  # stream -> the event its captured asynchronous batches end with
         self._seq = 0
         # The lifetime's: set once (close), read lock-free by Works and the hot path.
         self.closed: Optional[BaseException] = None
@@ -162,8 +166,23 @@ class Watch:
     def _new_slot(self) -> InFlight:
         """A slot around a new pooled event, made on the group's device: CUDA records an event
         only on streams of the device it was made on, whichever device the caller has current."""
-        with watchdog_cuda.on_device(self.device):
-            return InFlight(_cuda.new_event())
+        with self.on_device():
+            return InFlight(self.runtime.new_event())
+
+    def join_event(self, stream: int):
+        """The event an asynchronous batch captured into a CUDA graph on ``stream`` is recorded
+        after, for its Works to join the capture back (one per stream, freed with the pool:
+        calls on one stream end in order, so a wait on its newest record orders after every
+        earlier batch too). The group's device current."""
+        event = self._joins.get(stream)
+        if event is None:
+            event = self._joins[stream] = self.runtime.new_event()
+        return event
+
+    def on_device(self):
+        """A context with the group's device current (nothing while it has none): where its
+        events are made, queried and freed, and where the group's end runs."""
+        return self.runtime.on_device(self.device)
 
     # -- what a Work asks ----------------------------------------------------------------
     def failed(self, seq: int) -> Optional[BaseException]:
@@ -199,8 +218,10 @@ class Watch:
             self._free_slot(slot, completed=False)
         if self._released:  # nothing is issued any more: the pooled events go (not on the watchdog's thread)
             free, self._free = self._free, []
-            for slot in free:
-                slot.event.destroy()
+            joins, self._joins = list(self._joins.values()), {}
+            with self.on_device():
+                for event in [slot.event for slot in free] + joins:
+                    event.destroy()
 
     def _free_slot(self, slot: InFlight, completed: bool) -> None:
         records, slot.records, slot.keepalive = slot.records, None, None
@@ -274,7 +295,7 @@ class Watch:
             if self.closed is not None:
                 return False
             try:
-                with watchdog_cuda.on_device(self.device):
+                with self.on_device():
                     self.retire()
             except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: not drained
                 logger.error("draining group %r failed: %r", self.name, exc)
@@ -292,7 +313,7 @@ class Watch:
             return None
         now = _monotonic() if now is None else now
         try:
-            with watchdog_cuda.on_device(self.device):
+            with self.on_device():
                 return self._check(now)
         except Exception as exc:  # noqa: BLE001 - e.g. cudaEventQuery after an illegal address
             fault = CommunicatorAbortedError(

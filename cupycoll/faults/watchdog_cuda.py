@@ -1,11 +1,6 @@
-"""The CUDA thread state the watchdog queries events under: which device is current, and
-how the querying thread interacts with a CUDA graph capture on another thread.
+"""How the watchdog's thread interacts with a CUDA graph capture on another thread (the device
+it queries under is the group's: :meth:`cupycoll.faults.watchdog.Watch.on_device`).
 
-* :func:`on_device`: an event query on a thread that never chose a device (the watchdog's,
-  a fault thread) makes the runtime create a primary context on cuda:0, ~500 MiB in every
-  rank (torch's ``CUDAEvent::query`` has no device guard). The watch queries with its
-  group's device current instead, restoring the previous one afterwards (torch's
-  ``torch.cuda.device``, whose exit creates no context on the device it returns to).
 * :func:`use_thread_local_capture_mode`: in the default (global) capture mode a thread may
   not query events while *any* thread captures a CUDA graph in global mode; the query fails
   and invalidates that capture. The watchdog thread switches itself to thread-local mode
@@ -23,11 +18,8 @@ Deliberately left out: skipping Works issued during a capture (the backend's, at
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
-
-import torch
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
@@ -44,15 +36,6 @@ CAPTURE_ERRORS = {
 }
 _CAPTURE_ERROR_NAMES = ("cudaErrorStreamCaptureUnsupported", "cudaErrorStreamCaptureInvalidated",
                         "cudaErrorStreamCaptureImplicit")
-
-
-def on_device(index):
-    """The context to query a group's events in: its device (an index or torch.device)
-    current. None (the group has no device yet), or torch's CUDA not initialised (then no
-    torch event exists to query; a CPU-only build): nothing to do."""
-    if index is None or not torch.cuda.is_initialized():
-        return contextlib.nullcontext()
-    return torch.cuda.device(index)
 
 
 def _driver():

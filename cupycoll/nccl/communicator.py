@@ -42,7 +42,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence, Tuple
 
-from .. import _cuda
+from .. import _cuda, bounds
 from . import bindings as nccl_bindings, group as nccl_group
 from .call_guard import GuardedCalls
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
@@ -69,8 +69,11 @@ class Communicator(GuardedCalls):
 
     def __init__(self, device: int, rank: int, size: int, nccl_library: Optional[str] = None, *,
                  handle: int, timeout: float, nonblocking: bool = False,
-                 on_abort: Optional[Callable[[BaseException], None]] = None):
-        cupy = _cuda.cupy_module()
+                 on_abort: Optional[Callable[[BaseException], None]] = None,
+                 runtime: Optional[_cuda.Runtime] = None):
+        # The CUDA runtime its device guard and stream come from (cupycoll._cuda): every call
+        # of this communicator's into CUDA or NCCL runs with its device current.
+        self.runtime = runtime if runtime is not None else _cuda.current()
         self._handle = handle  # the raw ncclComm_t; None once destroyed or aborted
         self.nonblocking = nonblocking
         self._nccl_library = nccl_library
@@ -88,9 +91,9 @@ class Communicator(GuardedCalls):
         # that ncclCommGetAsyncError never reads a freed communicator, and against the calls
         # under way (cupycoll.nccl.call_guard).
         self._init_guard()
-        with cupy.cuda.Device(device):
+        with self.runtime.on_device(device):
             # Non-blocking w.r.t. the legacy default stream, like ProcessGroupNCCL's.
-            self._stream = cupy.cuda.Stream(non_blocking=True)
+            self._stream = self.runtime.new_stream(device)
         self.stream = self._stream.ptr
 
     @property
@@ -104,10 +107,11 @@ class Communicator(GuardedCalls):
 
     # -- creation --------------------------------------------------------------------
     @staticmethod
-    def preflight(device: int, nccl_library=None, nonblocking: bool = False) -> None:
+    def preflight(device: int, nccl_library=None, nonblocking: bool = False,
+                  runtime: Optional[_cuda.Runtime] = None) -> None:
         """The checks of :meth:`begin` that depend on this process alone, for before the store
         gate: a rank failing after it leaves its peers in blocking ncclCommInitRank for good."""
-        _cuda.require_device(device)
+        (runtime if runtime is not None else _cuda.current()).require_device(device)
         _library(nccl_library)  # a library that cannot load fails here, in both modes
         if not nonblocking and os.environ.get("NCCL_COMM_BLOCKING", "") == "0":
             raise CupycollValueError(
@@ -117,20 +121,22 @@ class Communicator(GuardedCalls):
     @classmethod
     def begin(cls, unique_id: bytes, rank: int, size: int, device: int, nccl_library=None,
               nonblocking: bool = False, *, timeout: float,
-              on_abort: Optional[Callable[[BaseException], None]] = None) -> "Communicator":
+              on_abort: Optional[Callable[[BaseException], None]] = None,
+              runtime: Optional[_cuda.Runtime] = None) -> "Communicator":
         """Start joining the communicator named by ``unique_id`` as ``rank`` of ``size``.
 
         Blocking mode returns when every peer has joined. Nonblocking mode returns at once,
         in state ``"initializing"``: call :meth:`wait_ready` (which :meth:`abort` can end)."""
-        cls.preflight(device, nccl_library, nonblocking)  # cheap; callers ran it before the gate
+        runtime = runtime if runtime is not None else _cuda.current()
+        cls.preflight(device, nccl_library, nonblocking, runtime)  # cheap; callers ran it before the gate
         lib = _library(nccl_library)
         handle = nccl_bindings.ncclComm_t()
         config = nccl_bindings.make_config(blocking=not nonblocking)
-        with _cuda.cupy_module().cuda.Device(device):
+        with runtime.on_device(device):
             lib.ncclCommInitRankConfig(ctypes.byref(handle), size, lib.unique_id_from_bytes(unique_id),
                                        rank, ctypes.byref(config))
-        return cls(device, rank, size, nccl_library, handle=handle.value, nonblocking=nonblocking,
-                   timeout=timeout, on_abort=on_abort)
+            return cls(device, rank, size, nccl_library, handle=handle.value, nonblocking=nonblocking,
+                       timeout=timeout, on_abort=on_abort, runtime=runtime)
 
     def wait_ready(self, timeout: Optional[float] = None) -> None:
         """Poll a nonblocking communicator until its creation settles (no-op when blocking).
@@ -184,14 +190,15 @@ class Communicator(GuardedCalls):
         timeout = self.timeout if timeout is None else timeout
         handle = nccl_bindings.ncclComm_t()
         config = nccl_bindings.make_config(blocking=not self.nonblocking)
-        with _cuda.cupy_module().cuda.Device(self.device):
+        with self.runtime.on_device(self.device):
             self._guarded(function, lambda parent: make(parent, ctypes.byref(handle), ctypes.byref(config)),
                           for_child=child_name)
             self._poll(function, timeout)
         if not handle.value:
             return None
         child = Communicator(self.device, 0, 0, self._nccl_library, handle=handle.value,
-                             nonblocking=self.nonblocking, timeout=timeout, on_abort=on_abort)
+                             nonblocking=self.nonblocking, timeout=timeout, on_abort=on_abort,
+                             runtime=self.runtime)
         child.wait_ready()
         count, rank = ctypes.c_int(), ctypes.c_int()
         self._lib.ncclCommCount(handle, ctypes.byref(count))
@@ -378,8 +385,7 @@ class Communicator(GuardedCalls):
         thread still has inside NCCL then gets an abort on its way out, not a destroy."""
         if self.state not in ("ok", "initializing"):
             return
-        cupy = _cuda.cupy_module()
-        with cupy.cuda.Device(self.device):
+        with self.runtime.on_device(self.device):
             if self.nonblocking:
                 if self.state == "initializing":
                     self.abort()
@@ -420,7 +426,9 @@ class Communicator(GuardedCalls):
 
     def _abort_now(self, handle: int) -> int:
         try:
-            with _cuda.cupy_module().cuda.Device(self.device):
+            # NCCL sets back the device current when it was called (a thread that never
+            # chose one: cuda:0, which that would give a context): the communicator's.
+            with self.runtime.on_device(self.device):
                 return self._lib.ncclCommAbort(handle)
         finally:
             self.abort_done.set()
@@ -489,14 +497,35 @@ class Communicators:
         return bool(self.creating) or any(comm.abort_deferred() for comm in self.reachable())
 
     def abort(self, asker: Optional[int] = None) -> list:
-        """Abort every communicator (each step whatever the others did); the errors met."""
-        errors = []
-        for comm in self.reachable():
+        """Abort every communicator, each whatever the others did; the errors met. With more
+        than one, their aborts run side by side, one thread each (on behalf of ``asker``, the
+        thread that asked: see :meth:`Communicator.abort`), waited for at most
+        ``bounds.ABORT_DEADLINE`` in all: an abort frees the communicator's memory, and where
+        that free synchronises the device (``NCCL_CUMEM_ENABLE=0``: ``cudaFree``) it waits for
+        every kernel on it, a stuck kernel of a communicator not aborted yet included, which
+        only that communicator's own abort ends."""
+        errors: list = []
+
+        def run(comm) -> None:
             try:
                 comm.abort(asker)
             except BaseException as exc:  # noqa: BLE001 - every communicator is attempted
                 errors.append((comm, exc))
-        return errors
+        comms = self.reachable()
+        if len(comms) <= 1:
+            for comm in comms:
+                run(comm)
+            return errors
+        if asker is None:
+            asker = threading.get_ident()  # this thread, which is not inside NCCL
+        threads = [threading.Thread(target=run, args=(comm,), name="cupycoll-abort-communicator", daemon=True)
+                   for comm in comms]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + bounds.ABORT_DEADLINE
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return list(errors)
 
     def settled(self, timeout: float, blocked_after: float) -> bool:
         """Wait at most ``timeout`` seconds for every aborted communicator's ncclCommAbort to

@@ -62,7 +62,6 @@ from typing import List, Optional, Tuple
 
 import numpy
 
-from .. import _cuda, compat
 from ..nccl import bindings as nccl_bindings
 from .kernels import ELEMENTS, OPS, check, compile_module, supports
 from ..config import DEFAULT_RING_SCRATCH_BYTES
@@ -108,17 +107,17 @@ def grid_for(dtype: str, n: int) -> Tuple[int]:
     return (min(MAX_BLOCKS, max(1, -(-threads_needed // THREADS_PER_BLOCK))),)
 
 
-def launch_kernel(kernel, dtype: str, local: int, incoming: int, out: int, n: int, stream,
+def launch_kernel(runtime, kernel, dtype: str, local: int, incoming: int, out: int, n: int, stream: int,
                   factor=None, factor_ptr=None, divisor=None) -> None:
     """Launch one ring kernel (any kind: they share one parameter list) over ``n`` elements
-    on the cupy ``stream``. ``factor``/``factor_ptr``/``divisor`` default to "unused"."""
+    on ``stream`` (a raw pointer; its device current) through ``runtime``.
+    ``factor``/``factor_ptr``/``divisor`` default to "unused"."""
     acc = numpy.dtype(ELEMENTS[dtype].acc).type
-    kernel(grid_for(dtype, n), _BLOCK,
-           (numpy.uint64(local), numpy.uint64(incoming), numpy.uint64(out), numpy.uint64(n),
-            numpy.uint64(0) if factor_ptr is None else factor_ptr,
-            acc(0) if factor is None else factor,
-            numpy.int64(1) if divisor is None else divisor),
-           stream=stream)
+    runtime.launch(kernel, grid_for(dtype, n), _BLOCK,
+                   (numpy.uint64(local), numpy.uint64(incoming), numpy.uint64(out), numpy.uint64(n),
+                    numpy.uint64(0) if factor_ptr is None else factor_ptr,
+                    acc(0) if factor is None else factor,
+                    numpy.int64(1) if divisor is None else divisor), stream)
 
 
 # ------------------------------------------------------------------------------ programs
@@ -228,16 +227,17 @@ class Ring:
 
     def __init__(self, communicator, scratch_bytes: int = DEFAULT_RING_SCRATCH_BYTES):
         _check_int("scratch_bytes", scratch_bytes, MIN_SCRATCH_BYTES)
-        cupy = _cuda.cupy_module()
         self._comm = communicator
+        # The communicator's CUDA runtime (cupycoll._cuda): every call here runs with its
+        # device current.
+        self._runtime = runtime = communicator.runtime
         self.scratch_bytes = scratch_bytes  # the most the scratch may grow to
         self._closed = False
-        with cupy.cuda.Device(communicator.device):
+        with runtime.on_device(communicator.device):
             # A pipelined plan's transfers run here, to overlap the reductions on the caller's stream.
-            self._side = cupy.cuda.Stream(non_blocking=True)
-        # The scratch's own pool: what it frees goes back to the device, not to a cache that
-        # torch's allocator cannot see.
-        self._pool = cupy.cuda.MemoryPool()
+            self._side = runtime.new_stream(communicator.device)
+        # The scratch: a buffer of torch's caching allocator (torch.cuda.memory_allocated and
+        # empty_cache see it, and torch can free its cache for it when the device is full).
         self._scratch = None
         self._scratch_ptr = 0
         self.scratch_held = 0  # bytes of the current scratch buffer
@@ -245,7 +245,6 @@ class Ring:
         # event may be recorded again as soon as a wait on it is enqueued (the wait keeps
         # what it saw), so one list serves every call.
         self._events: List = []
-        self._streams: dict = {}  # cudaStream_t -> its CuPy stream object
         self._last_use = None  # recorded on the caller's stream at the end of each call
         self._last_stream = None  # the cudaStream_t it was recorded on
 
@@ -287,10 +286,12 @@ class Ring:
         if self._closed:
             return
         self._closed = True
-        cupy = _cuda.cupy_module()
-        with cupy.cuda.Device(self._comm.device):
+        with self._runtime.on_device(self._comm.device):
             # After an abort NCCL's kernels have exited, so this cannot hang on a dead peer.
             self._release_scratch()
+            for event in self._events + ([self._last_use] if self._last_use is not None else []):
+                event.destroy()
+            self._events, self._last_use = [], None
 
     # -- validation --------------------------------------------------------------------
     def _validate(self, sendbuf, recvbuf, count, dtype, op, stream, premul, premul_ptr, what):
@@ -331,17 +332,18 @@ class Ring:
         if found.scratch_bytes > self.scratch_held:
             self._grow(found, count)
         if found.needs_kernels:
-            compile_module(self._comm.device, dtype, op)
+            with self._runtime.on_device(self._comm.device):
+                compile_module(self._runtime, self._comm.device, dtype, op)
         return found
 
     def _grow(self, found: Program, count: int) -> None:
-        cupy = _cuda.cupy_module()
+        runtime = self._runtime
         size = min(self.scratch_bytes, -(-found.scratch_bytes // SCRATCH_GRANULE) * SCRATCH_GRANULE)
-        with cupy.cuda.Device(self._comm.device):
+        with runtime.on_device(self._comm.device):
             self._release_scratch()
             try:
-                self._scratch = self._pool.malloc(size)
-            except cupy.cuda.memory.OutOfMemoryError as exc:
+                self._scratch = runtime.scratch(size, self._comm.device)
+            except runtime.out_of_memory as exc:
                 plan = found.plan
                 raise CupycollError(
                     f"the ring algorithm could not allocate {_amount(size)} of scratch memory on "
@@ -351,49 +353,48 @@ class Ring:
                     f"ring_scratch_bytes=...) or CUPYCOLL_RING_SCRATCH_BYTES, now "
                     f"{self.scratch_bytes} bytes, the same on every rank) runs more, smaller "
                     f"rounds in less memory") from exc
-        self._scratch_ptr = self._scratch.ptr
+        self._scratch_ptr = self._scratch.data_ptr()
         self.scratch_held = size
 
     def _release_scratch(self) -> None:
-        """Drop the scratch buffer once the GPU is done with it and return its memory to the
-        device (inside the ring's device)."""
+        """Drop the scratch buffer once the GPU is done with it, back to torch's cache (the
+        ring's device current)."""
         if self._scratch is not None:
-            # Waits for the ring's previous call, whose kernels and transfers may still use it.
+            # Waits for the ring's previous call, whose kernels and transfers may still use it
+            # (on streams other than the one the buffer was allocated on).
             if self._last_use is not None:
                 self._last_use.synchronize()
             self._side.synchronize()
         self._scratch, self._scratch_ptr, self.scratch_held = None, 0, 0
-        self._pool.free_all_blocks()
 
     # -- execution ---------------------------------------------------------------------
     def _execute(self, found: Program, sendbuf, recvbuf, dtype, op, stream, premul, premul_ptr) -> None:
-        cupy = _cuda.cupy_module()
+        runtime = self._runtime
         comm = self._comm
-        kernels = compile_module(comm.device, dtype, op) if found.needs_kernels else None
         factor = _ACC_TYPES[dtype](premul if premul is not None else 0)
         factor_ptr = numpy.uint64(premul_ptr or 0)
         divisor = numpy.int64(comm.size)
         right, left = right_of(comm.rank, comm.size), left_of(comm.rank, comm.size)
         bases = (sendbuf, recvbuf, self._scratch_ptr, 0)
         u64 = numpy.uint64
+        launch = runtime.launch
 
-        with cupy.cuda.Device(comm.device):
-            caller = self._caller_stream(cupy, stream)
-            streams = (caller, self._side)
-            events = self._events_for(cupy, found.events)
+        with runtime.on_device(comm.device):
+            kernels = compile_module(runtime, comm.device, dtype, op) if found.needs_kernels else None
+            streams = (stream, self._side.ptr)
+            events = self._events_for(found.events)
             if self._last_use is not None and self._last_stream != stream:
-                caller.wait_event(self._last_use)  # the scratch is shared by every call
+                self._last_use.wait_on(stream)  # the scratch is shared by every call
             for step in found.steps:
                 code = step[0]
                 if code == _KERNEL:
                     _, name, local, in_base, in_off, out_base, out_off, n, grid = step
-                    kernels[name](grid, _BLOCK,
-                                  (u64(sendbuf + local), u64(bases[in_base] + in_off),
-                                   u64(bases[out_base] + out_off), n, factor_ptr, factor, divisor),
-                                  stream=caller)
+                    launch(kernels[name], grid, _BLOCK,
+                           (u64(sendbuf + local), u64(bases[in_base] + in_off),
+                            u64(bases[out_base] + out_off), n, factor_ptr, factor, divisor), stream)
                 elif code == _EXCHANGE:
                     _, s, send_base, send_off, send_bytes, recv_off, recv_bytes = step
-                    ptr = streams[s].ptr
+                    ptr = streams[s]
                     send_ptr, recv_ptr = bases[send_base] + send_off, bases[_SCRATCH] + recv_off
                     if send_bytes and recv_bytes:
                         with comm.group():
@@ -406,10 +407,10 @@ class Ring:
                 elif code == _RECORD:
                     events[step[1]].record(streams[step[2]])
                 elif code == _WAIT:
-                    streams[step[2]].wait_event(events[step[1]])
+                    events[step[1]].wait_on(streams[step[2]])
                 elif code == _GATHER:
                     _, s, own_off, share_bytes, tail_off, tail_bytes, root = step
-                    ptr, tail = streams[s].ptr, recvbuf + tail_off
+                    ptr, tail = streams[s], recvbuf + tail_off
                     if share_bytes and tail_bytes:
                         with comm.group():
                             comm.all_gather(recvbuf + own_off, recvbuf, share_bytes, _NCCL_BYTES, ptr)
@@ -420,32 +421,14 @@ class Ring:
                         comm.broadcast(tail, tail, tail_bytes, _NCCL_BYTES, root, ptr)
                 elif code == _COPY and sendbuf != recvbuf:
                     _, offset, nbytes = step
-                    cupy.cuda.runtime.memcpyAsync(recvbuf + offset, sendbuf + offset, nbytes,
-                                                  cupy.cuda.runtime.memcpyDeviceToDevice, caller.ptr)
+                    runtime.copy(recvbuf + offset, sendbuf + offset, nbytes, stream)
             if self._last_use is None:
-                self._last_use = cupy.cuda.Event(disable_timing=True)
-            self._last_use.record(caller)
+                self._last_use = runtime.new_event()
+            self._last_use.record(stream)
             self._last_stream = stream
 
-    def _caller_stream(self, cupy, ptr: int):
-        found = self._streams.get(ptr)
-        if found is None:
-            if len(self._streams) >= 16:  # callers rarely use more streams; keep it small
-                self._streams.clear()
-            found = self._streams[ptr] = compat.external_stream(cupy, _StreamHandle(ptr), ptr, self._comm.device)
-        return found
-
-    def _events_for(self, cupy, count: int) -> List:
+    def _events_for(self, count: int) -> List:
+        """The first ``count`` of the ring's events (the ring's device current)."""
         while len(self._events) < count:
-            self._events.append(cupy.cuda.Event(disable_timing=True))
+            self._events.append(self._runtime.new_event())
         return self._events
-
-
-class _StreamHandle:
-    """A raw ``cudaStream_t`` speaking the CUDA stream protocol."""
-
-    def __init__(self, ptr: int):
-        self._ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self._ptr)

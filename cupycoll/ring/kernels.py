@@ -10,8 +10,9 @@ dtypes and ops are torch-style lower-case names (``"bfloat16"``, ``"premul_sum"`
 bool is reduced as bytes 0/1 with the byte kernels: SUM and MAX are OR (``max``),
 PRODUCT and MIN are AND (``min``), BAND/BOR/BXOR are bitwise on 0/1.
 
-Deliberately left out: CuPy at import time (only :func:`compile_module` and
-:func:`compile_ptx` import it, lazily), launching, and any notion of torch.
+Deliberately left out: CuPy at import time (only :func:`compile_ptx` imports it, lazily;
+:func:`compile_module` compiles through the group's CUDA runtime), launching, and any notion
+of torch.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def name_expression(kind: str, dtype: str, op: str) -> str:
     return f"cupycoll::{kind}<cupycoll::{ELEMENTS[dtype].cxx}, cupycoll::{op_struct(dtype, op)}>"
 
 
+@functools.lru_cache(maxsize=None)
 def module_spec(dtype: str, op: str) -> ModuleSpec:
     """The source, options and name expressions of the (dtype, op) pair's kernels."""
     check(dtype, op)
@@ -174,19 +176,12 @@ def all_pairs():
 
 # ----------------------------------------------------------------------------- compiling
 
-@functools.lru_cache(maxsize=None)
-def compile_module(device: int, dtype: str, op: str) -> Dict[str, object]:
-    """kind -> ``cupy.RawKernel`` for the pair on ``device``; compiled once per process
-    (and found in CuPy's on-disk kernel cache after the first process)."""
-    from .. import _cuda
-
-    cupy = _cuda.cupy_module()
+def compile_module(runtime, device: int, dtype: str, op: str) -> Dict[str, object]:
+    """kind -> kernel for the pair on ``device`` (current), through ``runtime``
+    (:class:`cupycoll._cuda.Runtime`, which compiles once per process and device; CuPy's
+    on-disk kernel cache serves later processes)."""
     spec = module_spec(dtype, op)
-    with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=spec.source, options=spec.options,
-                                name_expressions=spec.name_expressions)
-        # Fetching the functions compiles now, so that the first collective does not.
-        return {kind: module.get_function(spec.names[kind]) for kind in KINDS}
+    return runtime.compile(device, spec.source, spec.options, spec.names)
 
 
 def compile_ptx(spec: ModuleSpec, arch: str) -> Tuple[str, Dict[str, str]]:

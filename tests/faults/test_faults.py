@@ -276,7 +276,7 @@ def test_a_communicator_that_aborts_itself_faults_its_group(monkeypatch, no_devi
     # else the Works in flight would later "succeed" and the on_timeout policy never run.
     made = []
 
-    def begin(cls, unique_id, rank, size, device, library, nonblocking, timeout, on_abort):
+    def begin(cls, unique_id, rank, size, device, library, nonblocking, timeout, on_abort, runtime=None):
         comm = polling_comm([nb.ncclInProgress], timeout=0.05)
         comm.on_abort = on_abort
         made.append(comm)

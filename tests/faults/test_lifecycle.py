@@ -37,15 +37,15 @@ def issues_of(watch, *ops, peer=None):
 def test_calls_issued_while_capturing_are_not_handed_to_the_watchdog(monkeypatch, cuda_standins):
     group = make_group()
     cuda = group._cuda
-    capture(monkeypatch, True)
+    capture(cuda_standins, True)
     captured = issues_of(cuda.watch, "all_reduce", "broadcast")
-    cuda._track(captured, 0, True)
+    cuda._track(captured, 0, 0, True)
     assert not cuda.watch.in_flight()
     assert all(i.work._slot is None and i.tracked for i in captured)  # issued all the same
     assert all(i.work.is_completed() for i in captured)  # nothing to wait for outside the graph
-    capture(monkeypatch, False)
+    capture(cuda_standins, False)
     later = issues_of(cuda.watch, "all_reduce")
-    cuda._track(later, 0, True)
+    cuda._track(later, 0, 0, True)
     assert cuda.watch.in_flight() == 1 and later[0].tracked and later[0].work._in_flight() is not None
     group.abort()
 
@@ -56,7 +56,7 @@ def test_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monkeypa
     cuda.comm = FakeComm()
     cuda._launch_all = lambda issues, comms, stream, launched=None: None  # launching: nothing to do
     cuda._adopt_device(CUDA)
-    capture(monkeypatch, True)
+    capture(cuda_standins, True)
     group._start_coalescing(CUDA)
     inner = group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
     covering = group._end_coalescing(CUDA)

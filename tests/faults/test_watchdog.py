@@ -489,88 +489,61 @@ def test_a_work_done_only_because_it_failed_late_keeps_its_tensors_for_the_abort
     assert work._slot.keepalive is None
 
 
-class FakeDeviceGuard:
-    """torch.cuda.device on CPU: records the device current on each thread."""
-
-    current = {}
-
-    def __init__(self, index):
-        self.index = index
-
-    def __enter__(self):
-        self.previous = self.current.get(threading.get_ident())
-        self.current[threading.get_ident()] = self.index
-
-    def __exit__(self, *exc):
-        self.current[threading.get_ident()] = self.previous
-
-
 class DeviceSeeingEvent(FakeEvent):
-    """Records which device was current on the querying thread at each query."""
+    """Records which device was current on the querying thread at each query (the device
+    ledger's, tests/standins.py)."""
 
-    def __init__(self, done=False):
+    def __init__(self, ledger, done=False):
         super().__init__()
-        self.seen, self.done = [], done
+        self.seen, self.done, self._seen_by = [], done, ledger
 
     def query(self):
-        device = FakeDeviceGuard.current.get(threading.get_ident())
-        self.seen.append((threading.current_thread().name, device))
+        self.seen.append((threading.current_thread().name, self._seen_by.device_in_thread()))
         return self.done
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    FakeDeviceGuard.current = {}
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device", FakeDeviceGuard)
-
-
-def test_the_watchdog_thread_queries_events_on_the_groups_device(fake_cuda):
+def test_the_watchdog_thread_queries_events_on_the_groups_device(cuda_standins):
     # Else cudaEventQuery on a thread that never chose a device creates a context on cuda:0.
     watchdog = Watchdog()
     watch = make_watch(timeout=60)
     watch.device = 3  # what the backend sets once its first call picked the device
-    event = DeviceSeeingEvent()
+    event = DeviceSeeingEvent(cuda_standins)
     issued_work(watch, event=event)
     polled = Polled(watch)  # the watchdog holds what it polls weakly
     watchdog.watch(polled)
     try:
         assert eventually(lambda: ("cupycoll-watchdog", 3) in event.seen)
         assert all(device == 3 for _, device in event.seen)
+        assert cuda_standins.contexts == {3}
     finally:
         watchdog.stop()
 
 
-def test_a_pooled_event_is_made_on_the_groups_device_whatever_the_caller_has_current(fake_cuda, monkeypatch):
-    made_on = []
-
-    class DeviceNotingEvent(FakeEvent):
-        def __init__(self):
-            super().__init__()
-            made_on.append(FakeDeviceGuard.current.get(threading.get_ident()))
-    monkeypatch.setattr(_cuda, "new_event", DeviceNotingEvent)
+def test_a_pooled_event_is_made_on_the_groups_device_whatever_the_caller_has_current(cuda_standins):
     watch = make_watch(timeout=60)
     watch.device = 2
-    with FakeDeviceGuard(0):  # the caller's current device
-        watch.issued(0, None)
-        assert made_on == [2] and FakeDeviceGuard.current[threading.get_ident()] == 0
+    cuda_standins.set_device(0)  # the caller's current device
+    watch.issued(0, None)
+    assert cuda_standins.made == [("event", 2)] and cuda_standins.current_device() == 0
 
 
-def test_drain_queries_on_the_groups_device_and_restores_the_callers(fake_cuda):
+def test_drain_queries_on_the_groups_device_and_restores_the_callers(cuda_standins):
     watch = make_watch(timeout=60)
     watch.device = 1
-    event = DeviceSeeingEvent(done=True)
+    cuda_standins.set_device(5)
+    event = DeviceSeeingEvent(cuda_standins, done=True)
     issued_work(watch, event=event)
     assert watch.drain(1.0)
     assert event.seen == [(threading.current_thread().name, 1)]
-    assert FakeDeviceGuard.current[threading.get_ident()] is None  # the caller's, back
+    assert cuda_standins.current_device() == 5  # the caller's, back
 
 
-def test_a_watch_with_no_device_yet_queries_without_switching_device(fake_cuda):
+def test_a_watch_with_no_device_yet_queries_without_switching_device(cuda_standins):
     watch = make_watch(timeout=60)
-    event = DeviceSeeingEvent(done=True)
+    event = DeviceSeeingEvent(cuda_standins, done=True)
     issued_work(watch, event=event)
-    assert poll(watch) is None and event.seen == [(threading.current_thread().name, None)]
+    assert poll(watch) is None and event.seen == [(threading.current_thread().name, 0)]
+    assert cuda_standins.contexts == set()  # nothing was asked of CUDA but the event
 
 
 class FakeDriver:

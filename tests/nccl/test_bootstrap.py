@@ -316,12 +316,10 @@ def test_failed_creations_leave_threads_and_fds_flat():
     assert after[0] <= before[0] and after[1] <= before[1], (before, after)
 
 
-def test_local_failures_raise_before_the_store_gate(monkeypatch):
+def test_local_failures_raise_before_the_store_gate(monkeypatch, cuda_standins):
     # Local checks come first: a rank that failed after arriving would leave its peers inside
     # blocking ncclCommInitRank.
-    def no_device(index):
-        raise NoCudaDeviceError(f"CUDA device {index} does not exist (0 visible)")
-    monkeypatch.setattr("cupycoll._cuda.require_device", no_device)
+    cuda_standins.devices = 0  # no CUDA device is visible
     monkeypatch.setattr(Communicator, "begin", classmethod(lambda cls, *a, **k: pytest.fail("began")))
     store = dist.HashStore()
     backend = CudaBackend(store, 1, 2, config.resolve(None, datetime.timedelta(seconds=5)))
@@ -336,7 +334,6 @@ def test_local_failures_raise_before_the_store_gate(monkeypatch):
 
 @pytest.mark.parametrize("nonblocking", [False, True])
 def test_an_nccl_library_that_cannot_load_fails_before_the_gate_in_both_modes(monkeypatch, tmp_path, nonblocking):
-    monkeypatch.setattr("cupycoll._cuda.require_device", lambda index: None)
     monkeypatch.setattr(Communicator, "begin", classmethod(lambda cls, *a, **k: pytest.fail("began")))
     store = dist.HashStore()
     missing = str(tmp_path / "libnccl.so.2")
@@ -349,14 +346,12 @@ def test_an_nccl_library_that_cannot_load_fails_before_the_gate_in_both_modes(mo
 
 
 def test_nccl_comm_blocking_is_checked_before_the_gate(monkeypatch):
-    monkeypatch.setattr("cupycoll._cuda.require_device", lambda index: None)
     monkeypatch.setenv("NCCL_COMM_BLOCKING", "0")
     with pytest.raises(ValueError, match="NCCL_COMM_BLOCKING=0"):
         Communicator.preflight(0, None, nonblocking=False)
 
 
 def test_a_creation_that_times_out_faults_the_group(monkeypatch):
-    monkeypatch.setattr("cupycoll._cuda.require_device", lambda index: None)
     store = dist.HashStore()
     backend = CudaBackend(store, 1, 2, config.resolve(None, datetime.timedelta(seconds=0.2)))
     start = time.monotonic()

@@ -1,4 +1,4 @@
-"""CPU tier: cupycoll.ring.algorithm's executor, run against a fake CuPy and fake communicators.
+"""CPU tier: cupycoll.ring.algorithm's executor, run against a fake CUDA runtime and fake communicators.
 
 Each rank runs in a thread with its own fake device memory (a numpy byte array behind
 made-up addresses). Fake kernels compute with the simulator's arithmetic; fake NCCL
@@ -15,13 +15,11 @@ import contextlib
 import dataclasses
 import queue
 import threading
-import types
 from typing import Optional
 
 import numpy as np
 import pytest
 
-import cupycoll._cuda
 import ring_simulator as sim
 from cupycoll.nccl import bindings as nccl_bindings
 from cupycoll.ring import algorithm as ring
@@ -58,60 +56,50 @@ class Heap:
 
 
 class FakeStream:
-    def __init__(self, ptr=None, non_blocking=False):
-        self.ptr = ptr if ptr is not None else id(self)
+    """A stream the fake runtime made: its raw pointer."""
 
-    @classmethod
-    def from_external(cls, handle):
-        version, ptr = handle.__cuda_stream__()
-        return cls(ptr)
-
-    def wait_event(self, event):
-        if not isinstance(event, FakeEvent):
-            raise TypeError(event)
-        _log(("wait",))
+    def __init__(self):
+        self.ptr = id(self)
 
     def synchronize(self):
         pass
 
 
 class FakeEvent:
-    def __init__(self, disable_timing=False):
+    def __init__(self):
         self.recorded = False
 
-    def record(self, stream=None):
-        if not isinstance(stream, FakeStream):
+    def record(self, stream):
+        if not isinstance(stream, int):
             raise TypeError(stream)
         self.recorded = True
         _log(("record",))
 
+    def wait_on(self, stream):
+        if not isinstance(stream, int):
+            raise TypeError(stream)
+        _log(("wait",))
+
     def synchronize(self):
+        pass
+
+    def destroy(self):
         pass
 
 
 class FakeAllocation:
+    """A scratch buffer on this rank's fake heap (what torch's allocator hands the ring)."""
+
     def __init__(self, nbytes):
         self.ptr = _local.heap.alloc(nbytes)
         self.nbytes = nbytes
 
+    def data_ptr(self):
+        return self.ptr
+
 
 class FakeOutOfMemoryError(MemoryError):
     pass
-
-
-class FakePool:
-    """cupy.cuda.MemoryPool: allocations above ``limit`` bytes (class-wide) fail as CuPy's do."""
-
-    limit = None
-
-    def malloc(self, nbytes):
-        if FakePool.limit is not None and nbytes > FakePool.limit:
-            raise FakeOutOfMemoryError(f"Out of memory allocating {nbytes} bytes")
-        _log(("malloc", nbytes))
-        return FakeAllocation(nbytes)
-
-    def free_all_blocks(self):
-        pass
 
 
 def _log(entry):
@@ -120,24 +108,34 @@ def _log(entry):
         log.append(entry)
 
 
-def _memcpy(dst, src, size, kind, stream):
-    if kind != 3:
-        raise ValueError(kind)
-    _local.heap.view(dst, size)[:] = _local.heap.view(src, size).copy()
+class FakeRuntime:
+    """The CUDA runtime of the ring (cupycoll._cuda.Runtime's face): streams are numbers,
+    memory is the rank's fake heap, scratch above ``limit`` bytes (class-wide) fails as an
+    out-of-memory allocation does, kernels compute on the heap."""
 
+    limit = None
+    out_of_memory = FakeOutOfMemoryError
 
-def fake_cupy():
-    cuda = types.SimpleNamespace(
-        Device=lambda index: contextlib.nullcontext(),
-        alloc=FakeAllocation,
-        MemoryPool=FakePool,
-        memory=types.SimpleNamespace(OutOfMemoryError=FakeOutOfMemoryError),
-        Stream=FakeStream,
-        ExternalStream=lambda ptr, device=-1: FakeStream(ptr),
-        Event=FakeEvent,
-        runtime=types.SimpleNamespace(memcpyAsync=_memcpy, memcpyDeviceToDevice=3),
-    )
-    return types.SimpleNamespace(cuda=cuda, __version__="14.0.0")
+    def on_device(self, index):
+        return contextlib.nullcontext()
+
+    def new_stream(self, index):
+        return FakeStream()
+
+    def new_event(self):
+        return FakeEvent()
+
+    def scratch(self, nbytes, index):
+        if FakeRuntime.limit is not None and nbytes > FakeRuntime.limit:
+            raise FakeOutOfMemoryError(f"Out of memory allocating {nbytes} bytes")
+        _log(("malloc", nbytes))
+        return FakeAllocation(nbytes)
+
+    def copy(self, dst, src, size, stream):
+        _local.heap.view(dst, size)[:] = _local.heap.view(src, size).copy()
+
+    def launch(self, kernel, grid, block, args, stream):
+        kernel(grid, block, args, stream=stream)
 
 
 class FakeKernel:
@@ -152,7 +150,7 @@ class FakeKernel:
         for value in (local, incoming, out, n, factor_ptr):
             assert isinstance(value, np.uint64)
         assert isinstance(divisor, np.int64) and isinstance(factor, np.dtype(element.acc).type)
-        assert isinstance(stream, FakeStream) and grid[0] >= 1 and block[0] >= 1
+        assert isinstance(stream, int) and grid[0] >= 1 and block[0] >= 1
         n = int(n)
         heap = _local.heap
         storage, acc = np.dtype(element.storage), np.dtype(element.acc)
@@ -182,6 +180,7 @@ class FakeComm:
 
     def __init__(self, rank, size, channels, log):
         self.rank, self.size, self.device, self.state = rank, size, 0, "ok"
+        self.runtime = FakeRuntime()
         self.channels, self.log = channels, log
 
     @contextlib.contextmanager
@@ -236,10 +235,9 @@ class FakeComm:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     launches = []
-    monkeypatch.setattr(cupycoll._cuda, "cupy_module", fake_cupy)
-    monkeypatch.setattr(FakePool, "limit", None)
+    monkeypatch.setattr(FakeRuntime, "limit", None)
     monkeypatch.setattr(ring, "compile_module",
-                        lambda device, dtype, op: {k: FakeKernel(k, dtype, op, launches) for k in KINDS})
+                        lambda runtime, device, dtype, op: {k: FakeKernel(k, dtype, op, launches) for k in KINDS})
     return launches
 
 
@@ -518,7 +516,7 @@ def test_scratch_stays_within_the_limit_and_more_rounds_make_up(fake_gpu):
 
 def test_scratch_that_cannot_be_had_is_a_clear_error_and_the_ring_stays_usable(fake_gpu, monkeypatch):
     monkeypatch.setattr(ring, "SCRATCH_GRANULE", 1024)
-    monkeypatch.setattr(FakePool, "limit", 8192)
+    monkeypatch.setattr(FakeRuntime, "limit", 8192)
     too_big = Call("all_reduce", _inputs(2, 8000, "float32"), "float32", "sum")  # needs 16 KiB
     fits = Call("all_reduce", _inputs(2, 1000, "float32", seed=2), "float32", "sum")
     failed, then = run_calls([too_big, fits], ring.DEFAULT_RING_SCRATCH_BYTES)
@@ -585,7 +583,7 @@ def test_a_call_on_another_stream_first_waits_for_the_last_one(fake_gpu):
 @pytest.mark.parametrize("world, compiles", [(1, False), (2, True), (4, True)])
 def test_prepare_holds_the_scratch_and_compiles_only_what_the_call_needs(fake_gpu, monkeypatch, world, compiles):
     compiled = []
-    monkeypatch.setattr(ring, "compile_module", lambda *key: compiled.append(key) or {})
+    monkeypatch.setattr(ring, "compile_module", lambda runtime, *key: compiled.append(key) or {})
     the_ring, log = _ring(world)
     _local.log = log
     try:

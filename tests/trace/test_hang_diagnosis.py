@@ -179,7 +179,7 @@ def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
     assert rec in recorder.recorders()
 
 
-def test_the_cuda_route_marks_and_explains_through_the_watchdog(monkeypatch):
+def test_the_cuda_route_marks_and_explains_through_the_watchdog(monkeypatch, cuda_standins):
     # CPU stand-ins for CUDA tensors (tests/standins.py) and an event the GPU "finishes" when
     # the test says: the entry the group records goes down the call and into the watch
     # (issued), the real watchdog thread marks it completed, and a timeout of its batch is
@@ -190,16 +190,14 @@ def test_the_cuda_route_marks_and_explains_through_the_watchdog(monkeypatch):
     from standins import CpuAsCudaGroup, FakeEvent
     from torch._C import _distributed_c10d as c10d
 
-    from cupycoll import _cuda
     from cupycoll.errors import CollectiveTimeoutError
     from cupycoll.faults.watchdog import Finding
 
     event = FakeEvent()
-    monkeypatch.setattr(_cuda, "new_event", lambda: event)
-    monkeypatch.setattr(_cuda, "capturing", lambda stream: False)
+    cuda_standins.event_class = lambda: event
     group = CpuAsCudaGroup(None, 0, 1)
     cuda = group._cuda
-    monkeypatch.setattr(cuda, "_enqueue", lambda issues: cuda._track(issues, 0, False))
+    monkeypatch.setattr(cuda, "_enqueue", lambda issues: cuda._track(issues, 0, 0, False))
     work = group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
     rec = group._trace.recorder
     entry = work._slot.records
