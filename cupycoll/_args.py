@@ -92,6 +92,19 @@ def check_peer(peer: int, rank: int, size: int) -> int:
     return peer
 
 
+def split_ranks(ranks, size: int) -> List[int]:
+    """A split's sub-list of group ranks (torch's ``split_group``), sorted."""
+    if not isinstance(ranks, (list, tuple)) or not ranks:
+        raise CupycollValueError(f"split_group ranks {ranks!r}: expected a non-empty list of group ranks")
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise CupycollValueError(f"split_group rank {rank!r} is not a rank of the parent group "
+                                     f"(ranks 0 to {size - 1})")
+    if len(set(ranks)) != len(ranks):
+        raise CupycollValueError(f"split_group ranks {list(ranks)} name a rank twice")
+    return sorted(ranks)
+
+
 def flat(tensors) -> List[torch.Tensor]:
     out = []
     for item in tensors:

@@ -214,6 +214,16 @@ class CudaBackend:
         self.comm_for(device)
         self._p2p_on_group = True  # made at init, on every rank: see p2p_comm
 
+    @property
+    def options(self) -> config.Options:
+        """The group's settings as :class:`cupycoll.Options`: what torch's ``split_group``
+        copies from the parent's backend and hands back for the new group."""
+        return self.settings.as_options()
+
+    def _set_sequence_number_for_group(self) -> None:
+        """torch's start of a group's collective count, asked after a split: cupycoll's flight
+        recorder numbers a group's calls itself."""
+
     def perform_nocolor_split(self, device) -> None:
         # torch calls this on ranks left out of a new subgroup, with the default group's
         # bound device; it must mirror the members' split exactly: the same predicate.
@@ -228,7 +238,7 @@ class CudaBackend:
         if tensor.layout is not torch.strided:  # sparse tensors have no strides to check or send
             raise CupycollTypeError(f"{what} is a {tensor.layout} tensor: the CUDA route has no sparse "
                                     "collectives (pass tensor.to_dense())")
-        device = tensor.device
+        device = self._device_of(tensor)
         if self.device is not None and device != self.device:
             raise CupycollValueError(
                 f"{what} is on {device} but this group's communicator is on {self.device}")
@@ -236,6 +246,12 @@ class CudaBackend:
             raise CupycollValueError(
                 f"{what} is not contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()})")
         return device
+
+    @staticmethod
+    def _device_of(tensor: torch.Tensor) -> torch.device:
+        """The device ``tensor`` is on (the CPU tests' stand-in names the one its CPU tensors
+        stand for)."""
+        return tensor.device
 
     def _adopt_device(self, device: torch.device) -> None:
         if device.index is None:

@@ -138,6 +138,12 @@ PY_BACKEND = TORCH >= (2, 14)
 PY_BACKEND_WORKS_ANSWER_TRUE = False
 BACKEND_SHAPE_BY_DEFAULT = PY_BACKEND and PY_BACKEND_WORKS_ANSWER_TRUE
 
+# The trampoline's split (PyBackend.hpp's split, through initSlotAndCast, 2.14.1 and 2.15)
+# casts what a Python Backend's split returns and dereferences it: None, a rank's "no group"
+# when it is in none of split_group's sub-lists, crashes the process (seen here: 2.15). So a
+# Python Backend cannot decline a split on any release yet; cupycoll raises there instead.
+PY_BACKEND_SPLIT_CAN_DECLINE = False
+
 
 # torch 2.7.1 - 2.15: the Work ``_create_work_from_future`` makes returns True from wait()
 # even when its future failed, so a gloo error computed through a future would read as success.

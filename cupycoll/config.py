@@ -269,6 +269,12 @@ class Settings:
     trace_dir: Optional[str] = None
     check_collectives: bool = False
 
+    def as_options(self) -> "Options":
+        """These settings as Options, every field set (the library path aside, which only the
+        environment sets): what a group made from this one (a split) runs with."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(Options)}
+        return Options(**fields)
+
 
 def torch_default_timeouts() -> tuple:
     """The timeouts torch passes a backend when the caller gave none: default_pg_timeout

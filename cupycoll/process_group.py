@@ -17,14 +17,15 @@ Deliberately left out: everything the shell does (routing, coalescing, lifetime)
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
+from torch.distributed import PrefixStore, ProcessGroup
 
-from . import compat, config
+from . import _args, compat, config
 from .faults import lifecycle
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
 from .shell import GroupShell, build_gloo_half
@@ -45,9 +46,11 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
         options: Optional[config.Options] = None,
         global_ranks: Optional[Sequence[int]] = None,
         group_id: str = "",
+        split_from: Optional["ProcessGroupCupycoll"] = None,
     ):
         super().__init__(rank, size)
-        self._build(store, rank, size, timeout, options, global_ranks, group_id)
+        self._splits = 0  # split_group calls so far (every rank of the group makes each)
+        self._build(store, rank, size, timeout, options, global_ranks, group_id, split_from)
 
     # -- construction helpers ---------------------------------------------------------
     def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
@@ -64,16 +67,64 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
         # Eager init: torch bound the ProcessGroup it built, which our creator replaced.
         self.bound_device_id = device
 
-    def _split_parent(self) -> Optional["ProcessGroupCupycoll"]:
-        """The default group when torch splits subgroups from it (it was bound to a device)."""
-        if not self._global_ranks or not dist.is_initialized():
-            return None
-        parent = dist.group.WORLD
+    def _split_parent(self, split_from) -> Optional["ProcessGroupCupycoll"]:
+        """The group this one's communicator is split from: ``split_from`` (:meth:`split_group`),
+        else the default group when torch makes subgroups of it (it was bound to a device);
+        None when that group's communicator is not split (:meth:`CudaBackend.splits_children`,
+        which every rank of the parent answers alike)."""
+        parent = split_from
+        if parent is None:
+            if not self._global_ranks or not dist.is_initialized():
+                return None
+            parent = dist.group.WORLD
         if not isinstance(parent, ProcessGroupCupycoll) or parent is self:
             return None
         if not parent._cuda.splits_children(getattr(parent, "bound_device_id", None)):
             return None
         return parent
+
+    def split_group(self, ranks, timeout: Optional[datetime.timedelta] = None, opts=None,
+                    group_name: Optional[str] = None, group_desc: Optional[str] = None, **torch_extras):
+        """torch's ``ProcessGroup.split_group``, which ``dist.split_group`` (and so
+        ``init_device_mesh`` on a bound default group) calls on every rank of this group, each
+        with its own sub-list of this group's ranks (a rank in none with another's): a
+        cupycoll group of those ranks, or None on a rank not among them. Its communicator is
+        one ``ncclCommSplit`` of this group's, with a color per sub-list (``NCCL_SPLIT_NOCOLOR``
+        for a rank in none), when this group's is split (bound to a device, as torch requires
+        here); else made anew at its first call. Its CPU half is a gloo group of its ranks.
+        ``opts``: its :class:`cupycoll.Options` (torch hands back the ``options`` of this
+        group's CUDA backend: this group's settings, timeout, nonblocking and algorithm
+        included). torch's other arguments (2.15's ``device_types``) change nothing: a
+        cupycoll group routes both devices itself."""
+        members = _args.split_ranks(ranks, self._size)
+        # The new group's keys live under this group's store, by the split's number and its
+        # ranks: the same on every member. (torch's name for it is not: it counts the groups
+        # each rank has registered, and a rank left out of an earlier split registered fewer.)
+        self._splits += 1
+        store = PrefixStore(f"cupycoll-split/{self._splits}/{','.join(map(str, members))}/", self._store)
+        if self._rank not in members:
+            # the members' split is collective over this group: a rank in none mirrors it
+            self._cuda.perform_nocolor_split(getattr(self, "bound_device_id", None))
+            return None
+        options = opts if isinstance(opts, config.Options) else self._cuda.options
+        if timeout is not None and timeout not in config.torch_default_timeouts():
+            options = dataclasses.replace(options, timeout=timeout)  # given: it wins
+        if group_name is None:
+            group_name = f"{self._group_name}:split:{','.join(map(str, members))}"
+        child = type(self)(store, members.index(self._rank), len(members), timeout, options,
+                           global_ranks=[self._global_ranks[r] for r in members], group_id=group_name,
+                           split_from=self)
+        child._set_group_name(group_name)
+        if group_desc is not None:
+            child._set_group_desc(group_desc)
+        bound = getattr(self, "bound_device_id", None)
+        if bound is not None:
+            child.bound_device_id = bound
+        return child
+
+    def get_group_store(self):
+        """The store this group was made on (torch registers a split group with it)."""
+        return self._store
 
     # -- identity ---------------------------------------------------------------------
     def getBackendName(self) -> str:

@@ -38,7 +38,7 @@ from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _args, compat, config
 from .config import BACKEND_NAME
-from .errors import CollectiveTimeoutError, PeerFailedError
+from .errors import CollectiveTimeoutError, CupycollValueError, PeerFailedError
 from .faults.lifecycle import GroupState
 from .shell import GroupShell, build_gloo_half, group_arguments, shrinking
 from .shrink import SHRINK_ABORT, check_options, survivors_arrive
@@ -78,11 +78,11 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
         c10d.Backend.__init__(self, rank, size)
         # Weak: torch's ProcessGroup owns this backend, never the other way round.
         self._group = weakref.ref(process_group) if process_group is not None else None
-        self._split_source = split_from
-        try:
-            self._build(store, rank, size, timeout, options, global_ranks, group_id)
-        finally:
-            self._split_source = None  # the parent's; not kept
+        self._splits = 0  # splits of this group so far (every rank of the group makes each)
+        # The new group of the split under way, made where torch split the CPU backend first
+        # (CpuView.split), until torch splits this one: torch makes one group by two calls.
+        self._split_made: Optional["CupycollBackend"] = None
+        self._build(store, rank, size, timeout, options, global_ranks, group_id, split_from)
 
     # -- what the shell asks of its shape ---------------------------------------------
     def _build_cpu_group(self, store, rank, size, timeout) -> ProcessGroup:
@@ -95,14 +95,13 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
     def _bind(self, device: torch.device) -> None:
         pass  # torch bound its own ProcessGroup before the eager connect
 
-    def _split_parent(self) -> Optional["CupycollBackend"]:
+    def _split_parent(self, split_from) -> Optional["CupycollBackend"]:
         """The backend torch splits this group from (``split_from``, which torch offers only
         when the default group is bound), if its communicator can be split."""
-        parent = self._split_source
-        if not isinstance(parent, CupycollBackend) or not dist.is_initialized():
+        if not isinstance(split_from, CupycollBackend) or not dist.is_initialized():
             return None
         bound = getattr(dist.group.WORLD, "bound_device_id", None)
-        return parent if parent._cuda.splits_children(bound) else None
+        return split_from if split_from._cuda.splits_children(bound) else None
 
     def _torch_group(self) -> Optional[ProcessGroup]:
         return self._group() if self._group is not None else None
@@ -160,6 +159,58 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
         group._register_backend(_CPU, _GLOO, CpuView(backend))
         group._set_default_backend(_CUSTOM)
         return group
+
+    @property
+    def options(self) -> c10d.Backend.Options:
+        """torch's options object of this backend (its name and timeout), which torch's
+        ``split_group`` reads and hands back to :meth:`split` (the new group runs with this
+        group's :class:`cupycoll.Options`, which that object cannot carry)."""
+        return c10d.Backend.Options(BACKEND_NAME, self.settings.timeout)
+
+    def _set_sequence_number_for_group(self) -> None:
+        """torch's start of a group's collective count, asked after a split: cupycoll's
+        flight recorder numbers a group's calls itself."""
+
+    def split(self, store, ranks, opts=None) -> Optional["CupycollBackend"]:
+        """torch's ``split_group`` on this group's ProcessGroup (``dist.split_group``,
+        ``init_device_mesh`` on a bound default group): the CUDA backend of the group of this
+        group's ``ranks`` (the sub-list of this rank; a rank in none gets another's), or None
+        on a rank not among them, which takes part in the members' ``ncclCommSplit`` with
+        NCCL_SPLIT_NOCOLOR. torch splits a group's CPU backend first: where that is this
+        group's :class:`CpuView`, the new group was made there and is taken here."""
+        child, self._split_made = self._split_made, None
+        if child is None:
+            child = self._split_child(ranks)
+        if child is None:
+            return self._in_no_split(ranks)
+        return child
+
+    def _in_no_split(self, ranks) -> None:
+        """This rank is in none of a split's sub-lists: it takes part in the members'
+        ``ncclCommSplit`` (NCCL_SPLIT_NOCOLOR), then has no group. Where torch's trampoline
+        cannot take "no group" back (:data:`cupycoll.compat.PY_BACKEND_SPLIT_CAN_DECLINE`),
+        the call raises here, once the members' split is done."""
+        self._cuda.perform_nocolor_split(getattr(dist.group.WORLD, "bound_device_id", None))
+        if compat.PY_BACKEND_SPLIT_CAN_DECLINE:
+            return None
+        raise CupycollValueError(
+            f"split_group: rank {self._rank} of process group {self._group_name!r} is in none of the "
+            f"sub-lists (this rank's was taken as {sorted(ranks)}); in the c10d Backend shape torch "
+            f"{torch.__version__} cannot hand a rank no group back (its trampoline crashes): name "
+            "every rank in split_ranks, or use the ProcessGroup shape (CUPYCOLL_SHAPE=process_group)")
+
+    def _split_child(self, ranks) -> Optional["CupycollBackend"]:
+        """The new group of a split (see :meth:`split`), on this group's store under the
+        split's number and its ranks (the same on every member, where torch's name for it is
+        not: that counts the groups each rank has registered), with this group's Options."""
+        members = _args.split_ranks(list(ranks), self._size)
+        self._splits += 1
+        if self._rank not in members:
+            return None
+        store = PrefixStore(f"cupycoll-split/{self._splits}/{','.join(map(str, members))}/", self._store)
+        return CupycollBackend(store, members.index(self._rank), len(members), self.settings.timeout,
+                               self._cuda.options, global_ranks=[self._global_ranks[r] for r in members],
+                               group_id=f"{self._group_name}:split:{self._splits}", split_from=self)
 
     def eager_connect_single_device(self, device) -> None:
         self._cuda.eager_connect_single_device(device)
@@ -226,6 +277,19 @@ class CpuView(_Capabilities, c10d.Backend):
 
     def get_error(self):
         return self._owner.get_error()
+
+    @property
+    def options(self) -> c10d.Backend.Options:
+        return self._owner.options
+
+    def split(self, store, ranks, opts=None) -> Optional["CpuView"]:
+        """torch splits a group's CPU backend before its CUDA one: the new group is made here
+        (:meth:`CupycollBackend.split` takes it), and this is its CPU view."""
+        owner = self._owner
+        child = owner._split_made = owner._split_child(ranks)
+        if child is None:
+            return owner._in_no_split(ranks)  # torch splits the CUDA backend only if this returns
+        return CpuView(child)
 
 
 def _forward(name: str):

@@ -107,7 +107,9 @@ class GroupShell:
 
     def _build(self, store, rank: int, size: int, timeout: Optional[datetime.timedelta],
                options: Optional[config.Options], global_ranks: Optional[Sequence[int]],
-               group_id: str) -> None:
+               group_id: str, split_from: Optional["GroupShell"] = None) -> None:
+        """``split_from``: the group torch makes this one from by a split (its communicator
+        is then split from that group's, when that one's can be)."""
         self.settings = config.resolve(options, timeout)
         self._store = store  # a shrink's new group lives on it, under a prefix of its own
         # ``pg_options``, as init_process_group names it: apart from torch's own ``options``
@@ -143,7 +145,7 @@ class GroupShell:
                 source, exclude, abort_first = shrink
                 self.shrunk_by = self._cuda.shrink_from(source._cuda, exclude, abort_first)
             else:
-                parent = self._split_parent()
+                parent = self._split_parent(split_from)
                 if parent is not None:
                     self._cuda.split_from(parent._cuda)
         except BaseException:

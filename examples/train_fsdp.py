@@ -8,12 +8,15 @@ Run it with torchrun, one process per rank:
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --share-gpu      # 1 GPU
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --device cpu     # no GPU
     torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py --mesh 2x2       # TP + FSDP2
+    torchrun --standalone --nproc-per-node 4 examples/train_fsdp.py --mesh hsdp:2x2  # HSDP
 
 ``--precision fp32 bf16`` trains once per precision, one run after the other on the same
 group, each from the same initial weights on the same data; ``bf16`` is FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``. ``--mesh DPxTP``
 shards the attention and MLP projections over TP ranks (column-wise in, row-wise out) and
-the whole model over DP ranks; several meshes train one after another. ``--checkpoint DIR``
+the whole model over DP ranks; ``--mesh hsdp:RxS`` is HSDP on a replicate x shard mesh (FSDP2
+on the 2-D mesh: sharded over S ranks, replicated over R); several meshes train one after
+another. ``--checkpoint DIR``
 saves the first run of each mesh (model and optimizer) with DCP, loads it into a model and
 optimizer initialised differently, and checks that the loaded state equals the saved one.
 ``--compare BACKEND`` (nccl, gloo) then does it all again on that backend, in the same
@@ -60,8 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: cupycoll)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--mesh", nargs="+", default=None, metavar="DP[xTP]",
-                   help="data-parallel ranks, or DPxTP for tensor parallel inside FSDP2; several: the runs of "
-                        "each in turn (default: every rank data parallel)")
+                   help="data-parallel ranks, DPxTP for tensor parallel inside FSDP2, or hsdp:RxS for HSDP "
+                        "(replicated over R, sharded over S); several: the runs of each in turn (default: every "
+                        "rank data parallel)")
     p.add_argument("--precision", nargs="+", choices=sorted(PRECISIONS), default=["fp32"],
                    help="one training run per precision (and mesh), in this order (default: fp32)")
     p.add_argument("--steps", type=int, default=10)
@@ -90,20 +94,25 @@ def fail(message: str, status: int = 2) -> None:
     sys.exit(status)
 
 
-def mesh_shape(text: str, world: int) -> Tuple[int, int]:
-    """(data-parallel ranks, tensor-parallel ranks) from one of ``--mesh`` ("2", "2x2")."""
+HSDP = "hsdp:"
+
+
+def mesh_shape(text: str, world: int) -> Tuple[int, int, bool]:
+    """(first dimension, second dimension, HSDP) from one of ``--mesh`` ("2", "2x2": DP x TP;
+    "hsdp:2x2": replicate x shard)."""
+    hsdp = text.lower().startswith(HSDP)
     try:
-        dims = [int(d) for d in text.lower().split("x")]
+        dims = [int(d) for d in text.lower()[len(HSDP) if hsdp else 0:].split("x")]
     except ValueError:
         dims = []
-    if len(dims) not in (1, 2) or min(dims) < 1:
-        fail(f"--mesh {text}: give DP or DPxTP, positive numbers (e.g. 2x2)")
+    if len(dims) not in ((2,) if hsdp else (1, 2)) or min(dims) < 1:
+        fail(f"--mesh {text}: give DP, DPxTP or hsdp:RxS, positive numbers (e.g. 2x2)")
     dp, tp = (dims + [1])[:2]
     if dp * tp != world:
         fail(f"--mesh {text}: {dp} x {tp} = {dp * tp} ranks, but there are {world}")
-    if HEADS % tp or HIDDEN % tp:
+    if not hsdp and (HEADS % tp or HIDDEN % tp):
         fail(f"--mesh {text}: the model's {HEADS} heads and {HIDDEN} hidden features must split over {tp} TP ranks")
-    return dp, tp
+    return dp, tp, hsdp
 
 
 class Attention(torch.nn.Module):
@@ -161,9 +170,11 @@ def make_data(seed: int, dp_rank: int, samples: int):
     return x, y
 
 
-def make_mesh(device: torch.device, dp: int, tp: int):
+def make_mesh(device: torch.device, dp: int, tp: int, hsdp: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
 
+    if hsdp:
+        return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("replicate", "shard"))
     if tp == 1:
         return init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
     return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -171,7 +182,8 @@ def make_mesh(device: torch.device, dp: int, tp: int):
 
 def build(mesh, device: torch.device, seed: int, precision: str):
     """The model from ``seed``'s weights, tensor parallel over the mesh's "tp" dimension if it
-    has one, fully sharded over its "dp" dimension (each block, then the whole)."""
+    has one, fully sharded over its "dp" dimension (each block, then the whole); on an HSDP
+    mesh (replicate x shard) FSDP2 over the whole mesh."""
     torch.manual_seed(seed)
     model = Model().to(device)  # initialised on the CPU: the same weights on every device
     if "tp" in (mesh.mesh_dim_names or ()):
@@ -184,7 +196,7 @@ def build(mesh, device: torch.device, seed: int, precision: str):
     dtypes = PRECISIONS[precision]
     policy = MixedPrecisionPolicy() if dtypes is None else MixedPrecisionPolicy(param_dtype=dtypes[0],
                                                                                 reduce_dtype=dtypes[1])
-    dp_mesh = mesh["dp"] if mesh.ndim > 1 else mesh
+    dp_mesh = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) and mesh.ndim > 1 else mesh
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
@@ -226,7 +238,7 @@ def learning_rate(args, backend: str, device: torch.device, dp: int) -> float:
 def train(args, backend: str, mesh, device, dp_rank: int, precision: str):
     """One training run; (model, optimizer, the mean loss of each step)."""
     model = build(mesh, device, args.seed, precision)
-    dp = mesh["dp"].size() if mesh.ndim > 1 else mesh.size()
+    dp = mesh["dp"].size() if "tp" in (mesh.mesh_dim_names or ()) else mesh.size()
     lr = learning_rate(args, backend, device, dp)
     optimizer = make_optimizer(model, lr)
     x, y = (t.to(device) for t in make_data(args.seed, dp_rank, args.batch_size * args.steps))
@@ -309,8 +321,8 @@ def checkpoint_round_trip(args, backend: str, mesh, device, precision: str, mode
     return result
 
 
-def mesh_name(dp: int, tp: int) -> str:
-    return f"{dp}x{tp}" if tp > 1 else str(dp)
+def mesh_name(dp: int, tp: int, hsdp: bool = False) -> str:
+    return f"{HSDP}{dp}x{tp}" if hsdp else f"{dp}x{tp}" if tp > 1 else str(dp)
 
 
 def train_on(args, backend: str, store, device, shapes) -> Dict[str, object]:
@@ -322,17 +334,18 @@ def train_on(args, backend: str, store, device, shapes) -> Dict[str, object]:
                             timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if device.type == "cuda" and not args.lazy_init else None)
     runs, checkpoints = {}, {}
-    for dp, tp in shapes:
-        mesh = make_mesh(device, dp, tp)
-        dp_rank = mesh["dp"].get_local_rank() if tp > 1 else mesh.get_local_rank()
+    for dp, tp, hsdp in shapes:
+        mesh = make_mesh(device, dp, tp, hsdp)
+        # the rank's data shard: among the DP ranks (TP ranks share one), every rank's under HSDP
+        dp_rank = dist.get_rank() if hsdp else mesh["dp"].get_local_rank() if tp > 1 else mesh.get_local_rank()
         for index, precision in enumerate(args.precision):
             model, optimizer, losses = train(args, backend, mesh, device, dp_rank, precision)
-            runs[f"{mesh_name(dp, tp)} {precision}"] = {"params": full_parameters(model), "losses": losses,
+            runs[f"{mesh_name(dp, tp, hsdp)} {precision}"] = {"params": full_parameters(model), "losses": losses,
                                                         "layouts": layouts(model)}
             if index == 0 and args.checkpoint:
                 directory = os.path.join(args.checkpoint, backend.replace(":", "-").replace(",", "_"),
-                                         mesh_name(dp, tp))
-                checkpoints[mesh_name(dp, tp)] = checkpoint_round_trip(args, backend, mesh, device, precision,
+                                         mesh_name(dp, tp, hsdp).replace(":", "-"))
+                checkpoints[mesh_name(dp, tp, hsdp)] = checkpoint_round_trip(args, backend, mesh, device, precision,
                                                                        model, optimizer, directory)
             del model, optimizer
     dist.barrier()

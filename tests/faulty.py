@@ -379,6 +379,98 @@ class RecordingLibrary(ScriptedLibrary):
         return 0
 
 
+class DeviceRestoringLibrary(RecordingLibrary):
+    """A RecordingLibrary that does with the current device what NCCL does, on a device ledger
+    (tests/standins.py's DeviceLedger): a communicator lives on the device current when it was
+    made (ncclCommInitRankConfig) or on its parent's (a split, a shrink); every call on one,
+    and every ncclGroupEnd, saves the device current on the calling thread, makes the
+    communicator's current for the call (its context) and sets the saved one back after it
+    (cudaSetDevice: that makes a context on the saved device if it had none). Every other
+    NCCL function answers ncclSuccess."""
+
+    def __init__(self, ledger, **kwargs):
+        super().__init__(**kwargs)
+        self.ledger = ledger
+        self.devices = {}  # handle -> the device of its communicator
+        self.launched = []  # (NCCL function, device current in it) per call on a communicator
+
+    def _inside(self, function: str, device):
+        ledger = self.ledger
+        saved = ledger.device_in_thread()
+        if device is not None:
+            ledger.set_device(device)
+        ledger.call(function)
+        self.launched.append((function, ledger.device_in_thread()))
+        return saved
+
+    def _restore(self, saved):
+        self.ledger.set_device(saved)
+
+    def _made(self, ref, device):
+        self.devices[ctypes.cast(ref, ctypes.POINTER(ctypes.c_void_p)).contents.value] = device
+
+    def ncclCommInitRankConfig(self, comm_ref, size, unique_id, rank, config_ref):
+        saved = self._inside("ncclCommInitRankConfig", None)
+        try:
+            status = super().ncclCommInitRankConfig(comm_ref, size, unique_id, rank, config_ref)
+            self._made(comm_ref, saved)
+            return status
+        finally:
+            self._restore(saved)
+
+    def ncclCommSplit(self, comm, color, key, new_ref, config_ref):
+        saved = self._inside("ncclCommSplit", self.devices.get(comm))
+        try:
+            status = super().ncclCommSplit(comm, color, key, new_ref, config_ref)
+            self._made(new_ref, self.devices.get(comm))
+            return status
+        finally:
+            self._restore(saved)
+
+    def ncclCommShrink(self, comm, excluded, count, new_ref, config_ref, flags):
+        saved = self._inside("ncclCommShrink", self.devices.get(comm))
+        try:
+            status = super().ncclCommShrink(comm, excluded, count, new_ref, config_ref, flags)
+            self._made(new_ref, self.devices.get(comm))
+            return status
+        finally:
+            self._restore(saved)
+
+    def _on_comm(self, function, comm, call):
+        saved = self._inside(function, self.devices.get(comm))
+        try:
+            return call()
+        finally:
+            self._restore(saved)
+
+    def ncclCommAbort(self, comm):
+        return self._on_comm("ncclCommAbort", comm, lambda: RecordingLibrary.ncclCommAbort(self, comm))
+
+    def ncclCommFinalize(self, comm):
+        return self._on_comm("ncclCommFinalize", comm, lambda: RecordingLibrary.ncclCommFinalize(self, comm))
+
+    def ncclCommDestroy(self, comm):
+        return self._on_comm("ncclCommDestroy", comm, lambda: RecordingLibrary.ncclCommDestroy(self, comm))
+
+    def ncclGroupStart(self):
+        return 0
+
+    def ncclGroupEnd(self):
+        # NCCL launches the group's calls on their communicators' devices, then sets back the
+        # device current when it was called (the communicators of these tests share one).
+        return self._on_comm("ncclGroupEnd", next(iter(self.devices), None), lambda: 0)
+
+    def __getattr__(self, name):
+        if not name.startswith("nccl"):
+            raise AttributeError(name)
+
+        def call(*args):
+            # A collective or point-to-point call: (..., comm, stream).
+            comm = args[-2] if len(args) >= 2 else None
+            return self._on_comm(name, comm if comm in self.devices else None, lambda: 0)
+        return call
+
+
 # -- a scenario in a Python of its own ------------------------------------------------------
 
 

@@ -30,7 +30,6 @@ import torch
 
 from cupycoll import _cuda
 from cupycoll.backend import CudaBackend
-from cupycoll.errors import CupycollValueError
 from cupycoll.faults.watchdog import InFlight
 from cupycoll.process_group import ProcessGroupCupycoll
 
@@ -41,12 +40,8 @@ class CpuAsCudaBackend(CudaBackend):
     _fast_is_cuda = False  # its CPU tensors stand in for CUDA ones on the fast path too
     stands_for = CUDA  # the device its CPU tensors stand for
 
-    def check_device(self, tensor, what):
-        if tensor.layout is not torch.strided:
-            return super().check_device(tensor, what)  # the real check names the layout first
-        if not tensor.is_contiguous():
-            raise CupycollValueError(f"{what} is not contiguous")
-        return self.stands_for
+    def _device_of(self, tensor):
+        return self.stands_for if tensor.is_cpu else tensor.device  # a fake CUDA tensor's is its own
 
     def _adopt_device(self, device):
         super()._adopt_device(device)
@@ -324,6 +319,24 @@ def cuda_standins(event=RecordedEvent, keep_calls: bool = True):
 def capture(ledger: DeviceLedger, on: bool) -> None:
     """Every stream is (``on``) or is not capturing a CUDA graph."""
     ledger.capture = on
+
+
+# -- a group on one GPU of a node of several ---------------------------------------------
+
+
+class OnDeviceBackend(CpuAsCudaBackend):
+    """The real CUDA core on ``stands_for`` (cuda:3 of a node), its communicators real ones
+    made without the store gate (the NCCL library is the test's: tests/faulty.py's
+    DeviceRestoringLibrary, which does with the current device what NCCL does)."""
+
+    stands_for = torch.device("cuda", 3)
+
+    def _connect(self, key, creator, size, rank, device):
+        return self._create_comm(b"\1" * 128, rank, size, device)
+
+
+class OnDeviceGroup(CpuAsCudaGroup):
+    backend_class = OnDeviceBackend
 
 
 # -- groups whose backend stops short of NCCL ----------------------------------------------

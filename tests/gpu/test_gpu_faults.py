@@ -14,8 +14,9 @@ Side by side with them (one start for all, so the part's time is the suite's), t
 the suite lacks, from tests/workers/gpu_hang_worker.py: a peer skipping the first collective
 of a cold communicator (cold_skip), SIGKILL mid-DDP with the documented recovery
 (kill_mid_ddp), TIER_CYCLES init/abort cycles with GPU memory, threads, fds and store keys
-(cycles; 200 with CUPYCOLL_GPU_CYCLES=200 outside the tier), and the hung peer on CUDA named
-by the watchdog's diagnosis (cuda_hang). Each test prints its figures as ``GPU-FIGURE name: value`` lines
+(cycles; 200 with CUPYCOLL_GPU_CYCLES=200 outside the tier), the hung peer on CUDA named
+by the watchdog's diagnosis (cuda_hang), and a timeout whose end aborts a pair communicator
+beside the group's, with NCCL's cuMem allocator off and on (pair_abort). Each test prints its figures as ``GPU-FIGURE name: value`` lines
 straight to the terminal (tools/verify_figures.py's read_pytest collects them).
 """
 
@@ -54,11 +55,15 @@ FIGURE_RUN = CYCLES != TIER_CYCLES
 # kill mid-DDP: start + init ~13 s, 20 steps ~2 s, timeout 5 s, destroy, re-init ~3 s: ~30 s.
 # cycles: start ~10 s, then ~1-2 s a cycle (2 ranks over sockets): ~60 s for 24.
 # CUDA hang: start + init ~13 s, timeout 5 s, diagnosis <= 5 s, rank 1 sleeps 16 s: ~30 s.
+# pair abort: start ~10 s, three communicators made ~6 s, timeout 5 s, diagnosis <= 5 s: ~30 s.
 SUBPROCESS_LIMITS_S = {"suite launch": 130, "cold skip": 75, "kill mid-DDP": 90, "cycles": 125,
-                       "CUDA hang": 75}
+                       "CUDA hang": 75, "pair abort": 75}
+# pair_abort's launches run its one mode under NCCL's cuMem allocator off and on.
+CUMEM = {"cumem-off": "0", "cumem-on": "1"}
 LAUNCHES = [("cold_skip", mode, "cold skip") for mode in MODES] + \
     [("kill_mid_ddp", mode, "kill mid-DDP") for mode in MODES] + \
-    [("cycles", "blocking", "cycles"), ("cuda_hang", "blocking", "CUDA hang")]
+    [("cycles", "blocking", "cycles"), ("cuda_hang", "blocking", "CUDA hang")] + \
+    [("pair_abort", cumem, "pair abort") for cumem in CUMEM]
 
 
 def _limit(label):
@@ -85,8 +90,11 @@ def launched(tmp_path_factory):
                 continue
             out = tmp_path_factory.mktemp(f"{scenario}-{mode}")
             world = WORLDS[scenario]
-            args = [scenario, mode, str(out)] + ([str(CYCLES)] if scenario == "cycles" else [])
+            args = [scenario, "blocking" if mode in CUMEM else mode, str(out)] + \
+                ([str(CYCLES)] if scenario == "cycles" else [])
             env = {"CUPYCOLL_TRACE_DIR": str(out / "trace")} if scenario == "cuda_hang" else None
+            if mode in CUMEM:
+                env = {"NCCL_CUMEM_ENABLE": CUMEM[mode]}
             jobs[(scenario, mode)] = (start_ranks(
                 "gpu_hang_worker.py", world, args, timeout=_limit(label), env=env, share_gpu=world > gpu_count(),
                 expect_success=False, log_dir=str(out / "logs")), out)
@@ -405,3 +413,21 @@ def test_a_hung_peer_on_cuda_is_named_by_the_watchdog(launched, capsys):
                               capture_output=True, text=True, timeout=60)
     assert analysis.returncode == 1, analysis.stdout + analysis.stderr
     assert "all_reduce #5" in analysis.stdout and "rank 1 never reached it" in analysis.stdout, analysis.stdout
+
+
+@pytest.mark.parametrize("cumem", list(CUMEM))
+def test_a_timeout_ending_a_pair_communicator_beside_the_groups_ends_in_its_bound(launched, cumem, capsys):
+    # With NCCL_CUMEM_ENABLE=0 an abort's free synchronises the device: a pair communicator
+    # aborted before the group's would wait behind the group's stuck kernel.
+    results, reports, logs = _launch(launched, "pair_abort", cumem)
+    if isinstance(results, WorkersFailed):
+        pytest.fail(str(results), pytrace=False)
+    assert [r.returncode for r in results] == [0, 0], logs
+    report = reports[0]
+    assert report["cumem"] == CUMEM[cumem] and report["communicators"] == 2, report  # the group's and a pair
+    figure(capsys, f"pair abort ({cumem})", f"error after {report['seconds']:.2f} s, group ended after "
+           f"{report['ended_s']:.2f} s (timeout {TIMEOUT_S:g} s)")
+    assert report["error"] and "CollectiveTimeoutError" in report["error"], report
+    assert report["seconds"] < TIMEOUT_S + GRACE_S, report
+    assert report["ended"] and report["ended_s"] < TIMEOUT_S + GRACE_S + 5, report
+    assert report["in_flight"] == 0 and report["state"] == "aborted", report  # the tensors released

@@ -8,9 +8,10 @@ NCCL_HOSTIDs where there are fewer GPUs than ranks:
   then with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, on
   ``"cuda:cupycoll"`` and on ``"nccl"`` (communicators made at init, ``device_id``); after
   the fp32 run, DCP saves the model and optimizer and loads them into others;
-- TP inside FSDP2 on a 2x2 mesh, 4 ranks, fp32, on both. Communicators made at the first
-  collective (``--lazy-init``): with a bound default group torch's ``init_device_mesh``
-  makes the mesh's subgroups with ``split_group``, a path that is not what this part judges.
+- TP inside FSDP2 on a 2x2 mesh, then HSDP (replicate x shard) on a 2x2 mesh, 4 ranks, fp32,
+  on both, after ``init_process_group(device_id=...)``: with a bound default group torch's
+  ``init_device_mesh`` makes the mesh's subgroups with ``split_group``, one ``ncclCommSplit``
+  of the default group's communicator per mesh dimension (the 8-GPU recipe).
 
 The CPU route runs the same script against gloo on every CI leg
 (tests/multiproc/test_fsdp_example.py).
@@ -71,7 +72,7 @@ def trained(tmp_path_factory):
     for backend in BACKENDS:
         started[backend, "fsdp2"] = _launch(tmp, backend, 2, "--precision", "fp32", "bf16",
                                             "--checkpoint", str(tmp / f"checkpoint-{backend.replace(':', '-')}"))
-        started[backend, "tp"] = _launch(tmp, backend, 4, "--mesh", "2x2", "--lazy-init")
+        started[backend, "tp"] = _launch(tmp, backend, 4, "--mesh", "2x2", "hsdp:2x2")
     try:
         return {key: wait_train_fsdp(launch) for key, launch in started.items()}
     finally:
@@ -118,6 +119,12 @@ def test_tp_inside_fsdp2_on_a_2x2_mesh_ends_with_torch_nccls_parameters(trained,
     ours, _reference = _compare(trained, "tp", "2x2 fp32", FP32_TOLERANCE, capsys)
     layouts = ours["2x2 fp32"]["layouts"]
     assert layouts["blocks.0.attn.q.weight"].startswith("('dp', 'tp') ("), layouts
+
+
+def test_hsdp_on_a_2x2_mesh_after_device_id_ends_with_torch_nccls_parameters(trained, capsys):
+    ours, _reference = _compare(trained, "tp", "hsdp:2x2 fp32", FP32_TOLERANCE, capsys)
+    layouts = ours["hsdp:2x2 fp32"]["layouts"]
+    assert layouts["blocks.0.attn.q.weight"].startswith("('replicate', 'shard') (Replicate(), Shard("), layouts
 
 
 def test_dcp_loads_the_fsdp2_model_and_optimizer_it_saved_on_cuda(trained, capsys):

@@ -202,19 +202,49 @@ def test_a_graph_captures_while_the_watchdog_polls_a_collective_in_flight():
         dist.destroy_process_group()
 
 
+def test_an_async_all_reduce_captured_in_a_graph_joins_back_and_replays_as_eager(group):
+    # The internal stream forks off the capturing one; wait() joins it back inside the capture
+    # (else cudaStreamEndCapture fails: cudaErrorStreamCaptureUnjoined).
+    static = torch.full((4096,), 2.0, device="cuda")
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):  # torch's recipe: warm up on a side stream before capturing
+        dist.all_reduce(static, async_op=True).wait()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work = dist.all_reduce(static, async_op=True)
+        work.wait()
+        out = static * 3
+    for value in (5.0, 7.0):
+        static.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = torch.full((4096,), value, device="cuda")
+        dist.all_reduce(eager, async_op=True).wait()
+        assert torch.equal(out, eager * 3), (value, out[:4])
+
+
 @pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs: a rank on cuda:1, none on cuda:0")
 def test_the_watchdog_creates_no_context_on_cuda0_for_a_rank_on_cuda1():
+    # device_id without set_device (legal: torch never sets it), the watchdog's queries, an
+    # asynchronous call waited on from another thread, and an abort, whose end runs on a
+    # thread of its own: none may make a context on cuda:0.
     script = """
-import ctypes, datetime, time, torch, torch.distributed as dist, cupycoll
-torch.cuda.set_device(1)
+import ctypes, datetime, threading, time, torch, torch.distributed as dist, cupycoll
 dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=1,
                         timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 1),
                         pg_options=cupycoll.Options(watchdog_interval=0.001))
 x = torch.ones(1 << 20, device="cuda:1")
-torch.cuda._sleep(int(1e9))
-dist.all_reduce(x, async_op=True)
+with torch.cuda.device(1):
+    torch.cuda._sleep(int(1e9))
+work = dist.all_reduce(x, async_op=True)
 time.sleep(0.2)  # the watchdog queries the event in flight
-torch.cuda.synchronize()
+waiter = threading.Thread(target=lambda: (work.is_completed(), work.wait(), work.get_future()))
+waiter.start()
+waiter.join(30)
+torch.cuda.synchronize(1)
+dist.group.WORLD.abort()
 cuda = ctypes.CDLL("libcuda.so.1")
 device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
 assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0

@@ -41,7 +41,8 @@ def load_example():
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, once_per_run):
-    """"fsdp2": 2 ranks, fp32 then bf16, the first checkpointed; "tp": 4 ranks, a 2x2 mesh."""
+    """"fsdp2": 2 ranks, fp32 then bf16, the first checkpointed; "tp": 4 ranks, a 2x2 mesh of TP
+    inside FSDP2, then HSDP on a 2x2 mesh."""
     def launch():
         tmp = tmp_path_factory.mktemp("fsdp")
         common = ("--device", "cpu", "--backend", "cupycoll", "--compare", "gloo", "--steps", STEPS)
@@ -50,7 +51,7 @@ def launches(tmp_path_factory, once_per_run):
         started = {
             "fsdp2": start_train_fsdp(2, tmp / "fsdp2", *common, "--precision", "fp32", "bf16",
                                       "--checkpoint", str(tmp / "checkpoint"), timeout=LIMIT_S, env=env),
-            "tp": start_train_fsdp(4, tmp / "tp", *common, "--mesh", "2x2", timeout=LIMIT_S, env=env),
+            "tp": start_train_fsdp(4, tmp / "tp", *common, "--mesh", "2x2", "hsdp:2x2", timeout=LIMIT_S, env=env),
         }
         try:
             return {name: wait_train_fsdp(started_launch) for name, started_launch in started.items()}
@@ -103,6 +104,14 @@ def test_tensor_parallel_inside_fsdp2_on_a_2x2_mesh_trains_as_on_gloo(launches):
     assert "[cupycoll fp32] 5 steps on mesh (2, 2) (cpu)" in launches["tp"].ranks[0].stdout
 
 
+def test_hsdp_on_a_2x2_mesh_trains_as_on_gloo(launches):
+    results = _results(launches["tp"])
+    _same_training(results, "hsdp:2x2 fp32")
+    layouts = results["cupycoll"]["runs"]["hsdp:2x2 fp32"]["layouts"]
+    # every parameter replicated over one dimension, sharded over the other
+    assert all(layout.startswith("('replicate', 'shard') (Replicate(), Shard(") for layout in layouts.values()), layouts
+
+
 def test_the_gloo_reference_takes_the_learning_rate_that_undoes_its_sum_where_gloo_sums(launches):
     # Before torch 2.11 gloo sums where FSDP2 asks for the mean (cupycoll's CPU route
     # averages): the example divides gloo's learning rate by DP there, and only there.
@@ -116,8 +125,10 @@ def test_the_gloo_reference_takes_the_learning_rate_that_undoes_its_sum_where_gl
 @pytest.mark.parametrize("mesh, world, words", [
     ("3", 4, "3 x 1 = 3 ranks, but there are 4"),
     ("2x3", 6, "4 heads and 256 hidden features must split over 3 TP ranks"),
-    ("2by2", 4, "give DP or DPxTP"),
-    ("0x4", 4, "give DP or DPxTP"),
+    ("2by2", 4, "give DP, DPxTP or hsdp:RxS"),
+    ("0x4", 4, "give DP, DPxTP or hsdp:RxS"),
+    ("hsdp:4", 4, "give DP, DPxTP or hsdp:RxS"),
+    ("hsdp:3x2", 4, "3 x 2 = 6 ranks, but there are 4"),
 ])
 def test_a_mesh_that_does_not_fit_the_ranks_or_the_model_is_refused_by_name(mesh, world, words, capsys):
     example = load_example()
@@ -126,4 +137,5 @@ def test_a_mesh_that_does_not_fit_the_ranks_or_the_model_is_refused_by_name(mesh
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"train_fsdp.py: error: --mesh {mesh}") and words in err, err
-    assert example.mesh_shape("2x2", 4) == (2, 2) and example.mesh_shape("4", 4) == (4, 1)
+    assert example.mesh_shape("2x2", 4) == (2, 2, False) and example.mesh_shape("4", 4) == (4, 1, False)
+    assert example.mesh_shape("hsdp:2x2", 4) == (2, 2, True)

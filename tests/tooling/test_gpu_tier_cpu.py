@@ -360,7 +360,7 @@ RUN_STAGES = {
     "ring": [["ring run"]],
     # the `launched` fixture starts the suites and every gpu_hang_worker launch at once; after
     # the CUDA hang's launch, `python -m cupycoll.trace` reads its dumps (timeout=60)
-    "faults": [["suite launch", "cold skip", "kill mid-DDP", "cycles", "CUDA hang"], [60]],
+    "faults": [["suite launch", "cold skip", "kill mid-DDP", "cycles", "CUDA hang", "pair abort"], [60]],
     # two torchruns side by side (one per backend), then one torchrun training on both
     "compile": [["side by side"], ["one process"]],
     # the `trained` fixture starts the four train_fsdp.py launches at once, then waits

@@ -24,6 +24,11 @@ Each rank writes OUT_DIR/<scenario>-rank<N>.json and exits 0 (except a rank kill
 * cuda_hang: 2 ranks on CUDA with CUPYCOLL_TRACE_DIR set: 3 all_reduces and a
   broadcast, then rank 1 sleeps through all_reduce #5; rank 0's CollectiveTimeoutError must
   name rank 1 as behind (the watchdog's diagnosis).
+* pair_abort: 2 ranks, communicators made lazily, a send/recv (a pair communicator) then an
+  all_reduce (the group's), then rank 1 skips an all_reduce: rank 0's timeout must end within
+  its bound with the Works' tensors released, although the group's end aborts two
+  communicators and, with ``NCCL_CUMEM_ENABLE=0`` (the launch's environment), one's free
+  synchronises the device behind the other's stuck kernel (they are aborted side by side).
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ try:  # run as a script (tests/workers on sys.path) or imported as workers.gpu_h
 except ImportError:
     from workers.fault_worker import TIMEOUT_S, Context, expect_fault, process_gpu_mib, train_until_killed
 
-SCENARIOS = ("cold_skip", "kill_mid_ddp", "cycles", "cuda_hang")
-WORLDS = {"cold_skip": 2, "kill_mid_ddp": 3, "cycles": 2, "cuda_hang": 2}
+SCENARIOS = ("cold_skip", "kill_mid_ddp", "cycles", "cuda_hang", "pair_abort")
+WORLDS = {"cold_skip": 2, "kill_mid_ddp": 3, "cycles": 2, "cuda_hang": 2, "pair_abort": 2}
 DEFAULT_CYCLES = 200  # enough for a leak of a little a cycle to show; the tier passes fewer
 HANG_DEADLINE_S = TIMEOUT_S + 12  # cold_skip: past this the caller counts as hung in the host
 KILL_AT_STEP, CHECKPOINT_AT_STEP = 20, 10
@@ -312,6 +317,32 @@ def cuda_hang(ctx):
             report.update(error=str(exc), type=type(exc).__name__,
                           timeout=isinstance(exc, cupycoll.CollectiveTimeoutError))
     report["elapsed_s"] = time.monotonic() - start
+    return report
+
+
+# -- pair_abort ------------------------------------------------------------------------------
+def pair_abort(ctx):
+    group = ctx.init(eager=False)  # lazily: the send/recv takes a pair communicator of its own
+    report = {"rank": ctx.rank, "cumem": os.environ.get("NCCL_CUMEM_ENABLE", "default"), "timeout_s": TIMEOUT_S}
+    t = torch.ones(1 << 16, device=ctx.device)
+    peer = 1 - ctx.rank
+    ops = [dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, torch.empty_like(t), peer)]
+    for work in dist.batch_isend_irecv(ops) if ctx.rank == 0 else dist.batch_isend_irecv(ops[::-1]):
+        work.wait()
+    dist.send(t, peer) if ctx.rank == 0 else dist.recv(t, peer)  # a lone one: a pair communicator
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    cuda = group._get_backend(torch.device("cuda"))
+    report["communicators"] = len(cuda.communicators())
+    if ctx.rank == 1:
+        ctx.wait_for("rank0-done", seconds=TIMEOUT_S + 40)
+        return report
+    start = time.monotonic()
+    seconds, error = expect_fault(lambda: (dist.all_reduce(t, async_op=True).wait(), torch.cuda.synchronize()))
+    ended = cuda.life.ended.wait(TIMEOUT_S + 40)
+    report.update(seconds=seconds, error=error, ended=ended, ended_s=time.monotonic() - start,
+                  in_flight=cuda.watch.in_flight(), state=str(cuda.state))
+    ctx.store.set(ctx.key("rank0-done"), "1")
     return report
 
 
