@@ -277,3 +277,17 @@ def test_a_tensor_on_another_device_is_a_typed_error_naming_both_before_anything
     assert len(node.library.launched) == launched and group._cuda.watch.in_flight() == in_flight
     assert group._cuda.calls.pending == [] and group._cuda.calls.block is None
     group.allreduce([torch.ones(4)], opts()).wait()  # still usable
+
+
+def test_destroy_aborts_a_group_whose_calls_a_graph_captured_instead_of_finalizing(node):
+    # NCCL's finalize waits until every CUDA graph holding the communicator's calls is
+    # destroyed: for as long as the program keeps one, destroy_process_group would hang.
+    group = node.group()
+    group.allreduce([torch.ones(4)], opts()).wait()
+    node.ledger.capture = True
+    group.allreduce([torch.ones(4)], opts(async_op=True)).wait()
+    node.ledger.capture = False
+    group.shutdown()
+    ends = [f for f, _ in node.library.launched if f in ("ncclCommFinalize", "ncclCommAbort")]
+    assert ends == ["ncclCommAbort"] and group._cuda.state == "aborted"
+    only_the_groups_device(node)

@@ -50,6 +50,31 @@ def test_calls_issued_while_capturing_are_not_handed_to_the_watchdog(monkeypatch
     group.abort()
 
 
+def test_an_async_call_captured_in_a_graph_joins_back_into_the_capture_at_wait(monkeypatch, cuda_standins):
+    # The internal stream was forked off the capturing one; without a join back the capture
+    # cannot end (cudaErrorStreamCaptureUnjoined), nor is later captured work ordered after it.
+    group = make_group()
+    cuda = group._cuda
+    capture(cuda_standins, True)
+    captured = issues_of(cuda.watch, "all_reduce")
+    cuda._track(captured, 0x77, 0, True)
+    work = captured[0].work
+    join = work._join
+    assert join is not None and join is cuda.watch.join_event(0x77) and join.records == 1
+    before = len(cuda_standins.calls)
+    work.wait()
+    assert ("cudaStreamWaitEvent" in [name for _, name, _ in cuda_standins.calls[before:]])
+    capture(cuda_standins, False)  # outside the capture there is nothing to wait for
+    before = len(cuda_standins.calls)
+    work.wait()
+    assert "cudaStreamWaitEvent" not in [name for _, name, _ in cuda_standins.calls[before:]]
+    synchronous = issues_of(cuda.watch, "all_reduce")
+    capture(cuda_standins, True)
+    cuda._track(synchronous, 0x77, 0x77, False)  # on the caller's stream: ordered already
+    assert synchronous[0].work._join is None
+    group.abort()
+
+
 def test_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monkeypatch, cuda_standins):
     group = make_group()
     cuda = group._cuda
