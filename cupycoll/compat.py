@@ -117,6 +117,17 @@ def _current_stream_pointer(device_index: int) -> int:
 current_raw_stream = _raw_stream if _raw_stream is not None else _current_stream_pointer
 
 
+# torch 2.11's split_group (dist.split_group, and init_device_mesh for a bound default group)
+# calls the parent ProcessGroup's split_group, which a Python group overrides; 2.7.1's builds a
+# ProcessGroupNCCL itself and refuses any other backend ("its backend does not support
+# splitting"), and its DeviceMesh takes that path whenever the default group has a
+# bound_device_id. 2.8 - 2.10 are not run: treated as 2.7.1. Where it cannot, a cupycoll group
+# keeps the device it was bound to for itself (its subgroups are still split from it through
+# new_group) and shows torch no bound_device_id, so that init_device_mesh makes its groups with
+# new_group.
+SPLIT_GROUP_REACHES_PYTHON_GROUPS = TORCH >= (2, 11)
+
+
 # torch 2.14 dispatches to a Python subclass of c10d's Backend: its PyBackend trampoline
 # (torch/csrc/distributed/c10d/py/PyBackend.hpp, present in 2.14.1's and 2.15.0's wheels)
 # forwards every collective, coalescing, split, abort and shutdown to the Python override.

@@ -49,6 +49,10 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
         split_from: Optional["ProcessGroupCupycoll"] = None,
     ):
         super().__init__(rank, size)
+        # The device init_process_group(device_id=...) bound the group to (None: lazy); torch
+        # sees it as bound_device_id where its split_group can split this group
+        # (compat.SPLIT_GROUP_REACHES_PYTHON_GROUPS).
+        self.bound_device: Optional[torch.device] = None
         self._splits = 0  # split_group calls so far (every rank of the group makes each)
         self._build(store, rank, size, timeout, options, global_ranks, group_id, split_from)
 
@@ -63,9 +67,11 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
             compat.set_default_backend(self, _GLOO)
         return inner
 
-    def _bind(self, device: torch.device) -> None:
+    def _bind(self, device: Optional[torch.device]) -> None:
         # Eager init: torch bound the ProcessGroup it built, which our creator replaced.
-        self.bound_device_id = device
+        self.bound_device = device
+        if compat.SPLIT_GROUP_REACHES_PYTHON_GROUPS and device is not None:
+            self.bound_device_id = device
 
     def _split_parent(self, split_from) -> Optional["ProcessGroupCupycoll"]:
         """The group this one's communicator is split from: ``split_from`` (:meth:`split_group`),
@@ -79,7 +85,7 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
             parent = dist.group.WORLD
         if not isinstance(parent, ProcessGroupCupycoll) or parent is self:
             return None
-        if not parent._cuda.splits_children(getattr(parent, "bound_device_id", None)):
+        if not parent._cuda.splits_children(parent.bound_device):
             return None
         return parent
 
@@ -104,7 +110,7 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
         store = PrefixStore(f"cupycoll-split/{self._splits}/{','.join(map(str, members))}/", self._store)
         if self._rank not in members:
             # the members' split is collective over this group: a rank in none mirrors it
-            self._cuda.perform_nocolor_split(getattr(self, "bound_device_id", None))
+            self._cuda.perform_nocolor_split(self.bound_device)
             return None
         options = opts if isinstance(opts, config.Options) else self._cuda.options
         if timeout is not None and timeout not in config.torch_default_timeouts():
@@ -117,9 +123,7 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
         child._set_group_name(group_name)
         if group_desc is not None:
             child._set_group_desc(group_desc)
-        bound = getattr(self, "bound_device_id", None)
-        if bound is not None:
-            child.bound_device_id = bound
+        child._bind(self.bound_device)
         return child
 
     def get_group_store(self):

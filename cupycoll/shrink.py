@@ -209,7 +209,7 @@ def shrink_group(ranks_to_exclude: List[int], group=None, shrink_flags: int = SH
     new_rank = survivors.index(group.rank())
     options = pg_options if pg_options is not None else shell.pg_options
     backend = dist.get_backend_config(group)
-    bound = getattr(group, "bound_device_id", None)
+    bound = shell.bound_device
     abort_first = shrink_flags == SHRINK_ABORT
     logger.info("shrinking process group %r to %d of its %d ranks (leaving out %s)",
                 name, len(survivors), group.size(), exclude)

@@ -227,6 +227,10 @@ def layouts(model) -> Dict[str, str]:
 # averages on every torch.
 GLOO_SUMS_FSDP_MEANS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11)
 
+# torch 2.7.1's FSDP2 runs HSDP's all-reduce only on an accelerator (its post-backward asserts a
+# CUDA event on CPU tensors, any backend); 2.11 runs it on CPU too. 2.8 - 2.10 are not run.
+HSDP_ON_CPU = not GLOO_SUMS_FSDP_MEANS
+
 
 def learning_rate(args, backend: str, device: torch.device, dp: int) -> float:
     """--lr, or --lr / DP where the run's CPU tensors go to a gloo that sums FSDP2's means."""
@@ -370,6 +374,8 @@ def main(argv=None) -> int:
         os.environ.setdefault(name, default)  # without torchrun: one rank
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     shapes = [mesh_shape(text, world) for text in args.mesh or [str(world)]]
+    if args.device == "cpu" and not HSDP_ON_CPU and any(hsdp for _, _, hsdp in shapes):
+        fail(f"--mesh hsdp:...: torch {torch.__version__}'s FSDP2 runs HSDP on CUDA only (2.11 runs it on CPU)")
     if args.compare == args.backend:
         fail(f"--compare {args.compare}: the backend trained first; compare with another")
     device = pick_device(args)

@@ -507,7 +507,10 @@ def test_eager_connect_binds_the_group_torch_keeps(monkeypatch):
     connected = []
     monkeypatch.setattr(group._cuda, "comm_for", connected.append)
     group._get_backend(cuda0).eager_connect_single_device(cuda0)
-    assert group.bound_device_id == cuda0 and connected == [cuda0]
+    assert group.bound_device == cuda0 and connected == [cuda0]
+    # torch sees the binding where its split_group can split a Python group: elsewhere its
+    # DeviceMesh would take that path and refuse the group
+    assert getattr(group, "bound_device_id", None) == (cuda0 if compat.SPLIT_GROUP_REACHES_PYTHON_GROUPS else None)
 
 
 def test_import_cupycoll_does_not_import_cupy():

@@ -90,7 +90,7 @@ def test_a_split_is_one_nccl_comm_split_with_a_color_per_sub_list_and_the_parent
         assert child.getGroupName() == "tp-0" and child.getGroupDesc() == "mesh_tp"
         assert (child.rank(), child.size(), child._global_ranks) == (0, 2, [0, 1])
         assert child._cuda.comm is not None and child._cuda.device == torch.device("cuda", 3)
-        assert child.bound_device_id == torch.device("cuda", 3)  # splits of its own split too
+        assert child.bound_device == torch.device("cuda", 3)  # splits of its own split too
         assert child.settings.timeout.total_seconds() == 42 and child.settings.algorithm == "nccl"
     finally:
         child.abort()

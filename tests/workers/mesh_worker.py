@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import cupycoll  # noqa: F401 - registers the backend
+from cupycoll import compat
 from cupycoll.shell import GroupShell
 
 
@@ -36,11 +37,25 @@ def main() -> int:
     # split_group only then), and the default group is bound as device_id binds it.
     torch.accelerator.is_available = lambda: True
     torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cuda")
+    torch.cuda.is_available = lambda: True  # what torch 2.11's DeviceMesh asks instead
     torch.cuda.set_device = lambda device: None  # the mesh sets the rank's device, which is not here
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
-    dist.group.WORLD.bound_device_id = torch.device("cuda", rank)
+    # bound as init_process_group(device_id=cuda:rank) binds it (no communicator: no GPU here)
+    world_group = dist.group.WORLD
+    if isinstance(world_group, GroupShell):
+        world_group._bind(torch.device("cuda", rank))
+    else:
+        world_group.bound_device_id = torch.device("cuda", rank)
     result = {"rank": rank}
+    if compat.SPLIT_GROUP_REACHES_PYTHON_GROUPS:  # else torch's split_group takes ProcessGroupNCCL alone
+        split_groups(result, rank)
+    mesh_groups(result, rank)
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    return 0
 
+
+def split_groups(result, rank):
     halves = dist.split_group(split_ranks=[[0, 1], [2, 3]], group_desc="halves")
     mine = dist.get_process_group_ranks(halves)
     total = torch.tensor([float(rank)])
@@ -59,6 +74,8 @@ def main() -> int:
         result["lonely"] = (None if lonely in (None, dist.GroupMember.NON_GROUP_MEMBER)
                             else dist.get_process_group_ranks(lonely))
 
+
+def mesh_groups(result, rank):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -68,9 +85,6 @@ def main() -> int:
         dist.all_reduce(value, group=group)
         result[dim] = {"cuda": cupycoll_half(group), "ranks": dist.get_process_group_ranks(group),
                        "sum": value.item()}
-    print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
