@@ -48,9 +48,9 @@ LAYERS = (
     {"collectives"},
     {"backend"},
     {"call_queue", "faults.lifecycle", "nccl.bootstrap", "ring", "ring.algorithm"},
-    {"_args", "cpu_average", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda", "nccl", "nccl.communicator",
-     "nccl.call_guard", "nccl.group", "trace", "trace.group", "trace.diagnosis", "trace.mismatch", "ring.schedule",
-     "ring.kernels"},
+    {"_args", "call_forms", "cpu_average", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda",
+     "nccl", "nccl.communicator", "nccl.call_guard", "nccl.group", "trace", "trace.group", "trace.diagnosis",
+     "trace.mismatch", "ring.schedule", "ring.kernels"},
     {"work", "_cuda", "compat", "config", "_parsers", "bounds", "errors", "hooks", "algorithms", "nccl.bindings",
      "trace.recorder", "_version"},
 )
