@@ -39,7 +39,6 @@ from torch.distributed import PrefixStore, ProcessGroup
 from . import _args, compat, config
 from .config import BACKEND_NAME
 from .errors import CollectiveTimeoutError, PeerFailedError
-from .faults.lifecycle import GroupState
 from .shell import GroupShell, build_gloo_half, group_arguments, shrinking
 from .shrink import SHRINK_ABORT, check_options, survivors_arrive
 
@@ -184,10 +183,9 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
     def get_error(self):
         """torch's ErrorType of the group's fault: TIMEOUT, REMOTE_ERROR (a peer failed),
         COMM_ERROR (anything else, an abort included), SUCCESS while healthy or shut down."""
-        fault = self._cuda.fault
+        fault = self.fault
         if fault is None:
-            aborted = self._cuda.state in (GroupState.ABORTING, GroupState.ABORTED)
-            return _ErrorType.COMM_ERROR if aborted else _ErrorType.SUCCESS
+            return _ErrorType.SUCCESS
         if isinstance(fault, CollectiveTimeoutError):
             return _ErrorType.TIMEOUT
         if isinstance(fault, PeerFailedError):
