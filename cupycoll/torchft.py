@@ -38,9 +38,14 @@ from __future__ import annotations
 import datetime
 from typing import List, Optional
 
-from torchft import process_group as _torchft
-
 from . import config
+from .errors import MissingDependencyError
+
+try:
+    from torchft import process_group as _torchft
+except ImportError as exc:
+    raise MissingDependencyError("cupycoll.torchft needs torchft, which is not installed "
+                                 "(pip install torchft; checked with 0.2.0)") from exc
 from ._registration import group_shape
 from .config import BACKEND_NAME
 from .shell import group_fault

@@ -43,6 +43,7 @@ def test_torchs_private_state_is_read_in_compat_alone():
 # docs/design.md's house, top to bottom: a module may import its own layer and those below,
 # never one above (an arrow back up is a callback's business, handed down as an argument).
 LAYERS = (
+    {"torchft"},
     {"", "__main__", "_registration", "process_group", "py_backend", "shrink", "trace.__main__", "trace.analyze"},
     {"shell"},
     {"collectives"},
