@@ -9,7 +9,10 @@
 * CUDA tensors go to the group's :class:`~cupycoll.backend.CudaBackend`, through the
   collective's body in :mod:`cupycoll.collectives`;
 * every call is recorded first in the group's flight recorder (:mod:`cupycoll.trace.group`),
-  so a timeout on either route is explained by which rank is behind.
+  so a timeout on either route is explained by which rank is behind;
+* each entry point takes torch's options form (``allreduce(tensors, opts)``) as its first
+  branch, and any other form torch's ProcessGroup accepts (a bare op, a root, one tensor, a
+  timeout, keywords) is bound to it by :mod:`cupycoll.call_forms`.
 
 It also speaks torch's coalescing protocol (``_start_coalescing`` / ``_end_coalescing``, and
 the ``_coalescing_manager`` that skips the end when its body raises) and shuts down or aborts

@@ -2,13 +2,14 @@
 
 Two replicas, each one process (a replica group of one rank), train a small model data
 parallel under torchft's Manager (its fault-tolerant all_reduce of the gradients, its
-OptimizerWrapper), on cupycoll's torchft process group (``cupycoll.torchft.ProcessGroupCupycoll``;
-CPU tensors: cupycoll's gloo route). In step ``--kill-step`` replica 1 is killed (SIGKILL)
-before its gradient all_reduce. Replica 0's all_reduce fails, its Manager discards that step,
-and it trains on alone
-in the next quorum (a step takes ``--alone-step-time`` while a replica is alone, as if the
-model were larger); the launcher starts replica 1 again, which heals from replica 0 (torchft
-sends it replica 0's step, model and optimizer) and joins; both train to ``--steps``.
+OptimizerWrapper), on cupycoll's torchft process group
+(``cupycoll.torchft.ProcessGroupCupycoll``; CPU tensors: cupycoll's gloo route). In step
+``--kill-step`` replica 1 is killed (SIGKILL) before its gradient all_reduce. Replica 0 meets
+the death in that all_reduce (cupycoll's error, which its Manager takes: the step is
+discarded) or, as timing has it, in its next quorum, and trains on alone (a step then takes
+``--alone-step-time``, as if the model were larger); the launcher starts replica 1 again,
+which heals from replica 0 (torchft sends it replica 0's step, model and optimizer) and
+joins; both train to ``--steps``.
 
     python examples/torchft_ddp.py                    # on cupycoll
     python examples/torchft_ddp.py --backend gloo     # on torchft's own gloo group, to compare
@@ -17,9 +18,8 @@ It prints the recovery: how long after the death replica 0 committed a step agai
 long until both replicas committed one together, the restart included. It ends with its
 verdict: ``torchft_ddp: OK`` (exit 0) when the killed replica died, the restarted one healed
 (its first committed step lies past the killed one) and both finished with the same
-parameters, else
-``torchft_ddp: FAILED`` saying why (exit 1). ``--out DIR`` keeps each replica's record
-(``replica{N}.json``); without it a temporary folder is deleted at the end.
+parameters, else ``torchft_ddp: FAILED`` saying why (exit 1). ``--out DIR`` keeps each
+replica's record (``replica{N}.json``); without it a temporary folder is deleted at the end.
 
 The gradients go through ``manager.allreduce``, not torchft's DistributedDataParallel: in
 torchft 0.2.0 that wrapper's communication hook fails (an AssertionError out of
@@ -118,8 +118,9 @@ def run_replica(args, replica: int, restarted: bool) -> int:
 
     manager = Manager(pg=process_group(args.backend, timeout), min_replica_size=1, load_state_dict=load_state_dict,
                       state_dict=state_dict, replica_id=str(replica), store_addr="127.0.0.1",
-                      store_port=store.port, rank=0, world_size=1, lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"],
-                      timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+                      store_port=store.port, rank=0, world_size=1,
+                      lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"], timeout=timeout, quorum_timeout=timeout,
+                      connect_timeout=timeout)
     optimizer = OptimizerWrapper(manager, inner)
     record = {"replica": replica, "restarted": restarted, "commits": [], "failures": [], "first_step": None}
     while manager.current_step() < args.steps:
@@ -161,7 +162,8 @@ def launch(args, argv) -> int:
 
     def start(replica: int, restarted: bool = False) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                env=dict(env, TORCHFT_DDP_REPLICA=str(replica), TORCHFT_DDP_RESTARTED=str(int(restarted))))
+                                env=dict(env, TORCHFT_DDP_REPLICA=str(replica),
+                                         TORCHFT_DDP_RESTARTED=str(int(restarted))))
 
     try:
         replicas = [start(r) for r in range(REPLICAS)]
@@ -192,7 +194,7 @@ def verdict(args, codes, restarted_at: float) -> list:
     if back["first_step"] is None or back["first_step"] <= args.kill_step:
         problems.append(f"the restarted replica first committed step {back['first_step']}, not one past step "
                         f"{args.kill_step}: it did not heal from replica 0")
-    alone = [c for c in survivor["commits"] if c["time"] > killed_at]
+    alone = [c for c in survivor["commits"] if c["time"] > killed_at and c["step"] >= args.kill_step]
     together = [c for c in back["commits"] if c["participants"] == REPLICAS]
     if not alone or not together:
         problems.append("no step was committed after the death" if not alone else
@@ -214,7 +216,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if "TORCHFT_DDP_REPLICA" in os.environ:
         args.out = os.environ["CUPYCOLL_TORCHFT_DDP_OUT"]
-        return run_replica(args, int(os.environ["TORCHFT_DDP_REPLICA"]), os.environ["TORCHFT_DDP_RESTARTED"] == "1")
+        restarted = os.environ["TORCHFT_DDP_RESTARTED"] == "1"
+        return run_replica(args, int(os.environ["TORCHFT_DDP_REPLICA"]), restarted)
     try:
         import torchft  # noqa: F401
     except ImportError:

@@ -2,7 +2,7 @@
 the shell's entry points), on one rank: every form torch binds is one cupycoll binds, under
 torch's parameter names; a short form builds the options torch would; a call no form takes
 is a typed error naming its values, raised before anything is recorded; a CPU reduce-scatter's
-Work hands out a future though gloo's has none. tests/multiproc/test_call_forms.py calls
+Work hands out a future though gloo's has none. tests/multiproc/test_every_call_form.py calls
 every form on 2 ranks against gloo."""
 
 from __future__ import annotations
@@ -53,11 +53,14 @@ def test_every_form_torch_binds_is_one_cupycoll_binds_under_the_same_names():
 
 def test_a_form_torch_would_add_is_found():
     # pybind's line for a form no table entry has: the coverage check above would fail on it
-    added = "allreduce(self: ProcessGroup, tensors: collections.abc.Sequence[torch.Tensor], root: typing.SupportsInt)"
-    (form,) = [f for f in (forms("allreduce", type("Doc", (), {"allreduce": type("F", (), {"__doc__": added + " -> c10d::Work"})})))]
+    line = ("allreduce(self: ProcessGroup, tensors: collections.abc.Sequence[torch.Tensor], "
+            "root: typing.SupportsInt) -> c10d::Work")
+    bound = type("Bound", (), {"__doc__": line})
+    (form,) = forms("allreduce", type("Group", (), {"allreduce": bound}))
     assert [p.kind for p in form.params] == ["tensors", "int"]
     assert not any(_covers(ours, form) for ours in call_forms.FORMS["allreduce"])
-    assert kind("typing.Optional[datetime.timedelta]") == "timeout" and kind("List[List[torch.Tensor]]") == "tensor lists"
+    assert kind("typing.Optional[datetime.timedelta]") == "timeout"
+    assert kind("List[List[torch.Tensor]]") == "tensor lists"
 
 
 def test_every_collective_of_the_shell_that_torch_binds_has_its_forms():

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from cupycoll import compat
 
-pytest.importorskip("torchft", reason="torchft is not installed (CI's today leg installs it: Makefile TORCHFT_SPEC)")
-pytest.importorskip("parameterized", reason="torchft's tests need parameterized (installed with torchft by the Makefile)")
+pytest.importorskip("torchft", reason="torchft is not installed (CI's today leg installs it: TORCHFT_SPEC)")
+pytest.importorskip("parameterized", reason="torchft's tests need parameterized (installed with torchft)")
 
 from parameterized import parameterized  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
