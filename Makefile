@@ -27,6 +27,10 @@ CUDA_EXTRA  ?=
 # More requirements installed with cupycoll, e.g. CI's oldest leg: "cupy-cuda12x==13.0.0".
 PIP_PINS    ?=
 PYTEST_ARGS ?=
+# torchft for the tests of cupycoll.torchft (tests/test_torchft.py and the torchft example's;
+# they skip without it), with the parameterized its own tests import: `make test` installs it
+# into the venv where this names it (CI's today leg: .ci/run), e.g. TORCHFT_SPEC=torchft==0.2.0.
+TORCHFT_SPEC ?=
 TURN        := $(if $(shell command -v flock 2>/dev/null),flock pyproject.toml)
 # Worker processes for the CPU tier (pytest-xdist; 0: in pytest's own process). One worker
 # leaves a core idle while a test waits on a timeout or a deadline; two brought the four CI
@@ -78,7 +82,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
-test: $(VENV)/.installed
+$(VENV)/.torchft: $(VENV)/.installed
+	$(PY) -m pip install "$(TORCHFT_SPEC)" "parameterized==0.9.0"
+	touch $@
+
+test: $(VENV)/.installed $(if $(TORCHFT_SPEC),$(VENV)/.torchft)
 	$(PYTEST) -m "$(TEST_MARKS)" $(PYTEST_ARGS)
 
 test-quick: $(VENV)/.installed

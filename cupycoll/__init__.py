@@ -6,8 +6,9 @@
 holding cupycoll's c10d Backend (:mod:`cupycoll.py_backend`), before it a
 :class:`ProcessGroupCupycoll` (docs/usage.md, "Two shapes"). Importing the package
 does not import CuPy (that happens at the first CUDA collective), nor the process-group
-module: ``ProcessGroupCupycoll``, ``abort_all`` and ``shrink_group`` load it on first access (PEP 562), so the
-``torch.backends`` entry point, which runs during ``import torch``, stays cheap.
+module: ``ProcessGroupCupycoll``, ``abort_all``, ``shrink_group`` and ``group_fault`` load it
+on first access (PEP 562), so the ``torch.backends`` entry point, which runs during
+``import torch``, stays cheap.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .trace.recorder import dump_trace
 from .work import CudaWork
 
 _LAZY = {"ProcessGroupCupycoll": "process_group", "abort_all": "process_group",
-         "shrink_group": "shrink", "SHRINK_DEFAULT": "shrink", "SHRINK_ABORT": "shrink"}
+         "shrink_group": "shrink", "SHRINK_DEFAULT": "shrink", "SHRINK_ABORT": "shrink", "group_fault": "shell"}
 
 
 def __getattr__(name: str):
@@ -67,6 +68,7 @@ __all__ = [
     "abort_all",
     "algorithm",
     "dump_trace",
+    "group_fault",
     "register",
     "shrink_group",
 ]

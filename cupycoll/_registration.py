@@ -15,25 +15,32 @@ import logging
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
 
-def _create(dist_backend_opts, pg_options):
-    """torch's creator call. The group's shape (``CUPYCOLL_SHAPE``, :func:`cupycoll.config.shape`):
-    by default the whole ProcessGroup (:mod:`cupycoll.process_group`), on torch 2.14+ on
-    request a c10d Backend in the ProcessGroup torch builds (:mod:`cupycoll.py_backend`).
-    Decided here, not at registration, which runs inside ``import torch`` and must not
-    import cupycoll.compat."""
+def group_shape() -> str:
+    """The shape a group made now takes (``CUPYCOLL_SHAPE``, :func:`cupycoll.config.shape`):
+    ``"process_group"`` by default, ``"backend"`` on request, refused before torch 2.14."""
     import torch
 
     from . import compat, config
     from .errors import CupycollValueError
+
+    shape = config.shape(compat.BACKEND_SHAPE_BY_DEFAULT)
+    if shape == "backend" and not compat.PY_BACKEND:
+        raise CupycollValueError(
+            f"CUPYCOLL_SHAPE=backend needs torch 2.14 or later (its PyBackend trampoline); "
+            f"this is torch {torch.__version__}")
+    return shape
+
+
+def _create(dist_backend_opts, pg_options):
+    """torch's creator call. The group's shape (:func:`group_shape`): by default the whole
+    ProcessGroup (:mod:`cupycoll.process_group`), on torch 2.14+ on request a c10d Backend
+    in the ProcessGroup torch builds (:mod:`cupycoll.py_backend`). Decided here, not at
+    registration, which runs inside ``import torch`` and must not import cupycoll.compat."""
     from .shrink import SurvivorsWorld
 
     if isinstance(pg_options, SurvivorsWorld):  # a shrink of the default group built it already
         return pg_options.take(dist_backend_opts.group_rank, dist_backend_opts.group_size)
-    if config.shape(compat.BACKEND_SHAPE_BY_DEFAULT) == "backend":
-        if not compat.PY_BACKEND:
-            raise CupycollValueError(
-                f"CUPYCOLL_SHAPE=backend needs torch 2.14 or later (its PyBackend trampoline); "
-                f"this is torch {torch.__version__}")
+    if group_shape() == "backend":
         from .py_backend import create
 
         return create(dist_backend_opts, pg_options)

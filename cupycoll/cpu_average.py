@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from .call_forms import copied
 from .compat import GLOO_AVERAGES_FLOATS
 
 _AVG = ReduceOp.AVG
@@ -43,21 +44,8 @@ def wanted(opts, outputs: Sequence[torch.Tensor]) -> bool:
 
 def as_sum(opts):
     """A copy of ``opts`` (one of torch's c10d options objects) asking for ReduceOp.SUM: the
-    caller's object is left as it was. Every field the object lets Python set is copied
-    (which fields exist differs by release: ``asyncOp`` is 2.11's)."""
-    summed = type(opts)()
-    for name in dir(opts):
-        if name.startswith("_") or name == "reduceOp":
-            continue
-        value = getattr(opts, name)
-        if callable(value):
-            continue
-        try:
-            setattr(summed, name, value)
-        except AttributeError:  # read-only
-            pass
-    summed.reduceOp = ReduceOp.SUM
-    return summed
+    caller's object is left as it was."""
+    return copied(type(opts), opts, reduceOp=ReduceOp.SUM)
 
 
 def divide(tensor: torch.Tensor, size: int) -> None:

@@ -40,9 +40,10 @@ class CupycollTypeError(CupycollError, TypeError):
 
 
 class MissingDependencyError(CupycollError, ImportError):
-    """CuPy or NCCL is not installed or cannot be loaded.
+    """CuPy or NCCL is not installed or cannot be loaded, or the framework of an optional
+    integration (``cupycoll.torchft``: torchft) is not installed.
 
-    The message names the pip extra that installs what is missing.
+    The message names the pip extra or package that installs what is missing.
     """
 
 

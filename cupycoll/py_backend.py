@@ -39,7 +39,6 @@ from torch.distributed import PrefixStore, ProcessGroup
 from . import _args, compat, config
 from .config import BACKEND_NAME
 from .errors import CollectiveTimeoutError, CupycollValueError, PeerFailedError
-from .faults.lifecycle import GroupState
 from .shell import GroupShell, build_gloo_half, group_arguments, shrinking
 from .shrink import SHRINK_ABORT, check_options, survivors_arrive
 
@@ -154,11 +153,7 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
         the type crashes (DDP's logger takes a "gloo" group's backend for torch's
         ProcessGroupGloo)."""
         bound = getattr(group, "bound_device_id", None)
-        backend = group._get_backend(bound if bound is not None else _CPU)
-        group._register_backend(torch.device("cuda"), _CUSTOM, backend)
-        group._register_backend(_CPU, _GLOO, CpuView(backend))
-        group._set_default_backend(_CUSTOM)
-        return group
+        return _registered(group, group._get_backend(bound if bound is not None else _CPU))
 
     @property
     def options(self) -> c10d.Backend.Options:
@@ -236,10 +231,9 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
     def get_error(self):
         """torch's ErrorType of the group's fault: TIMEOUT, REMOTE_ERROR (a peer failed),
         COMM_ERROR (anything else, an abort included), SUCCESS while healthy or shut down."""
-        fault = self._cuda.fault
+        fault = self.fault
         if fault is None:
-            aborted = self._cuda.state in (GroupState.ABORTING, GroupState.ABORTED)
-            return _ErrorType.COMM_ERROR if aborted else _ErrorType.SUCCESS
+            return _ErrorType.SUCCESS
         if isinstance(fault, CollectiveTimeoutError):
             return _ErrorType.TIMEOUT
         if isinstance(fault, PeerFailedError):
@@ -307,6 +301,28 @@ for _name in CALLS:
 
 compat.run_eagerly_under_compile(CupycollBackend, c10d.Backend)
 compat.run_eagerly_under_compile(CpuView, c10d.Backend)
+
+
+def _registered(group: ProcessGroup, backend: CupycollBackend) -> ProcessGroup:
+    """``group`` with ``backend`` registered as a ProcessGroup torch built for "cupycoll"
+    holds it: for CUDA as a custom backend (the group's default), its CpuView for the CPU."""
+    group._register_backend(torch.device("cuda"), _CUSTOM, backend)
+    group._register_backend(_CPU, _GLOO, CpuView(backend))
+    group._set_default_backend(_CUSTOM)
+    return group
+
+
+def standalone(store, rank: int, size: int, timeout: Optional[datetime.timedelta] = None,
+               options: Optional[config.Options] = None, global_ranks: Optional[Sequence[int]] = None,
+               group_id: str = "") -> ProcessGroup:
+    """A cupycoll group in this shape made outside ``init_process_group`` (a torchft quorum's,
+    :mod:`cupycoll.torchft`): torch's ProcessGroup on ``store`` holding a new backend, as
+    torch's creator call would leave it; torch's registry of groups does not know it."""
+    group = ProcessGroup(store, rank, size)
+    backend = CupycollBackend(store, rank, size, timeout, options, global_ranks=global_ranks, group_id=group_id,
+                              process_group=group)
+    backend._set_group_uid(group_id)
+    return _registered(group, backend)
 
 
 def create(dist_backend_opts, pg_options, cls: type = None) -> CupycollBackend:

@@ -9,7 +9,10 @@
 * CUDA tensors go to the group's :class:`~cupycoll.backend.CudaBackend`, through the
   collective's body in :mod:`cupycoll.collectives`;
 * every call is recorded first in the group's flight recorder (:mod:`cupycoll.trace.group`),
-  so a timeout on either route is explained by which rank is behind.
+  so a timeout on either route is explained by which rank is behind;
+* each entry point takes torch's options form (``allreduce(tensors, opts)``) as its first
+  branch, and any other form torch's ProcessGroup accepts (a bare op, a root, one tensor, a
+  timeout, keywords) is bound to it by :mod:`cupycoll.call_forms`.
 
 It also speaks torch's coalescing protocol (``_start_coalescing`` / ``_end_coalescing``, and
 the ``_coalescing_manager`` that skips the end when its body raises) and shuts down or aborts
@@ -44,7 +47,8 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import PrefixStore, ProcessGroup
 
-from . import _args, collectives, compat, config, cpu_average
+from . import _args, call_forms, collectives, compat, config, cpu_average
+from .call_forms import MISSING
 from .backend import CudaBackend
 from .errors import CollectiveTimeoutError, CupycollValueError
 from .trace.diagnosis import ranks_text
@@ -57,6 +61,9 @@ _CPU = torch.device("cpu")
 # Ops whose tensors differ by rank outside one argument: [outputs, inputs] -> the alike one.
 _ROOT_ONLY = {"gather": 1, "scatter": 0}
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
+# The options classes the entry points test their options form by (one lookup, no attribute).
+_ALLREDUCE, _BROADCAST, _ALLGATHER = c10d.AllreduceOptions, c10d.BroadcastOptions, c10d.AllgatherOptions
+_REDUCE_SCATTER, _ALL_TO_ALL = c10d.ReduceScatterOptions, c10d.AllToAllOptions
 
 
 # The shrink the group being made on this thread comes from: (parent shell, excluded
@@ -90,6 +97,28 @@ def build_gloo_half(store, rank: int, size: int, timeout) -> Tuple[ProcessGroup,
     compat.set_default_backend(inner, _GLOO)
     inner._register_backend(_CPU, _GLOO, gloo)
     return inner, gloo
+
+
+def shell_of(group: ProcessGroup) -> "GroupShell":
+    """cupycoll's object behind ``group``, in either shape: the group itself (ProcessGroup
+    shape), or the cupycoll backend torch registered in it (Backend shape)."""
+    if isinstance(group, GroupShell):
+        return group
+    for device in (torch.device("cuda"), _CPU):
+        try:
+            backend = group._get_backend(device)
+        except RuntimeError:  # none for this device
+            continue
+        backend = getattr(backend, "_owner", backend)  # a CPU view answers for its owner
+        if isinstance(backend, GroupShell):
+            return backend
+    raise CupycollValueError(f"{group!r} is not a cupycoll group (it has no cupycoll backend)")
+
+
+def group_fault(group: Optional[ProcessGroup] = None) -> Optional[BaseException]:
+    """:attr:`GroupShell.fault` of a cupycoll group in either shape (the default group when
+    ``group`` is None): what ended it, None while it is healthy."""
+    return shell_of(group if group is not None else compat.default_group()).fault
 
 
 def group_arguments(dist_backend_opts, pg_options) -> Tuple[tuple, dict]:
@@ -216,21 +245,23 @@ class GroupShell:
             self._trace.recorder.mark(entry, "failed")
             raise
 
-    def _gloo(self, entry: Optional[list], call, *args) -> dist.Work:
-        """``call(*args)`` on the gloo half, its Work traced with ``entry``."""
+    def _gloo(self, entry: Optional[list], call, *args, outputs: Optional[list] = None) -> dist.Work:
+        """``call(*args)`` on the gloo half, its Work traced with ``entry`` (and ``outputs``, what
+        its future holds where gloo's Work has none: see TracedWork.get_future)."""
         try:
             work = call(*args)
         except BaseException:
             self._trace.recorder.mark(entry, "failed")
             raise
-        return self._trace.gloo(work, entry)
+        return self._trace.gloo(work, entry, outputs)
 
     def _gloo_reduction(self, entry: Optional[list], call, outputs, *args) -> dist.Work:
         """``call(*args)`` (options last) on the gloo half, a reduction into ``outputs``: AVG,
         which gloo cannot do on every dtype, as a sum divided here (:mod:`cupycoll.cpu_average`)."""
         if cpu_average.wanted(args[-1], outputs):
-            return self._gloo(entry, cpu_average.summed_then_divided, call, args, outputs, self._size)
-        return self._gloo(entry, call, *args)
+            return self._gloo(entry, cpu_average.summed_then_divided, call, args, outputs, self._size,
+                              outputs=outputs)
+        return self._gloo(entry, call, *args, outputs=outputs)
 
     def _all_reduce_on_cpu(self, tensor: torch.Tensor, tensors: list, opts) -> Optional[dist.Work]:
         """The CPU route's common call in one frame: an all_reduce of one CPU tensor straight to
@@ -279,22 +310,26 @@ class GroupShell:
         return _args.classify_slowly(flat, op_name)
 
     # -- collectives: CPU to gloo, CUDA to cupycoll.collectives ----------------------------
-    def allreduce(self, tensors, opts=None):
-        if opts is not None and type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
+    # Each entry point takes torch's options form first; any other form torch's ProcessGroup
+    # accepts (a bare op, a root, one tensor, a timeout) is bound to it by cupycoll.call_forms.
+    def allreduce(self, tensors=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _ALLREDUCE or rest or named:
+            tensors, opts = call_forms.bind("allreduce", (tensors, opts), rest, named)
+        if type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
             tensor, cuda = tensors[0], self._cuda
             work = cuda.all_reduce_fast(tensor, opts) if cuda.fast else None
             if work is None and tensor.is_cpu:
                 work = self._all_reduce_on_cpu(tensor, tensors, opts)
             if work is not None:
                 return work
-        opts = opts if opts is not None else c10d.AllreduceOptions()
         cuda, entry = self._route(tensors, "all_reduce", opts)
         if not cuda:
             return self._gloo_reduction(entry, self._cpu.allreduce, tensors, tensors, opts)
         return self._issue(entry, collectives.all_reduce, tensors, opts)
 
-    def allreduce_coalesced(self, tensors, opts=None):
-        opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
+    def allreduce_coalesced(self, tensors=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not c10d.AllreduceCoalescedOptions or rest or named:
+            tensors, opts = call_forms.bind("allreduce_coalesced", (tensors, opts), rest, named)
         cuda, entry = self._route(tensors, "all_reduce_coalesced", opts)
         if not cuda:
             return self._gloo_reduction(entry, self._cpu.allreduce_coalesced, tensors, tensors, opts)
@@ -302,103 +337,123 @@ class GroupShell:
             work = self._cuda.all_reduce_parts(tensors, opts)
             if work is not None:  # inside an open block, the block's Work covers it
                 return work if self._cuda.calls.block is None else None
-        return self._coalesced(lambda: [self.allreduce([t], opts) for t in tensors])
+        part = call_forms.copied(_ALLREDUCE, opts)  # each part an all_reduce with the block's options
+        return self._coalesced(lambda: [self.allreduce([t], part) for t in tensors])
 
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _BROADCAST or rest or named:
+            tensors, opts = call_forms.bind("broadcast", (tensors, opts), rest, named)
         cuda = self._cuda
-        if cuda.fast and opts is not None and type(tensors) is list and len(tensors) == 1 \
-                and isinstance(tensors[0], torch.Tensor):
+        if cuda.fast and type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
             work = cuda.broadcast_fast(tensors[0], opts)
             if work is not None:
                 return work
-        opts = opts if opts is not None else c10d.BroadcastOptions()
         cuda, entry = self._route(tensors, "broadcast", opts)
         if not cuda:
             return self._gloo(entry, self._cpu.broadcast, tensors, opts)
         return self._issue(entry, collectives.broadcast, tensors, opts)
 
-    def reduce(self, tensors, opts=None):
-        opts = opts if opts is not None else c10d.ReduceOptions()
+    def reduce(self, tensors=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not c10d.ReduceOptions or rest or named:
+            tensors, opts = call_forms.bind("reduce", (tensors, opts), rest, named)
         cuda, entry = self._route(tensors, "reduce", opts)
         if not cuda:
             return self._gloo_reduction(entry, self._cpu.reduce, tensors, tensors, opts)
         return self._issue(entry, collectives.reduce, tensors, opts)
 
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else c10d.AllgatherOptions()
+    def allgather(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _ALLGATHER or rest or named:
+            output_tensors, input_tensors, opts = call_forms.bind(
+                "allgather", (output_tensors, input_tensors, opts), rest, named)
         cuda, entry = self._route([output_tensors, input_tensors], "all_gather", opts)
         if not cuda:
             return self._gloo(entry, self._cpu.allgather, output_tensors, input_tensors, opts)
         return self._issue(entry, collectives.all_gather, output_tensors, input_tensors, opts)
 
-    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        opts = opts if opts is not None else c10d.AllgatherOptions()
-        cuda, entry = self._route([output_lists, input_tensors], "all_gather_coalesced", opts)
+    def allgather_coalesced(self, output_lists=MISSING, input_list=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _ALLGATHER or rest or named:
+            output_lists, input_list, opts = call_forms.bind(
+                "allgather_coalesced", (output_lists, input_list, opts), rest, named)
+        cuda, entry = self._route([output_lists, input_list], "all_gather_coalesced", opts)
         if not cuda:
-            return self._gloo(entry, self._cpu.allgather_coalesced, output_lists, input_tensors, opts)
-        if len(output_lists) != len(input_tensors):
+            return self._gloo(entry, self._cpu.allgather_coalesced, output_lists, input_list, opts)
+        if len(output_lists) != len(input_list):
             raise CupycollValueError(
-                f"all_gather_coalesced: {len(output_lists)} output lists for {len(input_tensors)} inputs")
+                f"all_gather_coalesced: {len(output_lists)} output lists for {len(input_list)} inputs")
         return self._coalesced(
-            lambda: [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_tensors)])
+            lambda: [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_list)])
 
-    def all_gather_single(self, output, input, opts=None):
+    def all_gather_single(self, output=MISSING, input=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _ALLGATHER or rest or named:
+            output, input, opts = call_forms.bind("all_gather_single", (output, input, opts), rest, named)
         cuda = self._cuda
-        if cuda.fast and opts is not None and isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
+        if cuda.fast and isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
             work = cuda.all_gather_fast(output, input, opts)
             if work is not None:
                 return work
-        opts = opts if opts is not None else c10d.AllgatherOptions()
         cuda, entry = self._route([output, input], "all_gather_into_tensor", opts)
         if not cuda:
             return self._gloo(entry, self._cpu._allgather_base, output, input, opts)
         return self._issue(entry, collectives.all_gather_into_tensor, output, input, opts)
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else c10d.AllgatherOptions()
+    def all_gather_single_coalesced(self, outputs=MISSING, inputs=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _ALLGATHER or rest or named:
+            outputs, inputs, opts = call_forms.bind(
+                "all_gather_single_coalesced", (outputs, inputs, opts), rest, named)
         cuda, entry = self._route([outputs, inputs], "all_gather_into_tensor_coalesced", opts)
         if not cuda:
             return self._gloo(entry, self._cpu.allgather_into_tensor_coalesced, outputs, inputs, opts)
         return self._coalesced(lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+    def reduce_scatter(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _REDUCE_SCATTER or rest or named:
+            output_tensors, input_tensors, opts = call_forms.bind(
+                "reduce_scatter", (output_tensors, input_tensors, opts), rest, named)
         cuda, entry = self._route([output_tensors, input_tensors], "reduce_scatter", opts)
         if not cuda:
             return self._gloo_reduction(entry, self._cpu.reduce_scatter, output_tensors, output_tensors,
                                         input_tensors, opts)
         return self._issue(entry, collectives.reduce_scatter, output_tensors, input_tensors, opts)
 
-    def reduce_scatter_single(self, output, input, opts=None):
+    def reduce_scatter_single(self, outputTensor=MISSING, inputTensor=MISSING, opts=MISSING, *rest, **named):
+        output, input = outputTensor, inputTensor
+        if type(opts) is not _REDUCE_SCATTER or rest or named:
+            output, input, opts = call_forms.bind("reduce_scatter_single", (output, input, opts), rest, named)
         cuda = self._cuda
-        if cuda.fast and opts is not None and isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
+        if cuda.fast and isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
             work = cuda.reduce_scatter_fast(output, input, opts)
             if work is not None:
                 return work
-        opts = opts if opts is not None else c10d.ReduceScatterOptions()
         cuda, entry = self._route([output, input], "reduce_scatter_tensor", opts)
         if not cuda:
             return self._gloo_reduction(entry, compat.gloo_reduce_scatter_tensor, [output], self._cpu, output,
                                         input, opts)
         return self._issue(entry, collectives.reduce_scatter_tensor, output, input, opts)
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+    def reduce_scatter_single_coalesced(self, outputs=MISSING, inputs=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _REDUCE_SCATTER or rest or named:
+            outputs, inputs, opts = call_forms.bind(
+                "reduce_scatter_single_coalesced", (outputs, inputs, opts), rest, named)
         cuda, entry = self._route([outputs, inputs], "reduce_scatter_tensor_coalesced", opts)
         if not cuda:
             return self._gloo_reduction(entry, self._cpu.reduce_scatter_tensor_coalesced, outputs, outputs,
                                         inputs, opts)
         return self._coalesced(lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
 
-    def alltoall(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else c10d.AllToAllOptions()
+    def alltoall(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _ALL_TO_ALL or rest or named:
+            output_tensors, input_tensors, opts = call_forms.bind(
+                "alltoall", (output_tensors, input_tensors, opts), rest, named)
         cuda, entry = self._route([output_tensors, input_tensors], "all_to_all", opts)
         if not cuda:
             return self._gloo(entry, compat.gloo_alltoall, self._cpu, output_tensors, input_tensors, opts)
         return self._issue(entry, collectives.all_to_all, output_tensors, input_tensors, opts)
 
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        opts = opts if opts is not None else c10d.AllToAllOptions()
+    def all_to_all_single(self, output=MISSING, input=MISSING, output_split_sizes=MISSING,
+                          input_split_sizes=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not _ALL_TO_ALL or rest or named:
+            output, input, output_split_sizes, input_split_sizes, opts = call_forms.bind(
+                "all_to_all_single", (output, input, output_split_sizes, input_split_sizes, opts), rest, named)
         cuda, entry = self._route([output, input], "all_to_all_single", opts)
         if not cuda:
             return self._gloo(entry, self._cpu.alltoall_base, output, input, output_split_sizes,
@@ -406,43 +461,54 @@ class GroupShell:
         return self._issue(entry, collectives.all_to_all_single, output, input, output_split_sizes,
                            input_split_sizes, opts)
 
-    def gather(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else c10d.GatherOptions()
+    def gather(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not c10d.GatherOptions or rest or named:
+            output_tensors, input_tensors, opts = call_forms.bind(
+                "gather", (output_tensors, input_tensors, opts), rest, named)
         cuda, entry = self._route([output_tensors, input_tensors], "gather", opts)
         if not cuda:
             return self._gloo(entry, self._cpu.gather, output_tensors, input_tensors, opts)
         return self._issue(entry, collectives.gather, output_tensors, input_tensors, opts)
 
-    def scatter(self, output_tensors, input_tensors, opts=None):
-        opts = opts if opts is not None else c10d.ScatterOptions()
+    def scatter(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
+        if type(opts) is not c10d.ScatterOptions or rest or named:
+            output_tensors, input_tensors, opts = call_forms.bind(
+                "scatter", (output_tensors, input_tensors, opts), rest, named)
         cuda, entry = self._route([output_tensors, input_tensors], "scatter", opts)
         if not cuda:
             return self._gloo(entry, self._cpu.scatter, output_tensors, input_tensors, opts)
         return self._issue(entry, collectives.scatter, output_tensors, input_tensors, opts)
 
-    def send(self, tensors, dst_rank, tag=0):
-        cuda, entry = self._route(tensors, "send", peer=dst_rank)
+    def send(self, tensors=MISSING, dstRank=MISSING, tag=0, *rest, **named):
+        if type(tensors) is not list or type(dstRank) is not int or type(tag) is not int or rest or named:
+            tensors, dstRank, tag = call_forms.bind("send", (tensors, dstRank, tag), rest, named)
+        cuda, entry = self._route(tensors, "send", peer=dstRank)
         if not cuda:
-            return self._cpu.send(tensors, dst_rank, tag)
-        return self._issue(entry, collectives.point_to_point, "send", tensors, dst_rank,
+            return self._cpu.send(tensors, dstRank, tag)
+        return self._issue(entry, collectives.point_to_point, "send", tensors, dstRank,
                            compat.calling_batch_isend_irecv())
 
-    def recv(self, tensors, src_rank, tag=0):
-        cuda, entry = self._route(tensors, "recv", peer=src_rank)
+    def recv(self, tensors=MISSING, srcRank=MISSING, tag=0, *rest, **named):
+        if type(tensors) is not list or type(srcRank) is not int or type(tag) is not int or rest or named:
+            tensors, srcRank, tag = call_forms.bind("recv", (tensors, srcRank, tag), rest, named)
+        cuda, entry = self._route(tensors, "recv", peer=srcRank)
         if not cuda:
-            return self._cpu.recv(tensors, src_rank, tag)
-        return self._issue(entry, collectives.point_to_point, "recv", tensors, src_rank,
+            return self._cpu.recv(tensors, srcRank, tag)
+        return self._issue(entry, collectives.point_to_point, "recv", tensors, srcRank,
                            compat.calling_batch_isend_irecv())
 
-    def recv_anysource(self, tensors, tag=0):
+    def recv_anysource(self, tensors=MISSING, tag=0, *rest, **named):
+        if type(tensors) is not list or type(tag) is not int or rest or named:
+            tensors, tag = call_forms.bind("recv_anysource", (tensors, tag), rest, named)
         cuda, entry = self._route(tensors, "recv_anysource")
         if not cuda:
             return self._cpu.recv_anysource(tensors, tag)
         self._trace.recorder.mark(entry, "failed")
         raise CupycollValueError("recv from any source is not supported by NCCL; name the source rank")
 
-    def barrier(self, opts=None):
-        opts = opts if opts is not None else c10d.BarrierOptions()
+    def barrier(self, opts=MISSING, *rest, **named):
+        if type(opts) is not c10d.BarrierOptions or rest or named:
+            opts, = call_forms.bind("barrier", (opts,), rest, named)
         device = _args.barrier_device(opts, self._cuda.runtime.current_device)
         if device is None:
             self._cuda.check_usable()
@@ -495,6 +561,14 @@ class GroupShell:
         compat.forget_coalescing_manager(self._torch_group())
 
     # -- lifetime ---------------------------------------------------------------------
+    @property
+    def fault(self) -> Optional[BaseException]:
+        """What ended this group: a timeout, an NCCL error, or the reason it was aborted (by
+        its user, by a shrink that replaced it); None while it is healthy and after a clean
+        shutdown. Asked of the group's lifetime (:mod:`cupycoll.faults.lifecycle`) each time.
+        A CPU collective that failed raises from its Work and leaves the group as it was."""
+        return self._cuda.life.ended_by
+
     def shutdown(self) -> None:
         """Finalize and destroy the NCCL communicators once their work is done (healthy),
         or abort them when the group has faulted or its work does not finish within the

@@ -49,7 +49,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("process_group", "py_backend"),
     ("shell",),
     ("collectives",),
-    ("_args",),
+    ("_args", "call_forms"),
     ("backend",),
     ("faults.lifecycle", "call_queue", "nccl.bootstrap"),
     ("nccl.communicator", "nccl.call_guard", "nccl.group"),

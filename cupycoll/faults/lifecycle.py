@@ -156,6 +156,18 @@ class GroupLifetime:
     def usable(self) -> bool:
         return self.state is GroupState.OK
 
+    @property
+    def ended_by(self) -> Optional[BaseException]:
+        """What ended the group: its fault (a timeout, an NCCL error), else the reason it was
+        aborted (a user's abort, a shrink that replaced it); None while it is ``ok`` and after
+        a clean shutdown. Read, never kept: the lifetime's own fields."""
+        state = self.state
+        if state is GroupState.OK or state is GroupState.SHUT_DOWN:
+            return None
+        ended = self.fault or self.replaced or self.watch.closed
+        # an abort between its claim and the watch's close has no reason recorded yet
+        return ended if ended is not None else CommunicatorAbortedError(f"process group {self.name!r} was {state}")
+
     def check_usable(self) -> None:
         """Raise CommunicatorAbortedError unless the group is ``ok``."""
         state = self.state

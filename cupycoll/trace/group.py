@@ -29,6 +29,7 @@ import threading
 from typing import Dict, Optional, Sequence
 from weakref import ref
 
+import torch
 import torch.distributed as dist
 
 from . import diagnosis, mismatch, recorder
@@ -85,8 +86,8 @@ class GroupTrace:
                 raise
         return entry
 
-    def gloo(self, work: dist.Work, entry: Optional[list]) -> dist.Work:
-        return TracedWork(work, entry, self)
+    def gloo(self, work: dist.Work, entry: Optional[list], outputs: Optional[list] = None) -> dist.Work:
+        return TracedWork(work, entry, self, outputs)
 
     def gloo_waited(self, entry: Optional[list], call, *args) -> dist.Work:
         """``call(*args)`` on the gloo half, waited on now, for a caller that would wait on
@@ -192,13 +193,14 @@ class TracedWork(dist.Work):
     Made on every CPU call, so it costs little: slots, no lock (the first failure makes
     one), and its group tracks it in a plain dict that its completion leaves."""
 
-    __slots__ = ("_work", "_entry", "_trace", "_waited", "_failing", "_key")
+    __slots__ = ("_work", "_entry", "_trace", "_outputs", "_waited", "_failing", "_key")
 
-    def __init__(self, work: dist.Work, entry: list, trace: GroupTrace):
+    def __init__(self, work: dist.Work, entry: list, trace: GroupTrace, outputs: Optional[list] = None):
         super().__init__()
         self._work = work
         self._entry = entry
         self._trace = trace
+        self._outputs = outputs  # the call's outputs, for a future gloo does not give (get_future)
         # [error or None] once wait() returned or raised, or the group closed before it finished
         self._waited: Optional[list] = None
         self._failing: Optional[threading.Lock] = None  # made by the first failure
@@ -327,14 +329,35 @@ class TracedWork(dist.Work):
         (cupycoll's, naming the rank behind): DDP's comm hooks and async callers consume the
         future, never wait(). An error a callback raises is the only failure a Python future
         can hand to C++ (DDP's reducer), which sees a RuntimeError with its text. The ranks
-        are asked on the thread that completes gloo's future."""
+        are asked on the thread that completes gloo's future.
+
+        Where gloo's Work has no future (its reduce-scatters: "getFuture not implemented"), a
+        reduction's Work makes one by waiting on itself: this returns once gloo finished, with
+        a completed future holding the outputs, or the error ``wait()`` raises."""
+        try:
+            gloos = self._work.get_future()
+        except RuntimeError:
+            if self._outputs is None:
+                raise
+            return self._waited_future()
+
         def settle(done):
             error = _future_error(done)
             if error is not None:
                 raise self._fail(error)
             self._settled(None)
             return done.value()
-        return self._work.get_future().then(settle)
+        return gloos.then(settle)
+
+    def _waited_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+        try:
+            self.wait()
+        except Exception as exc:  # noqa: BLE001 - handed to the future, as gloo's own would be
+            future.set_exception(exc)
+        else:
+            future.set_result(list(self._outputs))
+        return future
 
     def __repr__(self) -> str:
         entry = self._entry

@@ -112,6 +112,14 @@ def pyproject_floors(text: str) -> Dict[str, object]:
                                       "\n".join(array("classifiers")), re.M)}
 
 
+def torchft_leg(text: str) -> Tuple[str, str]:
+    """.ci/run's leg that installs torchft, and the pin it installs."""
+    leg = re.search(r"^TORCHFT_LEG=([\w-]+)$", text, re.M)
+    pin = re.search(r"^TORCHFT_PIN=(\S+)$", text, re.M)
+    assert leg and pin, ".ci/run has no TORCHFT_LEG / TORCHFT_PIN"
+    return leg.group(1), pin.group(1)
+
+
 def install_fallback(text: str) -> Tuple[str, str]:
     """tools/install_torch.py's fallback: (CI leg, torch version)."""
     leg = re.search(r'^FALLBACK_LEG = "([\w-]+)"', text, re.M)
@@ -182,6 +190,19 @@ def check_fallback(fallback: Tuple[str, str], legs: Dict[str, dict]) -> None:
     assert leg in legs, f"tools/install_torch.py falls back to leg {leg!r}, which .ci/run does not run"
     assert torch == legs[leg]["torch"], (
         f"tools/install_torch.py falls back to torch {torch}, leg {leg} runs {legs[leg]['torch']}")
+
+
+def test_one_leg_installs_a_pinned_torchft_and_hands_it_to_make_test():
+    run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    leg, pin = torchft_leg(run)
+    assert leg in ci_legs(run) and re.fullmatch(r"torchft==\d+\.\d+\.\d+", pin), (leg, pin)
+    # make_vars passes the pin as TORCHFT_SPEC on that leg alone
+    make_vars = run.split("make_vars() {", 1)[1].split("\n}", 1)[0]
+    assert '[ "$1" != "$TORCHFT_LEG" ] || torchft=$TORCHFT_PIN' in make_vars
+    assert 'TORCHFT_SPEC="$torchft"' in make_vars and "local marks=\"not gpu\" torchft=" in make_vars
+    # the version docs/usage.md says was checked is the one CI installs
+    usage = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    assert f"torchft {pin.split('==')[1]}" in usage and f"`{leg}` leg" in usage
 
 
 def test_ci_runs_the_four_legs(matrix):

@@ -115,6 +115,8 @@ class Namespace:
     """cupycoll's modules and classes (and the benchmark's), imported, by the names docs use."""
 
     def __init__(self):
+        from cupycoll.errors import MissingDependencyError
+
         self.modules: Dict[str, List[str]] = {}  # short or dotted tail -> full module names
         self.classes: Dict[str, List[type]] = {}
         for package in ("cupycoll", "bench"):
@@ -122,7 +124,10 @@ class Namespace:
             names = [package] + [info.name for info in pkgutil.walk_packages(root.__path__, package + ".")
                                  if not info.name.endswith(".__main__")]  # running it is its import
             for full in names:
-                module = importlib.import_module(full)
+                try:
+                    module = importlib.import_module(full)
+                except MissingDependencyError:  # an optional integration whose framework is absent
+                    continue
                 parts = full.split(".")
                 for start in range(1, len(parts)):
                     self.modules.setdefault(".".join(parts[start:]), []).append(full)
@@ -154,9 +159,13 @@ class Namespace:
 
 def _lookup(module_parts: List[str], attributes: List[str]) -> bool:
     # the longest importable module first, then attributes
+    from cupycoll.errors import MissingDependencyError
+
     for split in range(len(attributes), -1, -1):
         try:
             value = importlib.import_module(".".join(module_parts + attributes[:split]))
+        except MissingDependencyError:  # an optional integration: there, its framework absent here
+            return True
         except ImportError:
             continue
         return _has(value, attributes[split:])

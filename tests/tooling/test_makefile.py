@@ -127,3 +127,13 @@ def test_make_bench_runs_the_benchmark_on_cpu_where_there_is_no_gpu(tmp_path):
     line = _recipe(_dry_run("bench", f"VENV={tmp_path / 'none'}", "BENCH_ARGS=--scenario overhead",
                             "BENCH_DEVICE="), "-m bench")
     assert line.endswith("-m bench --scenario overhead")
+
+
+def test_make_test_installs_torchft_before_the_tier_only_where_torchft_spec_names_it(tmp_path):
+    out = _dry_run("test", f"VENV={tmp_path / 'v'}", "TORCHFT_SPEC=torchft==0.2.0")
+    lines = out.replace("\\\n", " ").splitlines()
+    install = [i for i, line in enumerate(lines) if 'pip install "torchft==0.2.0" "parameterized==0.9.0"' in line]
+    tier = [i for i, line in enumerate(lines) if "-m pytest" in line]
+    assert len(install) == 1 and len(tier) == 1 and install[0] < tier[0], out
+    assert lines[install[0]].startswith(f"{tmp_path / 'v'}/bin/python -m pip install")
+    assert "torchft" not in _dry_run("test", f"VENV={tmp_path / 'v'}")

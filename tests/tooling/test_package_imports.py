@@ -43,14 +43,15 @@ def test_torchs_private_state_is_read_in_compat_alone():
 # docs/design.md's house, top to bottom: a module may import its own layer and those below,
 # never one above (an arrow back up is a callback's business, handed down as an argument).
 LAYERS = (
+    {"torchft"},
     {"", "__main__", "_registration", "process_group", "py_backend", "shrink", "trace.__main__", "trace.analyze"},
     {"shell"},
     {"collectives"},
     {"backend"},
     {"call_queue", "faults.lifecycle", "nccl.bootstrap", "ring", "ring.algorithm"},
-    {"_args", "cpu_average", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda", "nccl", "nccl.communicator",
-     "nccl.call_guard", "nccl.group", "trace", "trace.group", "trace.diagnosis", "trace.mismatch", "ring.schedule",
-     "ring.kernels"},
+    {"_args", "call_forms", "cpu_average", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda",
+     "nccl", "nccl.communicator", "nccl.call_guard", "nccl.group", "trace", "trace.group", "trace.diagnosis",
+     "trace.mismatch", "ring.schedule", "ring.kernels"},
     {"work", "_cuda", "compat", "config", "_parsers", "bounds", "errors", "hooks", "algorithms", "nccl.bindings",
      "trace.recorder", "_version"},
 )
