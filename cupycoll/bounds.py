@@ -80,6 +80,15 @@ PENDING_GRACE_S = 5.0
 #: news of the fault), and an abort does not wait for it.
 CALL_BLOCKED_S = 1.0
 
+#: A synchronous call (its Work holds no tensors; the caller's stream orders what follows)
+#: joins the open watched batch of its stream when that batch is younger than this, instead
+#: of recording a CUDA event of its own: the batch's one event, recorded when the next call
+#: finds it older, when a Work of it is asked, or by the watchdog's next pass, covers every
+#: call before it (calls on one stream finish in order). So a busy stream costs one event per
+#: this interval, and a call's completion is seen at most this much (plus one watchdog
+#: interval) late; its timeout still runs from its batch's first call.
+SEAL_S = 0.001
+
 #: Every bound above by name, for docs/faults.md's table and the test that checks it.
 TABLE = {
     "FAULT_DEADLINE": FAULT_DEADLINE,
@@ -95,4 +104,5 @@ TABLE = {
     "STORE_POLL_S": STORE_POLL_S,
     "PENDING_GRACE_S": PENDING_GRACE_S,
     "CALL_BLOCKED_S": CALL_BLOCKED_S,
+    "SEAL_S": SEAL_S,
 }

@@ -35,6 +35,7 @@ import datetime
 import importlib.abc
 import importlib.util
 import inspect
+import operator
 import os
 import re
 import sys
@@ -92,13 +93,18 @@ def premul_factor(reduce_op) -> Optional[object]:
     return state[1] if len(state) > 1 else None
 
 
-def async_requested(opts) -> bool:
-    """Did the caller pass ``async_op=True``?"""
-    # torch 2.7 has asyncOp on the options of broadcast, all-gather, scatter and
-    # reduce-scatter only; 2.11 has it on every options object (2.8 - 2.10 are not run).
-    # Where an options object has none, torch waits on the Work itself, so treating the
-    # call as asynchronous is what that version expects.
-    return bool(getattr(opts, "asyncOp", True))
+#: torch 2.11: every options object has ``asyncOp`` (2.7 has it on the options of broadcast,
+#: all-gather, scatter and reduce-scatter only; 2.8 - 2.10 are not run).
+EVERY_OPTIONS_HAS_ASYNC_OP = TORCH >= (2, 11)
+
+if EVERY_OPTIONS_HAS_ASYNC_OP:
+    #: async_requested(opts): did the caller pass ``async_op=True``? (One C call: the hot path's.)
+    async_requested = operator.attrgetter("asyncOp")
+else:
+    def async_requested(opts) -> bool:
+        """Did the caller pass ``async_op=True``? Where an options object has no asyncOp,
+        torch waits on the Work itself, so the call counts as asynchronous."""
+        return bool(getattr(opts, "asyncOp", True))
 
 
 # The current stream's raw pointer in one C call: torch._C._cuda_getCurrentRawStream (every

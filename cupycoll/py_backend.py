@@ -217,7 +217,7 @@ class CupycollBackend(_Capabilities, GroupShell, c10d.Backend):
         self._open_block()
 
     def end_coalescing(self):
-        return self._cuda.calls.close_block()
+        return self._issuer.close_block()
 
     def barrier(self, opts=None):
         # torch sends a barrier here only when it chose CUDA for it, and the options it

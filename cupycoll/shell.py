@@ -50,11 +50,14 @@ from torch.distributed import PrefixStore, ProcessGroup
 from . import _args, call_forms, collectives, compat, config, cpu_average
 from .call_forms import MISSING
 from .backend import CudaBackend
+from .issue import Issuer
 from .errors import CollectiveTimeoutError, CupycollValueError
 from .trace.diagnosis import ranks_text
 from .trace.group import GroupTrace
 from .faults.lifecycle import GroupState
 from .work import CudaWork
+
+_OK = GroupState.OK
 
 _GLOO = ProcessGroup.BackendType.GLOO
 _CPU = torch.device("cpu")
@@ -131,8 +134,9 @@ def group_arguments(dist_backend_opts, pg_options) -> Tuple[tuple, dict]:
 class GroupShell:
     """Routing, coalescing and lifetime of one cupycoll group (a mixin: see the module)."""
 
-    # The CUDA half; tests replace it (tests/standins.py), nothing else does.
+    # The CUDA half and its issuer; tests replace them (tests/standins.py), nothing else does.
     backend_class = CudaBackend
+    issuer_class = Issuer
 
     def _build(self, store, rank: int, size: int, timeout: Optional[datetime.timedelta],
                options: Optional[config.Options], global_ranks: Optional[Sequence[int]],
@@ -163,6 +167,9 @@ class GroupShell:
         self._cuda = self.backend_class(store, rank, size, self.settings, self._global_ranks, group_id,
                                         name=self.getGroupName, on_abort=self._cpu_shutdown,
                                         on_bind=self._bind, trace=self._trace)
+        # Where every CUDA call is issued (cupycoll.issue); the backend holds what they run on.
+        self._issuer = self.issuer_class(self._cuda, self._trace.recorder, self._cuda._name,
+                                         self.settings.blocking_wait)
         # How this group's communicator was made from another's: "ncclCommShrink", "new"
         # (a shrink that made it anew) or None (a group of its own, or split).
         self.shrunk_by: Optional[str] = None
@@ -208,16 +215,38 @@ class GroupShell:
         raise NotImplementedError
 
     # -- routing ----------------------------------------------------------------------
+    # What ``is_cuda`` says of a tensor of the CUDA route (the CPU tests' stand-in, whose CPU
+    # tensors stand in for CUDA ones, says False).
+    _tensors_are_cuda = True
+
     def _route(self, tensors, op_name: str, opts=None, peer=None) -> Tuple[bool, Optional[list]]:
         """(whether the call goes to NCCL (else gloo), its flight-recorder entry). Records the
         call (see :mod:`cupycoll.trace.group`); a CUDA call's parts of a ``*_coalesced`` call
-        are recorded one by one, the whole not."""
+        are recorded one by one, the whole not. The common CUDA calls (one tensor; FSDP's two,
+        on one device) are told in a few attribute reads, on a healthy group."""
+        if type(tensors) is list and tensors and self._cuda.life.state is _OK:
+            first, last, cuda = tensors[0], tensors[-1], self._tensors_are_cuda
+            if len(tensors) <= 2:
+                if (isinstance(first, torch.Tensor) and isinstance(last, torch.Tensor) and first.is_cuda is cuda
+                        and last.is_cuda is cuda and (first is last or first.device == last.device)):
+                    if op_name.endswith("_coalesced"):
+                        return True, None
+                    return True, self._trace.call(op_name, tensors, opts.rootRank if op_name in _ROOTED else peer,
+                                                  opts, "nccl", self._cpu)
+            elif op_name.endswith("_coalesced") and isinstance(first, torch.Tensor) and first.is_cuda is cuda:
+                index = first.get_device()  # a block's tensors: one pass, no call per tensor
+                for tensor in tensors:
+                    if not (isinstance(tensor, torch.Tensor) and tensor.is_cuda is cuda
+                            and tensor.get_device() == index):
+                        break
+                else:
+                    return True, None
         flat = _args.flat(tensors)
         if self._classify(flat, op_name):
             if op_name.endswith("_coalesced"):
                 return True, None
             return True, self._record(tensors, flat, op_name, opts, peer, "nccl")
-        calls = self._cuda.calls
+        calls = self._issuer
         if calls.block is not None and not calls.drop_stale_block():
             raise CupycollValueError(
                 f"{op_name} on CPU tensors inside a coalescing block of CUDA calls on group "
@@ -237,10 +266,10 @@ class GroupShell:
         return self._trace.call(op_name, flat, root, opts, route, self._cpu)
 
     def _issue(self, entry: Optional[list], collective: Callable, *args) -> CudaWork:
-        """``collective(backend, *args, entry=entry)``: a CUDA call down to the backend. A call
+        """``collective(backend, *args, entry=entry)`` (the call described), issued. A call
         that raises on the way (bad input, NCCL) is marked failed in the flight recorder."""
         try:
-            return collective(self._cuda, *args, entry=entry)
+            return self._issuer.issue(collective(self._cuda, *args, entry=entry))
         except BaseException:
             self._trace.recorder.mark(entry, "failed")
             raise
@@ -275,7 +304,7 @@ class GroupShell:
         Work costs more than the rest of the route together. Its failure raises here,
         explained as a :class:`~cupycoll.trace.group.TracedWork`'s ``wait()`` explains it."""
         cuda, trace = self._cuda, self._trace
-        calls = cuda.calls
+        calls = self._issuer
         if (cuda.life.state is not GroupState.OK or calls.block is not None or calls.pending or trace.check
                 or cpu_average.wanted(opts, tensors)):
             return None
@@ -315,17 +344,19 @@ class GroupShell:
     def allreduce(self, tensors=MISSING, opts=MISSING, *rest, **named):
         if type(opts) is not _ALLREDUCE or rest or named:
             tensors, opts = call_forms.bind("allreduce", (tensors, opts), rest, named)
-        if type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
-            tensor, cuda = tensors[0], self._cuda
-            work = cuda.all_reduce_fast(tensor, opts) if cuda.fast else None
-            if work is None and tensor.is_cpu:
-                work = self._all_reduce_on_cpu(tensor, tensors, opts)
+        if type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor) \
+                and tensors[0].is_cpu and self._tensors_are_cuda:
+            work = self._all_reduce_on_cpu(tensors[0], tensors, opts)
             if work is not None:
                 return work
         cuda, entry = self._route(tensors, "all_reduce", opts)
         if not cuda:
             return self._gloo_reduction(entry, self._cpu.allreduce, tensors, tensors, opts)
-        return self._issue(entry, collectives.all_reduce, tensors, opts)
+        try:  # _issue, written out: the commonest call of all
+            return self._issuer.issue(collectives.all_reduce(self._cuda, tensors, opts, entry))
+        except BaseException:
+            self._trace.recorder.mark(entry, "failed")
+            raise
 
     def allreduce_coalesced(self, tensors=MISSING, opts=MISSING, *rest, **named):
         if type(opts) is not c10d.AllreduceCoalescedOptions or rest or named:
@@ -333,21 +364,21 @@ class GroupShell:
         cuda, entry = self._route(tensors, "all_reduce_coalesced", opts)
         if not cuda:
             return self._gloo_reduction(entry, self._cpu.allreduce_coalesced, tensors, tensors, opts)
-        if self._cuda.fast:
-            work = self._cuda.all_reduce_parts(tensors, opts)
-            if work is not None:  # inside an open block, the block's Work covers it
-                return work if self._cuda.calls.block is None else None
+        call = collectives.all_reduce_coalesced(self._cuda, tensors, opts) if not self._trace.check else None
+        if call is not None:  # one call of its parts' NCCL calls
+            call.entry = self._trace.recorder.record_parts("all_reduce", tensors)
+            try:
+                work = self._issuer.issue(call)
+            except BaseException:
+                self._trace.recorder.mark_all(call.entry, "failed")
+                raise
+            return work if self._issuer.block is None else None  # inside an open block, the block's Work covers it
         part = call_forms.copied(_ALLREDUCE, opts)  # each part an all_reduce with the block's options
         return self._coalesced(lambda: [self.allreduce([t], part) for t in tensors])
 
     def broadcast(self, tensors=MISSING, opts=MISSING, *rest, **named):
         if type(opts) is not _BROADCAST or rest or named:
             tensors, opts = call_forms.bind("broadcast", (tensors, opts), rest, named)
-        cuda = self._cuda
-        if cuda.fast and type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
-            work = cuda.broadcast_fast(tensors[0], opts)
-            if work is not None:
-                return work
         cuda, entry = self._route(tensors, "broadcast", opts)
         if not cuda:
             return self._gloo(entry, self._cpu.broadcast, tensors, opts)
@@ -386,11 +417,6 @@ class GroupShell:
     def all_gather_single(self, output=MISSING, input=MISSING, opts=MISSING, *rest, **named):
         if type(opts) is not _ALLGATHER or rest or named:
             output, input, opts = call_forms.bind("all_gather_single", (output, input, opts), rest, named)
-        cuda = self._cuda
-        if cuda.fast and isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
-            work = cuda.all_gather_fast(output, input, opts)
-            if work is not None:
-                return work
         cuda, entry = self._route([output, input], "all_gather_into_tensor", opts)
         if not cuda:
             return self._gloo(entry, self._cpu._allgather_base, output, input, opts)
@@ -419,11 +445,6 @@ class GroupShell:
         output, input = outputTensor, inputTensor
         if type(opts) is not _REDUCE_SCATTER or rest or named:
             output, input, opts = call_forms.bind("reduce_scatter_single", (output, input, opts), rest, named)
-        cuda = self._cuda
-        if cuda.fast and isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor):
-            work = cuda.reduce_scatter_fast(output, input, opts)
-            if work is not None:
-                return work
         cuda, entry = self._route([output, input], "reduce_scatter_tensor", opts)
         if not cuda:
             return self._gloo_reduction(entry, compat.gloo_reduce_scatter_tensor, [output], self._cpu, output,
@@ -524,7 +545,7 @@ class GroupShell:
     def _coalesced(self, body: Callable[[], list]) -> Optional[CudaWork]:
         """Run ``body`` (which submits CUDA calls) as one NCCL group; one Work for all.
         Inside an open coalescing block the calls join it and the block's Work covers them."""
-        calls = self._cuda.calls
+        calls = self._issuer
         if calls.block is not None:
             body()
             return None
@@ -544,17 +565,17 @@ class GroupShell:
     def _end_coalescing(self, device=None):
         if _args.is_cpu(device):
             return self._cpu._end_coalescing(device)
-        return self._cuda.calls.close_block()
+        return self._issuer.close_block()
 
     def _open_block(self) -> None:
-        self._cuda.calls.open_block(compat.calling_coalescing_manager(self._manager_gone))
+        self._issuer.open_block(compat.calling_coalescing_manager(self._manager_gone))
 
     def _manager_gone(self, manager_ref) -> None:
         """The generator of a ``_coalescing_manager`` that opened a block was freed (the
         ``with`` statement is over). If our block is still open, its body raised: drop the
         block, and also torch's own record of the manager, which torch leaves behind (so the
         group's next all_reduce would otherwise be captured into a dead manager forever)."""
-        calls = self._cuda.calls
+        calls = self._issuer
         if calls.block_manager is not manager_ref or calls.block is None:
             return
         calls.discard_raised_block(stacklevel=3)
@@ -575,6 +596,10 @@ class GroupShell:
         timeout; then shut the gloo half down. The group is unusable afterwards."""
         if self._cuda.state not in (GroupState.OK, GroupState.ABORTING):  # aborting: the shutdown aborts now
             return
+        try:
+            self._issuer.flush()  # what is queued goes first, as its Works promise
+        except Exception:  # noqa: BLE001 - the Works of that batch carry the error
+            pass
         self._cuda.shutdown()  # an abort instead shuts gloo down through on_abort
         if self._cuda.state is GroupState.SHUT_DOWN:
             self._cpu_shutdown()

@@ -43,7 +43,10 @@ class CudaWork(dist.Work):
                  "_slot", "_batch", "_stream", "_async", "_seen", "_error", "_future", "_join")
 
     def __init__(self, op_name: str, device: torch.device, outputs: List[torch.Tensor], watch,
-                 flush: Optional[Callable[[], None]] = None, blocking_wait: bool = False, seq: int = 0):
+                 flush: Optional[Callable[[], None]] = None, blocking_wait: bool = False, seq: int = 0,
+                 slot=None, stream: int = 0, async_op: bool = True):
+        """``slot``, ``stream``, ``async_op``: where a Work made once its call is issued is
+        (see :meth:`_issued`); a queued call's Work learns it later."""
         super().__init__()
         self.op_name = op_name
         self.seq = seq
@@ -52,10 +55,11 @@ class CudaWork(dist.Work):
         self._flush = flush  # set while queued; issues the queue
         self._blocking_wait = blocking_wait
         self._watch = watch  # the group's (cupycoll.faults.watchdog.Watch)
-        self._slot = None  # its batch's place in the watch (an InFlight), once issued
-        self._batch = 0  # its batch's number there (the slot is reused once it is retired)
-        self._stream = 0  # the raw stream it was issued on
-        self._async = True
+        self._slot = slot  # its batch's place in the watch (an InFlight), once issued
+        # its batch's number there (the slot is reused once it is retired)
+        self._batch = slot.seq if slot is not None else 0
+        self._stream = stream  # the raw stream it was issued on
+        self._async = async_op
         self._seen = False  # its caller saw it complete while the group was healthy
         self._error: Optional[BaseException] = None  # its own: it was never issued
         self._future: Optional[torch.futures.Future] = None
@@ -67,11 +71,14 @@ class CudaWork(dist.Work):
     def covering(cls, works: List["CudaWork"], blocking_wait: bool = False) -> "CudaWork":
         """One Work for the issued Works of a coalescing block (one NCCL group, one stream
         and event): its outputs are theirs, in order."""
-        first = works[0]
-        work = cls("coalesced", first.device, [t for w in works for t in w._outputs], first._watch,
-                   seq=works[-1].seq, blocking_wait=blocking_wait)
+        first, outputs, error = works[0], [], None
+        for part in works:
+            outputs.extend(part._outputs)
+            if error is None:
+                error = part._error
+        work = cls("coalesced", first.device, outputs, first._watch, seq=works[-1].seq, blocking_wait=blocking_wait)
         work._issued(first._slot, first._stream, first._async, first._join)
-        work._error = next((w._error for w in works if w._error is not None), None)
+        work._error = error
         return work
 
     # -- called by the backend -------------------------------------------------------
@@ -128,6 +135,8 @@ class CudaWork(dist.Work):
         slot = self._in_flight()
         if slot is None:
             return True
+        if not slot.sealed:  # a synchronous call's batch still open: its event recorded now
+            self._watch.seal(slot)
         with self._watch.runtime.on_device(self.device.index):
             return slot.event.query()
 
@@ -141,9 +150,10 @@ class CudaWork(dist.Work):
 
     # -- torch's Work interface -----------------------------------------------------
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        error = self._failure()
-        if error is not None:
-            raise error
+        if self._watch.closed is not None or self._error is not None:  # the usual call skips this
+            error = self._failure()
+            if error is not None:
+                raise error
         if self._flush is not None:
             self._flush()
         if timeout or self._blocking_wait:  # a timedelta of 0 is false: the usual call skips this
@@ -152,13 +162,15 @@ class CudaWork(dist.Work):
             error = self._failure()
             if error is not None:
                 raise error
-        slot = self._in_flight()
-        if slot is not None:
+        slot = self._slot
+        if slot is not None and slot.seq == self._batch:  # still in flight
             runtime = self._watch.runtime
             index = self.device.index
             current = runtime.current_stream(index)
             # A synchronous call ran on the caller's stream: still current, it is ordered already.
             if self._async or current != self._stream:
+                if not slot.sealed:
+                    self._watch.seal(slot)
                 if runtime.current_device() == index:
                     slot.event.wait_on(current)
                 else:  # the wait is a CUDA call: made on the group's device, no other
@@ -191,6 +203,7 @@ class CudaWork(dist.Work):
         elif self._blocking_wait:
             slot = self._in_flight()
             if slot is not None:
+                self._watch.seal(slot)
                 with self._watch.runtime.on_device(self.device.index):
                     slot.event.synchronize()
             self._saw(True)
@@ -240,6 +253,8 @@ class CudaWork(dist.Work):
                 return self._future
             runtime, index = self._watch.runtime, self.device.index
             slot = self._in_flight()
+            if slot is not None:
+                self._watch.seal(slot)
             after = slot.event if slot is not None else None
             with runtime.on_device(index):
                 if after is None and self._join is not None and runtime.capturing(runtime.current_stream(index)):

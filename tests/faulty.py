@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cupycoll.backend import describe_batch
+from cupycoll.trace.recorder import Recorder
 from cupycoll.errors import NcclError
 from cupycoll.faults.watchdog import Finding, InFlight, Watch
+from cupycoll.issue import Call
 from cupycoll.nccl import bindings as nb
 from cupycoll.nccl.communicator import Communicator, Communicators
 from cupycoll.work import CudaWork
@@ -138,6 +139,9 @@ class GroupComm(FakeComm):
         yield
         self.launched.append("ncclGroupEnd")
 
+    def launch(self, calls, stream):
+        self.launched.extend(function for function, _ in calls)
+
     def abort(self, on_behalf_of=None):
         self.kept_at_abort = [w._slot is not None and w._slot.keepalive is not None for w in self.works]
         super().abort()
@@ -169,7 +173,7 @@ def recorder_entry(seq=1, op="all_reduce", shapes=((4,),), dtypes=(torch.float32
 
 def make_watch(name="g", timeout=5.0, comms=None):
     """A group's watch as the backend makes it: batches named by their recorder entries."""
-    return Watch(name, timeout, comms, describe=describe_batch)
+    return Watch(name, timeout, comms, Recorder(name, [0], 0))
 
 
 def issued_work(watch, seq=1, shape=(4,), op="all_reduce", keepalive=None, event=None, stream=0):
@@ -185,6 +189,23 @@ def issued_work(watch, seq=1, shape=(4,), op="all_reduce", keepalive=None, event
     work = CudaWork(op, CUDA, [tensor], watch, seq=seq)
     work._issued(slot, stream, True)
     return work, event
+
+
+def queued_call(watch, op="send", peer=None, run=None, prepare=None, finish=None, async_op=True, seq=1,
+                keep=None, outputs=None) -> Call:
+    """A described call with its Work, as the issuer holds it once queued: ``run`` its launch."""
+    call = Call(op=op, device=CUDA, outputs=outputs if outputs is not None else [], keep=keep, async_op=async_op,
+                entry=None, run=run, prepare=prepare,
+                finish=finish, peer=peer)
+    call.work = CudaWork(op, CUDA, call.outputs, watch, seq=seq)
+    return call
+
+
+def submit(group, op, run, keep=None, peer=None, finish=None, prepare=None, async_op=True, algorithm=None):
+    """A described call of ``run`` (its only step) issued on ``group``: its Work."""
+    return group._issuer.issue(Call(op=op, device=CUDA, outputs=[torch.ones(2)], keep=keep, async_op=async_op,
+                                    entry=None, run=run, prepare=prepare,
+                                    finish=finish, peer=peer, algorithm=algorithm))
 
 
 def stuck_work(watch, seq=1):
@@ -248,12 +269,30 @@ def eventually(predicate, timeout=5.0):
 # -- a real Communicator over a scripted NCCL -----------------------------------------------
 
 
+class Unchecked:
+    """A stand-in library's :attr:`~cupycoll.nccl.bindings.NcclLibrary.unchecked`: its NCCL
+    functions by name (each returns its status, as the bare C function does)."""
+
+    def __init__(self, library):
+        self._library = library
+
+    def __getitem__(self, name):
+        return getattr(self._library, name)
+
+
 class ScriptedLibrary:
     """ncclCommGetAsyncError answers from a script; abort is recorded."""
 
     def __init__(self, states):
         self.states = list(states)
         self.aborts = 0
+
+    @property
+    def unchecked(self):
+        return Unchecked(self)
+
+    def failure(self, function, status):
+        return NcclError(status, function, self.error_string(status), self.last_error())
 
     def ncclCommGetAsyncError(self, comm, status_ref):
         status = self.states.pop(0) if len(self.states) > 1 else self.states[0]

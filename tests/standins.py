@@ -31,13 +31,14 @@ import torch
 from cupycoll import _cuda
 from cupycoll.backend import CudaBackend
 from cupycoll.faults.watchdog import InFlight
+from cupycoll.issue import Issuer
 from cupycoll.process_group import ProcessGroupCupycoll
 
 CUDA = torch.device("cuda", 0)
 
 
 class CpuAsCudaBackend(CudaBackend):
-    _fast_is_cuda = False  # its CPU tensors stand in for CUDA ones on the fast path too
+    _tensors_are_cuda = False  # its CPU tensors stand in for CUDA ones
     stands_for = CUDA  # the device its CPU tensors stand for
 
     def _device_of(self, tensor):
@@ -45,11 +46,12 @@ class CpuAsCudaBackend(CudaBackend):
 
     def _adopt_device(self, device):
         super()._adopt_device(device)
-        self._device_index = -1  # what a CPU tensor's get_device() says: the fast path's test
+        self._device_index = -1  # what a CPU tensor's get_device() says
 
 
 class CpuAsCudaGroup(ProcessGroupCupycoll):
     backend_class = CpuAsCudaBackend
+    _tensors_are_cuda = False  # its CPU tensors take the CUDA route
 
     def _build_cpu_group(self, store, rank, size, timeout):
         return None
@@ -62,14 +64,16 @@ class CpuAsCudaGroup(ProcessGroupCupycoll):
         return None  # a CPU tensor stands in for a CUDA one: never the CPU route
 
 
-def backend_shape(core: type) -> type:
+def backend_shape(core: type, issuer: type = Issuer) -> type:
     """:class:`CpuAsCudaGroup`'s twin in the Backend shape (torch 2.14+): the real
-    CupycollBackend over the CUDA core ``core``, with no gloo half, so that CPU tensors, which
+    CupycollBackend over the CUDA core ``core`` (and ``issuer``), with no gloo half, so that CPU tensors, which
     torch hands the group's CpuView, take the CUDA route too."""
     from cupycoll import py_backend  # only where torch has the trampoline
 
     class StandInShape(py_backend.CupycollBackend):
         backend_class = core
+        issuer_class = issuer
+        _tensors_are_cuda = False
 
         def _build_cpu_group(self, store, rank, size, timeout):
             return None
@@ -342,7 +346,7 @@ class OnDeviceGroup(CpuAsCudaGroup):
 # -- groups whose backend stops short of NCCL ----------------------------------------------
 
 
-class QueueBackend(CpuAsCudaBackend):
+class QueueIssuer(Issuer):
     """_enqueue records each batch (its Works' op names) as one NCCL group would issue it,
     and marks the Works issued; nothing is in flight."""
 
@@ -350,40 +354,47 @@ class QueueBackend(CpuAsCudaBackend):
         super().__init__(*args, **kwargs)
         self.batches = []
 
-    def _enqueue(self, issues):
-        self.batches.append([i.work.op_name for i in issues])
-        for issue in issues:
-            issue.work._issued(None, 0, True)
+    def _enqueue(self, batch):
+        self.batches.append([call.work.op_name for call in batch])
+        for call in batch:
+            call.work._issued(None, 0, True)
 
 
 class QueueGroup(CpuAsCudaGroup):
-    backend_class = QueueBackend
+    issuer_class = QueueIssuer
 
     @property
     def batches(self):
-        return self._cuda.batches
+        return self._issuer.batches
 
 
-class IssuingBackend(CpuAsCudaBackend):
+class IssuingIssuer(Issuer):
     """_enqueue puts the batch in flight on a stand-in event (fired by the test: the kernel
     ended); ``before_tracking`` runs first, as another thread may meanwhile."""
 
     event = None
     before_tracking = None
 
-    def _enqueue(self, issues):
+    def _enqueue(self, batch):
         if self.before_tracking is not None:
             self.before_tracking()
         self.event = FakeEvent()
-        self.watch._free.append(InFlight(self.event))
-        slot = self.watch.issued(0, None, [issue.keepalive for issue in issues])
-        for issue in issues:
-            issue.work._issued(slot, 0, True)
-            issue.tracked = True
+        watch = self._backend.watch
+        watch._free.append(InFlight(self.event))
+        slot = watch.issued(0, None, [call.keep for call in batch])
+        for call in batch:
+            call.work._issued(slot, 0, True)
+            call.tracked = True
 
 
 class IssuingGroup(CpuAsCudaGroup):
-    backend_class = IssuingBackend
+    issuer_class = IssuingIssuer
+
+
+# The verb a RecordingComm records each NCCL function by (the Communicator's method name).
+_VERBS = {"ncclAllReduce": "all_reduce", "ncclBroadcast": "broadcast", "ncclReduce": "reduce",
+          "ncclAllGather": "all_gather", "ncclReduceScatter": "reduce_scatter", "ncclSend": "send",
+          "ncclRecv": "recv"}
 
 
 class RecordingComm:
@@ -405,37 +416,46 @@ class RecordingComm:
             return lambda scalar, dtype, on_device: (self.calls.append((verb, scalar, dtype, on_device)), 99)[1]
         raise AttributeError(verb)
 
+    def launch(self, calls, stream):
+        for function, args in calls:
+            self.calls.append((_VERBS[function], *args))
+
     def group(self):
         # an NCCL group through the communicator: no library is looked up, nothing recorded
         return contextlib.nullcontext()
 
 
-class RecordingBackend(CudaBackend):
-    """The real device checks (a CPU tensor is on cpu); each submitted call is launched at
-    once on a recording communicator instead of being issued."""
+class RecordingIssuer(Issuer):
+    """Each described call launched at once on a recording communicator (its prepare first,
+    as a batch's are, then its NCCL calls or run step, then its finish); nothing is issued."""
 
-    def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), async_op=True,
-               peer=None, blocking_wait=False, algorithm=None, prepare=None, entry=None):
+    def issue(self, call):
+        backend = self._backend
         comm = RecordingComm()
-        self.phase = "prepare"
-        if prepare is not None:  # before the NCCL group, as _launch_all runs it
-            prepare(comm)
-        self.prepared.append((op_name, list(comm.calls)))
-        self.phase = "launch"
-        if peer is None:
-            launch(comm, 1234)
+        backend.phase = "prepare"
+        if call.prepare is not None:
+            call.prepare(comm)
+        backend.prepared.append((call.op, list(comm.calls)))
+        backend.phase = "launch"
+        if call.calls is not None:
+            comm.launch(call.calls, 1234)
+        elif call.peer is None:
+            call.run(comm, 1234)
         else:
-            launch(comm, 1234, peer)
-        if finish is not None:
-            finish()
-        self.submitted.append((op_name, comm.calls))
+            call.run(comm, 1234, call.peer)
+        if call.finish is not None:
+            call.finish()
+        backend.submitted.append((call.op, comm.calls))
+        backend.keepalives.append(call.keep)
         return comm.calls
 
 
 class LogicGroup(CpuAsCudaGroup):
-    """CPU tensors take the NCCL path; nothing reaches NCCL or gloo."""
+    """CPU tensors take the NCCL path; nothing reaches NCCL or gloo. The real device checks
+    (a CPU tensor is on cpu)."""
 
-    backend_class = RecordingBackend
+    backend_class = CudaBackend
+    issuer_class = RecordingIssuer
 
 
 def logic_group() -> LogicGroup:
@@ -443,5 +463,5 @@ def logic_group() -> LogicGroup:
     (op name, NCCL calls), ``group._cuda.prepared`` what its prepare step called."""
     group = LogicGroup(None, 0, 2, datetime.timedelta(seconds=5))
     group.submitted = group._cuda.submitted = []
-    group._cuda.prepared = []
+    group._cuda.prepared, group._cuda.keepalives = [], []
     return group

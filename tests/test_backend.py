@@ -2,7 +2,7 @@
 of it may run on the GPU faults the group (its Works keep their tensors until the abort),
 one that fails before its first launch makes no NCCL call; which communicator a
 point-to-point call uses, the same on every rank; and the device the watchdog queries on.
-Issuing itself, queued and coalesced, is tests/test_call_queue.py's; faults and aborts
+Issuing itself, queued and coalesced, is tests/test_issue.py's; faults and aborts
 through the backend are tests/faults/test_faults.py's."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch._C import _distributed_c10d as c10d
 
 from cupycoll import config
 from cupycoll.errors import CommunicatorAbortedError, CupycollError
-from faulty import FakeComm, GroupComm, make_group
+from faulty import FakeComm, GroupComm, make_group, submit
 from standins import CUDA, CpuAsCudaBackend, QueueGroup
 
 # -- a batch that fails once part of it may run, or before its first launch ---------------
@@ -38,8 +38,8 @@ def test_a_batch_failing_after_its_nccl_group_launched_is_tracked_and_faults(cud
     def launch(c, stream, peer):
         c.launched.append("send")
 
-    send = cuda.submit("send", CUDA, [torch.ones(2)], launch, keepalive=torch.ones(2), peer=1)
-    recv = cuda.submit("recv", CUDA, [torch.ones(2)], launch, finish=boom, keepalive=torch.ones(2), peer=1)
+    send = submit(group, "send", launch, keep=torch.ones(2), peer=1)
+    recv = submit(group, "recv", launch, finish=boom, keep=torch.ones(2), peer=1)
     comm.works = [send, recv]
     with pytest.raises(RuntimeError, match="the copy after the group failed"):
         recv.wait()
@@ -61,7 +61,7 @@ def test_a_single_ring_call_failing_mid_way_faults_the_group(cuda_standins):
         raise RuntimeError("NVRTC: compile failed at step 3")
 
     with pytest.raises(RuntimeError, match="step 3"):
-        cuda.submit("all_reduce", CUDA, [torch.ones(2)], ring, keepalive=torch.ones(2), algorithm="ring",
+        submit(group, "all_reduce", ring, keep=torch.ones(2), algorithm="ring",
                     async_op=False)
     assert cuda.life.ended.wait(5)
     assert cuda.state == "aborted" and cuda.comm.aborted.is_set()
@@ -76,8 +76,8 @@ def test_a_batch_failing_before_its_first_launch_is_never_issued_and_faults_noth
     def launch(c, stream, peer):
         c.launched.append("send")
 
-    send = cuda.submit("send", CUDA, [torch.ones(2)], launch, peer=1, async_op=False)
-    recv = cuda.submit("recv", CUDA, [torch.ones(2)], launch, peer=1, async_op=False, prepare=oom)
+    send = submit(group, "send", launch, peer=1, async_op=False)
+    recv = submit(group, "recv", launch, peer=1, async_op=False, prepare=oom)
     with pytest.raises(torch.OutOfMemoryError):
         recv.wait()
     assert comm.launched == [] and cuda.state == "ok" and not cuda.watch.in_flight()
@@ -95,8 +95,8 @@ def test_an_interrupt_after_launch_faults_the_group_with_a_typed_error(cuda_stan
     def launch(c, stream, peer):
         c.launched.append("send")
 
-    send = cuda.submit("send", CUDA, [torch.ones(2)], launch, keepalive=torch.ones(2), peer=1)
-    recv = cuda.submit("recv", CUDA, [torch.ones(2)], launch, finish=interrupt, keepalive=torch.ones(2), peer=1)
+    send = submit(group, "send", launch, keep=torch.ones(2), peer=1)
+    recv = submit(group, "recv", launch, finish=interrupt, keep=torch.ones(2), peer=1)
     with pytest.raises(KeyboardInterrupt):
         recv.wait()
     assert cuda.life.ended.wait(5)

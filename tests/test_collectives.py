@@ -22,7 +22,7 @@ from cupycoll.nccl import bindings as nb
 from cupycoll.errors import (CommunicatorAbortedError, CupycollError, CupycollTypeError,
                              CupycollValueError, MissingDependencyError, NcclError, NoCudaDeviceError)
 from cupycoll.process_group import ProcessGroupCupycoll
-from standins import LogicGroup, RecordingBackend, logic_group
+from standins import LogicGroup, logic_group
 
 R = dist.ReduceOp
 
@@ -378,7 +378,7 @@ class PremulComm:
 
 def _premul_launch():
     red = _args.reduction_plan(torch.ones(4), dist._make_nccl_premul_sum(0.5), "nccl", 2)
-    return collectives._reduce_launch(red, torch.float32,
+    return collectives._premul_launch(red, torch.float32,
                                       lambda comm, op, s: comm.all_reduce(1, 1, 4, red.dtype, op, s))
 
 
@@ -402,16 +402,6 @@ def test_premul_sum_failing_on_a_healthy_communicator_still_destroys_its_op():
     assert comm.destroyed == [7]
 
 
-class KeepaliveBackend(RecordingBackend):
-    def submit(self, op_name, device, outputs, launch, finish=None, keepalive=(), **kwargs):
-        self.keepalives.append(keepalive)
-        return super().submit(op_name, device, outputs, launch, finish, keepalive, **kwargs)
-
-
-class KeepaliveGroup(LogicGroup):
-    backend_class = KeepaliveBackend
-
-
 def _tensors(kept):
     if isinstance(kept, torch.Tensor):
         return [kept]
@@ -422,7 +412,7 @@ def _tensors(kept):
 
 @pytest.fixture(params=["nccl", "ring"])
 def keep_group(request):
-    group = KeepaliveGroup(None, 0, 2, datetime.timedelta(seconds=5))
+    group = LogicGroup(None, 0, 2, datetime.timedelta(seconds=5))
     group.submitted = group._cuda.submitted = []
     group._cuda.prepared, group._cuda.keepalives, group.ring_calls = [], [], []
     group._cuda.runner = lambda algorithm, comm: RecordingRing(group.ring_calls, [], group._cuda)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import cupycoll
+from cupycoll.issue import Call
 from cupycoll import _registration, compat, config
 from cupycoll.errors import CupycollTypeError, CupycollValueError, NcclError
 from installed import cupycoll_entry_points
@@ -100,10 +101,11 @@ def test_blocking_wait_setting_reaches_the_works(monkeypatch):
     try:
         assert group.settings.blocking_wait is True
         # A send to a peer is queued, not issued: the Work exists without a GPU.
-        work = group._cuda.submit("send", torch.device("cuda", 0), [], launch=None, peer=0)
+        work = group._issuer.issue(Call(op="send", device=torch.device("cuda", 0), outputs=[], keep=None,
+                                        async_op=True, entry=None, peer=0))
         assert work._blocking_wait is True
     finally:
-        group._cuda.calls.drop()
+        group._issuer.drop()
         dist.destroy_process_group()
 
 

@@ -81,19 +81,24 @@ def test_eager_init_without_set_device_makes_no_context_on_another_device(node):
 
 def test_synchronous_calls_run_on_the_groups_device_from_a_thread_on_another(node):
     group = node.group()
-    for _ in range(3):  # the first learns the plan; the others may take the fast path
+    for _ in range(3):  # the first learns the plan; the others may take one frame
         group.allreduce([torch.ones(4)], opts()).wait()
     group.broadcast([torch.ones(4)], opts("BroadcastOptions")).wait()
     only_the_groups_device(node)
 
 
-def test_the_fast_path_runs_for_a_caller_on_the_groups_device(node):
+def test_the_one_frame_launch_runs_for_a_caller_on_the_groups_device(node, monkeypatch):
     group = node.group()
+    issuer, later = group._issuer, []
+    issue_later = issuer._later
+    monkeypatch.setattr(issuer, "_later", lambda call: later.append(call.op) or issue_later(call))
     node.ledger.set_device(3)  # torch.cuda.set_device(3), as the README's init does
-    group.allreduce([torch.ones(4)], opts()).wait()  # the general path learns the plan
-    assert group._cuda.all_reduce_fast(torch.ones(4), opts()) is not None
-    node.ledger.set_device(0)  # a caller on another device is sent to the general path
-    assert group._cuda.all_reduce_fast(torch.ones(4), opts()) is None
+    group.allreduce([torch.ones(4)], opts()).wait()  # the first call makes the communicator
+    group.allreduce([torch.ones(4)], opts()).wait()  # launched in one frame
+    assert later == ["all_reduce"]
+    node.ledger.set_device(0)  # a caller on another device: issued under the group's device
+    group.allreduce([torch.ones(4)], opts()).wait()
+    assert later == ["all_reduce", "all_reduce"]
     node.ledger.contexts.discard(0)  # made by this test's own set_device(0)
     only_the_groups_device(node)
 
@@ -229,6 +234,7 @@ def test_destroy_runs_on_the_groups_device(node):
     group = node.group()
     group.allreduce([torch.ones(4)], opts()).wait()
     for slot in [s for q in group._cuda.watch._streams.values() for s in q]:
+        group._cuda.watch.seal(slot)  # a synchronous call's event, recorded
         slot.event.fired.set()  # its work is done: a clean shutdown finalizes
     group.shutdown()
     assert [f for f, _ in node.library.launched][-2:] == ["ncclCommFinalize", "ncclCommDestroy"]
@@ -275,7 +281,7 @@ def test_a_tensor_on_another_device_is_a_typed_error_naming_both_before_anything
     with pytest.raises(CupycollValueError, match=r"is on cuda:2 but this group's communicator is on cuda:3"):
         run()
     assert len(node.library.launched) == launched and group._cuda.watch.in_flight() == in_flight
-    assert group._cuda.calls.pending == [] and group._cuda.calls.block is None
+    assert group._issuer.pending == [] and group._issuer.block is None
     group.allreduce([torch.ones(4)], opts()).wait()  # still usable
 
 

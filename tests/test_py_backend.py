@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from cupycoll import compat
 from cupycoll.errors import CupycollTypeError, CupycollValueError
-from standins import QueueBackend, backend_shape
+from standins import CpuAsCudaBackend, QueueIssuer, backend_shape
 
 pytestmark = pytest.mark.skipif(
     not compat.PY_BACKEND, reason=f"torch {torch.__version__} has no PyBackend trampoline (2.14 added it)")
@@ -28,14 +28,14 @@ pytestmark = pytest.mark.skipif(
 if compat.PY_BACKEND:
     from cupycoll import py_backend
 
-    class StandInBackend(backend_shape(QueueBackend)):
+    class StandInBackend(backend_shape(CpuAsCudaBackend, QueueIssuer)):
         """The real Backend shell over a queue-recording core (tests/standins.py)."""
 
         def _start_coalescing(self, device=None):
             self._open_block()
 
         def _end_coalescing(self, device=None):
-            return self._cuda.calls.close_block()
+            return self._issuer.close_block()
 
 NAME = "cupycoll_standin"
 CPU = torch.device("cpu")

@@ -28,6 +28,7 @@ from cupycoll import compat
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError
 from cupycoll.faults.lifecycle import GroupState
 from cupycoll.shell import group_arguments
+from cupycoll.issue import Issuer
 from standins import CpuAsCudaBackend, CpuAsCudaGroup, RecordedEvent, backend_shape
 
 EVENTS = []  # every CUDA event the backend made, in order: the test fires them
@@ -42,15 +43,15 @@ class Event(RecordedEvent):
         self.fired.wait(30)
 
 
-class TrackingBackend(CpuAsCudaBackend):
-    """The real CUDA core, but a batch is tracked (event, watch, recorder) without NCCL."""
+class TrackingIssuer(Issuer):
+    """The real issuer, but a batch is tracked (event, watch, recorder) without NCCL."""
 
-    def _enqueue(self, issues):
-        self._track(issues, None, None, True)
+    def _enqueue(self, batch):
+        self._track(batch, None, None, True)
 
 
 class ProcessGroupShape(CpuAsCudaGroup):
-    backend_class = TrackingBackend
+    issuer_class = TrackingIssuer
 
 
 def _process_group_shape(dist_backend_opts, pg_options):
@@ -62,7 +63,7 @@ SHAPES = {"process_group": _process_group_shape}
 if compat.PY_BACKEND:
     from cupycoll import py_backend
 
-    BackendShape = backend_shape(TrackingBackend)
+    BackendShape = backend_shape(CpuAsCudaBackend, TrackingIssuer)
     SHAPES["backend"] = functools.partial(py_backend.create, cls=BackendShape)
 
 # What torch's holder of a Python Backend's Work answers itself (torch 2.14.1, 2.15).

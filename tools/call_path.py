@@ -1,5 +1,6 @@
 """The path of one synchronous CUDA all_reduce through cupycoll, traced and timed on CPU:
-``python -m tools.call_path [--calls N] [--json FILE] [--through-dist] [--cpu-route]``.
+``python -m tools.call_path [--calls N] [--json FILE] [--through-dist] [--cpu-route]``, and
+one CUDA timeout walked across threads: ``python -m tools.call_path --timeout``.
 
 It builds the group the CPU tests build (``tests/standins.py``: the real
 ``ProcessGroupCupycoll`` and ``CudaBackend``, every tensor counting as ``cuda:0``, the CUDA
@@ -12,7 +13,7 @@ another, and the upward calls: those from a module into one above it in :data:`L
 (docs/design.md, "The house"). Then it times ``--calls`` all_reduce + wait without tracing
 and prints host microseconds per call, wall time and the calling thread's CPU time (which
 other processes on a loaded machine stretch less): a proxy, on CPU, for the Python share of
-the host cost. Then the fast path's other calls (FSDP's all_gather_into_tensor and
+the host cost. Then the other hot calls (FSDP's all_gather_into_tensor and
 reduce_scatter_tensor, DDP's broadcast) the same way, and last a coalescing block of 64
 all_reduces as torch's ``_coalescing_manager`` makes it: the calls each makes into cupycoll
 and its thread CPU (per all_reduce for the block).
@@ -50,8 +51,9 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("shell",),
     ("collectives",),
     ("_args", "call_forms"),
+    ("issue", "coalescing"),
     ("backend",),
-    ("faults.lifecycle", "call_queue", "nccl.bootstrap"),
+    ("faults.lifecycle", "nccl.bootstrap"),
     ("nccl.communicator", "nccl.call_guard", "nccl.group"),
     ("nccl.bindings", "_cuda", "compat", "config", "algorithms", "errors", "work", "faults.watchdog",
      "faults.watchdog_cuda", "faults.heartbeat", "trace.group", "trace.recorder", "trace.diagnosis",
@@ -166,6 +168,16 @@ class _Library:
     def has(self, name):
         return True
 
+    @property
+    def unchecked(self):  # NcclLibrary.unchecked: the bare functions by name
+        return self
+
+    def __getitem__(self, name):
+        return self.__getattr__(name)
+
+    def failure(self, function, status):
+        raise AssertionError(f"{function} returned {status} on the stand-in")
+
 
 def _standin_classes():
     """(the stand-ins module, the CudaBackend and the group class of the call path): every
@@ -231,8 +243,10 @@ def measure(timed_calls: int = 2000) -> dict:
 
         all_reduce()  # the first call creates the communicator
         per_call_us(all_reduce, max(1, timed_calls // 10), repeats=1)  # warm-up
-        # The steady state: the watchdog's pass has returned the finished calls' slots to the pool.
-        group._cuda.watch.retire()
+        # The steady state: the watchdog's pass has recorded the open slot's event and returned
+        # the finished calls' slots to the pool (the traced call opens a slot of its own).
+        steady = _steady(group)
+        steady()
         calls = trace_calls(all_reduce, Path(cupycoll.__file__).resolve().parent)
         host_us = per_call_us(all_reduce, timed_calls, repeats=3)
         # The caller's CPU time: what other processes on a loaded machine do not stretch.
@@ -240,13 +254,18 @@ def measure(timed_calls: int = 2000) -> dict:
         collections, gc_us = garbage_collections(all_reduce, GC_CALLS)
         other_fast = {}
         for name, call in other_fast_calls(group).items():
-            call()  # the first call takes the general path (a reduction's plan is learnt there)
-            group._cuda.watch.retire()
+            call()  # the first call learns a reduction's plan
+            steady()
             traced = trace_calls(call, Path(cupycoll.__file__).resolve().parent)
             other_fast[name] = {"calls": len(traced),
                                 "thread_cpu_us": per_call_us(call, timed_calls, repeats=3, clock=time.thread_time)}
+        with cupycoll.algorithm("nccl"):  # an override in force: the plan is made at every call
+            all_reduce()
+            steady()
+            general = trace_calls(all_reduce, Path(cupycoll.__file__).resolve().parent)
         block = coalesced_block(group, BLOCK_PARTS)
         block()  # the first block learns nothing new: the plan is the all_reduce's
+        steady()
         block_calls = trace_calls(block, Path(cupycoll.__file__).resolve().parent)
         block_us = per_call_us(block, max(1, timed_calls // BLOCK_PARTS), repeats=3, clock=time.thread_time)
     pairs = cross_module(calls)
@@ -274,14 +293,29 @@ def measure(timed_calls: int = 2000) -> dict:
         "gc_collections": collections,
         "gc_us_per_call": gc_us,
         "other_fast_calls": other_fast,
+        "general_calls": len(general),
+        "general_modules": len(set(call.module for call in general)),
+        "general_upward_calls": [{"from": name(a), "to": name(b)} for a, b in upward_calls(general, LAYERS)],
         "block_parts": BLOCK_PARTS,
         "block_calls": len(block_calls),
+        "block_upward_calls": [{"from": name(a), "to": name(b)} for a, b in upward_calls(block_calls, LAYERS)],
         "block_thread_cpu_us_per_part": block_us / BLOCK_PARTS,
     }
 
 
+def _steady(group) -> Callable[[], None]:
+    """A watchdog pass's effect on the group's watch, at once: every open slot's event
+    recorded, every finished slot back in the pool (the calls' GPU is done at once)."""
+    watch = group._cuda.watch
+
+    def steady():
+        watch._seal_open(float("inf"))
+        watch.retire()
+    return steady
+
+
 def other_fast_calls(group) -> Dict[str, Callable[[], None]]:
-    """The fast path's other calls as torch hands them to the group, synchronous, on 4
+    """The other hot calls as torch hands them to the group, synchronous, on 4
     float32 elements (per rank: FSDP's shard): all_gather_into_tensor (FSDP unsharding
     parameters), reduce_scatter_tensor (FSDP reducing gradients) and broadcast (DDP's
     buffers, at every forward), each with its Work's wait."""
@@ -348,6 +382,101 @@ def garbage_collections(run: Callable[[], object], calls: int) -> Tuple[Dict[int
     finally:
         gc.callbacks.remove(count)
     return counts, spent[0] / calls * 1e6
+
+
+# -- one timeout, walked ------------------------------------------------------------------
+
+
+def trace_threads(run: Callable[[], object], package_dir: Path) -> Dict[str, List[Call]]:
+    """:func:`trace_calls` on every thread: the calls into code under ``package_dir`` that
+    ``run()`` makes, and those of the threads it starts meanwhile, by thread name (a thread
+    started twice under one name is one list)."""
+    import threading
+
+    prefix = str(package_dir) + os.sep
+    found: Dict[str, List[Call]] = {}
+    stacks: Dict[int, list] = {}
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            if not code.co_filename.startswith(prefix):
+                return
+            stack = stacks.setdefault(threading.get_ident(), [])
+            module = code.co_filename[len(prefix):-len(".py")].replace(os.sep, ".")
+            found.setdefault(threading.current_thread().name, []).append(
+                Call(len(stack), module, getattr(code, "co_qualname", code.co_name)))
+            stack.append(frame)
+        elif event == "return":
+            stack = stacks.get(threading.get_ident())
+            if stack and stack[-1] is frame:
+                stack.pop()
+
+    previous = sys.getprofile()
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(previous)
+        threading.setprofile(None)
+    return found
+
+
+def timeout_walk(timeout_s: float = 1.0, interval_s: float = 0.05) -> dict:
+    """One CUDA timeout, walked: rank 0 of 1 on the stand-ins, a synchronous all_reduce whose
+    GPU never finishes (timeout ``timeout_s``, watchdog every ``interval_s``), from the call
+    through the watchdog's finding and the group's end to the caller's error. Per thread: its
+    calls into cupycoll, the modules they touch, and the callbacks it crosses (calls from a
+    module into one above it in :data:`LAYERS`, each pair once: the watchdog's thread starts
+    at the bottom, so what it asks of the communicators and the lifetime counts here)."""
+    import torch
+    import torch.distributed as dist
+
+    import cupycoll
+    from cupycoll import _cuda
+    from cupycoll.errors import CollectiveTimeoutError
+    from cupycoll.faults import lifecycle, watchdog
+
+    standins, Backend, Group = _standin_classes()
+    raised: List[BaseException] = []
+
+    with _cuda.install(standins.DeviceLedger(keep_calls=False)), \
+            mock.patch.object(lifecycle, "WATCHDOG", watchdog.Watchdog()):
+        group = Group(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60),
+                      cupycoll.Options(timeout=timeout_s, watchdog_interval=interval_s))
+
+        def run():  # from the call to the caller's error
+            work = group.allreduce([torch.ones(4)], _sync_options())
+            group._cuda.life.ended.wait(timeout_s * 10 + 30)
+            try:
+                work.wait()
+            except CollectiveTimeoutError as exc:
+                raised.append(exc)
+        try:
+            threads = trace_threads(run, Path(cupycoll.__file__).resolve().parent)
+        finally:
+            group.abort()
+    walked = {}
+    for thread, calls in threads.items():
+        crossed = dict.fromkeys((name(a), name(b)) for a, b in upward_calls(calls, LAYERS))  # each once
+        walked[thread] = {"calls": len(calls),
+                          "modules": list(dict.fromkeys(call.module for call in calls)),
+                          "callbacks": [{"from": a, "to": b} for a, b in crossed]}
+    return {"timeout_s": timeout_s, "interval_s": interval_s, "threads": walked,
+            "modules": sorted({m for t in walked.values() for m in t["modules"]}),
+            "raised": type(raised[0]).__name__ if raised else None}
+
+
+def timeout_report(walk: dict) -> List[str]:
+    lines = [f"one CUDA timeout, walked (rank 0 of 1 on the stand-ins, timeout {walk['timeout_s']:g} s, "
+             f"watchdog every {walk['interval_s']:g} s): {len(walk['threads'])} threads, "
+             f"{len(walk['modules'])} modules; the caller got {walk['raised']}"]
+    for thread, seen in walk["threads"].items():
+        lines.append(f"  {thread}: {seen['calls']} calls, {len(seen['modules'])} modules "
+                     f"({', '.join(seen['modules'])}); {len(seen['callbacks'])} callbacks crossed")
+        lines += [f"    {c['from']} -> {c['to']}" for c in seen["callbacks"]]
+    return lines
 
 
 # -- through torch's dispatch, in each shape --------------------------------------------
@@ -575,11 +704,15 @@ def report(figures: dict) -> List[str]:
               + f" ({figures['gc_us_per_call']:.2f} us per call in the collector)",
               "  a proxy for the Python share of the host cost; the GPU machine measures the real "
               "cost against torch's nccl (cupycoll-bench --scenario overhead)",
-              "the fast path's other calls, synchronous, + wait: " + "; ".join(
+              "the other hot calls, synchronous, + wait: " + "; ".join(
                   f"{name} {f['calls']} calls into cupycoll, {f['thread_cpu_us']:.1f} us of thread CPU"
                   for name, f in figures["other_fast_calls"].items()),
+              f"the same all_reduce with an algorithm override in force (its plan made at every call): "
+              f"{figures['general_calls']} calls into cupycoll, {figures['general_modules']} modules, "
+              f"{len(figures['general_upward_calls'])} upward",
               f"a coalescing block of {figures['block_parts']} all_reduces: {figures['block_calls']} calls into "
-              f"cupycoll, {figures['block_thread_cpu_us_per_part']:.1f} us of thread CPU per all_reduce"]
+              f"cupycoll ({len(figures['block_upward_calls'])} upward), "
+              f"{figures['block_thread_cpu_us_per_part']:.1f} us of thread CPU per all_reduce"]
     return lines
 
 
@@ -590,6 +723,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--through-dist", action="store_true",
                         help="also time dist.all_reduce through torch's dispatch, in each shape this torch "
                              "has, and (torch 2.14+) the floor of its Python-Backend trampoline")
+    parser.add_argument("--timeout", action="store_true",
+                        help="instead, walk one CUDA timeout: per thread the calls into cupycoll, the modules "
+                             "they touch and the callbacks crossed")
     parser.add_argument("--cpu-route", action="store_true",
                         help="also time the CPU route at world size 1 against plain gloo and against the "
                              "floor of a Python group that records each call, and cupycoll's share of it "
@@ -597,6 +733,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error("--calls must be >= 1")
+    if args.timeout:
+        walk = timeout_walk()
+        print("\n".join(timeout_report(walk)))
+        if args.json:
+            Path(args.json).write_text(json.dumps(walk, indent=2) + "\n")
+        return 0
     figures = measure(args.calls)
     print("\n".join(report(figures)))
     if args.through_dist:

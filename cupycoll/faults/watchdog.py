@@ -50,6 +50,7 @@ from typing import List, Optional, Protocol, Tuple
 
 from . import heartbeat, watchdog_cuda
 from .. import _cuda, hooks
+from ..bounds import SEAL_S
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
@@ -67,11 +68,14 @@ RETIRE_ON_ISSUE = 64
 class InFlight:
     """One issued batch: a slot of its watch's pool, reused once retired (its event with it)."""
 
-    __slots__ = ("seq", "event", "stream", "issued_at", "keepalive", "records")
+    __slots__ = ("seq", "event", "stream", "issued_at", "keepalive", "records", "sealed")
 
     def __init__(self, event):
         self.seq = 0  # the batch's number in its watch; 0 while the slot is free
         self.event = event
+        # Its event is recorded after its calls. An open slot (False) is the newest of its
+        # stream, synchronous calls still join it, and its event is not to be queried yet.
+        self.sealed = True
         self.stream = 0
         self.issued_at = 0.0
         self.keepalive = None  # an asynchronous call's tensors, until the GPU is done
@@ -110,7 +114,7 @@ class Watch:
     """The watchdog's view of one group: its calls in flight, and what is wrong with them."""
 
     def __init__(self, name: str, timeout: float, communicators=None, recorder=None, device=None,
-                 describe=None, runtime: Optional[_cuda.Runtime] = None):
+                 runtime: Optional[_cuda.Runtime] = None):
         self.name = name
         self.timeout = float(timeout)
         # The group's communicators (cupycoll.nccl.communicator.Communicators): its calls
@@ -122,8 +126,8 @@ class Watch:
         # None until known. ``runtime``: the CUDA runtime its events come from (cupycoll._cuda).
         self.device = device
         self.runtime = runtime if runtime is not None else _cuda.current()
-        # describe(records) -> the text a timeout message names the batch by.
-        self._describe = describe if describe is not None else _describe_records
+        # describe(records) -> the text a timeout message names the batch by: the recorder's.
+        self._describe = recorder.describe_batch if recorder is not None else _describe_records
         self._streams: dict = {}  # stream -> deque of InFlight, oldest first
         self._free: List[InFlight] = []  # retired slots, their events kept for reuse
         self._joins: dict = {}  # stream -> the event its captured asynchronous batches end with
@@ -135,20 +139,38 @@ class Watch:
         self._lock = threading.Lock()  # one popper at a time; the close's snapshot
 
     # -- the hot path ------------------------------------------------------------------------
-    def issued(self, stream: int, records, keepalive=None) -> InFlight:
+    def issued(self, stream: int, records, keepalive=None, sparse: bool = False) -> InFlight:
         """A batch was launched on ``stream`` (a raw pointer): record a pooled event after it
         and keep it in flight. ``records``: its flight-recorder entry (or a tuple of them);
-        ``keepalive``: what the GPU still reads or writes (an asynchronous call's tensors)."""
-        free = self._free
+        ``keepalive``: what the GPU still reads or writes (an asynchronous call's tensors).
+
+        ``sparse``: a synchronous call's batch (no keepalive), which joins the stream's open
+        slot when that one is younger than ``bounds.SEAL_S``, or opens one whose event is
+        recorded later (:meth:`seal`): one event then covers a burst of calls."""
+        now = _monotonic()
         queue = self._streams.get(stream)
+        if queue:
+            last = queue[-1]
+            if not last.sealed:
+                if sparse and now - last.issued_at < SEAL_S:
+                    with self._lock:  # against a seal or a close beside it
+                        if last.seq and not last.sealed and self.closed is None:
+                            if records is not None:
+                                last.records = (*entries(last.records), *entries(records))
+                            return last
+                self.seal(last)
+        free = self._free
         if not free and queue is not None and len(queue) >= RETIRE_ON_ISSUE:
             self._retire_stream(queue)  # the caller reclaims slots between the watchdog's passes
         slot = free.pop() if free else self._new_slot()
-        slot.event.record(stream)
+        if sparse:
+            slot.sealed = False
+        else:
+            slot.event.record(stream)
         self._seq += 1
         slot.seq = self._seq
         slot.stream = stream
-        slot.issued_at = _monotonic()
+        slot.issued_at = now
         slot.keepalive = keepalive
         slot.records = records
         if queue is None:
@@ -162,6 +184,26 @@ class Watch:
                         queue.pop()
                 slot.keepalive = slot.records = None  # the slot stays its Work's: not reused
         return slot
+
+    def seal(self, slot: InFlight) -> None:
+        """Record an open slot's event (after every call that joined it; nothing for a sealed
+        or freed slot), with the group's device current."""
+        with self._lock:
+            if slot.sealed or not slot.seq:
+                return
+            with self.runtime.on_device(self.device):
+                slot.event.record(slot.stream)
+            slot.sealed = True
+
+    def _seal_open(self, now: float) -> None:
+        """The watchdog's part: seal every open slot older than ``bounds.SEAL_S`` whose stream
+        is not capturing a CUDA graph (an event recorded there would join the capture), so a
+        burst's last calls complete, and time out, without a later call."""
+        for queue in list(self._streams.values()):
+            last = queue[-1] if queue else None
+            if last is not None and not last.sealed and now - last.issued_at >= SEAL_S \
+                    and not self.runtime.capturing(last.stream):
+                self.seal(last)
 
     def _new_slot(self) -> InFlight:
         """A slot around a new pooled event, made on the group's device: CUDA records an event
@@ -226,6 +268,7 @@ class Watch:
     def _free_slot(self, slot: InFlight, completed: bool) -> None:
         records, slot.records, slot.keepalive = slot.records, None, None
         slot.seq = 0
+        slot.sealed = True
         if completed and self.recorder is not None:
             mark = self.recorder.mark
             if isinstance(records, list):
@@ -271,6 +314,8 @@ class Watch:
         """(slot, its number) of ``queue``'s oldest batches the GPU has finished (a stream's
         events fire in order): the newest event first, else a binary search."""
         slots = [(slot, slot.seq) for slot in list(queue)]
+        if slots and not slots[-1][0].sealed:  # open: nothing to ask its event yet
+            slots.pop()
         if not slots:
             return []
         if watchdog_cuda.query(slots[-1][0].event):
@@ -296,6 +341,7 @@ class Watch:
                 return False
             try:
                 with self.on_device():
+                    self._seal_open(float("inf"))
                     self.retire()
             except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: not drained
                 logger.error("draining group %r failed: %r", self.name, exc)
@@ -328,10 +374,13 @@ class Watch:
             if not queue:
                 continue
             head = queue[0]
-            if now - head.issued_at > self.timeout and not watchdog_cuda.query(head.event):
+            if head.sealed and now - head.issued_at > self.timeout and not watchdog_cuda.query(head.event):
                 return Finding(CollectiveTimeoutError(
                     f"process group {self.name!r}: {self._describe(head.records)} did not complete "
                     f"within {self.timeout:g} s; a peer may have hung, died or skipped it"), head)
+        # After the timeouts: a slot sealed now is judged by the next pass, never against its
+        # own fresh record.
+        self._seal_open(now)
         comms = self.communicators
         if comms is None:
             return None

@@ -327,7 +327,7 @@ def _checked(library: "NcclLibrary", name: str, function):
         status = function(*args)
         if status in (ncclSuccess, ncclInProgress):
             return status
-        raise NcclError(status, name, library.error_string(status), library.last_error())
+        raise library.failure(name, status)
 
     call.__name__ = call.__qualname__ = name
     return call
@@ -335,7 +335,10 @@ def _checked(library: "NcclLibrary", name: str, function):
 
 class NcclLibrary:
     """One loaded libnccl. Each :data:`FUNCTIONS` entry is an attribute of the same C name
-    (``None`` when an optional one is missing; its name is then in :attr:`missing`)."""
+    (``None`` when an optional one is missing; its name is then in :attr:`missing`), which
+    raises :class:`~cupycoll.errors.NcclError` on a failed status; :attr:`unchecked` holds the
+    bare C functions by name, for a caller that checks a batch of statuses itself (no Python
+    frame around each call: see :meth:`cupycoll.nccl.communicator.Communicator.launch`)."""
 
     def __init__(self, path: str):
         try:
@@ -344,6 +347,7 @@ class NcclLibrary:
             raise MissingDependencyError(f"cannot load NCCL from {path}: {exc}; {_INSTALL_HINT}") from exc
         self.path = path
         self.missing: list = []
+        self.unchecked: dict = {}
         for entry in FUNCTIONS:
             try:
                 function = getattr(self._cdll, entry.name)
@@ -359,6 +363,7 @@ class NcclLibrary:
             function.restype = entry.restype
             function.argtypes = entry.argtypes
             if entry.restype is ncclResult_t:
+                self.unchecked[entry.name] = function
                 function = _checked(self, entry.name, function)
             setattr(self, entry.name, function)
 
@@ -378,6 +383,10 @@ class NcclLibrary:
     def version_tuple(self) -> tuple:
         """``(major, minor, patch)``."""
         return _split_version(self.version())
+
+    def failure(self, function: str, status: int) -> NcclError:
+        """The error of ``function`` returning ``status`` (neither success nor in progress)."""
+        return NcclError(status, function, self.error_string(status), self.last_error())
 
     def error_string(self, status: int) -> str:
         """``ncclGetErrorString(status)``."""

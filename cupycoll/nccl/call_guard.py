@@ -61,13 +61,7 @@ class GuardedCalls:
     def _guarded(self, function: str, call: Callable[[Optional[int]], object], for_child: object = None):
         """``call(handle)``, one NCCL call on this communicator (rule 1). ``for_child``: the
         communicators of the group a split or shrink makes, whose timeout applies (rule 4)."""
-        with self._lock:
-            if self.state not in _USABLE or not self._handle:
-                raise CommunicatorAbortedError(
-                    f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
-            note = [threading.get_ident(), time.monotonic(), function, for_child]
-            self._callers.append(note)
-            handle = self._handle
+        handle, note = self._enter(function, for_child)
         try:
             return call(handle)
         except Exception as exc:
@@ -76,6 +70,19 @@ class GuardedCalls:
             raise
         finally:
             self._leave(note)
+
+    def _enter(self, function: str, for_child: object = None):
+        """Rule 1's way in: (the handle, the call's note), or CommunicatorAbortedError once the
+        communicator is aborted or shut down. Every caller leaves by :meth:`_leave`, whatever
+        the call did (and raises :meth:`cut_short`'s error for a call an abort ended)."""
+        with self._lock:
+            handle = self._handle
+            if self.state not in _USABLE or not handle:
+                raise CommunicatorAbortedError(
+                    f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
+            note = [threading.get_ident(), time.monotonic(), function, for_child]
+            self._callers.append(note)
+        return handle, note
 
     def _leave(self, note: list) -> None:
         # No lock to leave (list.remove is atomic): an aborter marks _abort_pending before it

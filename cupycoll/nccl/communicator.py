@@ -48,6 +48,11 @@ from .call_guard import GuardedCalls
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 
 
+# This thread's NCCL groups (cupycoll.nccl.group): a call inside one joins it.
+_OPEN_GROUPS = nccl_group.per_thread
+_IN_PROGRESS = nccl_bindings.ncclInProgress
+
+
 def _library(path: Optional[str] = None) -> nccl_bindings.NcclLibrary:
     # CuPy's NCCL first, so that the ctypes bindings find and share the library it mapped.
     _cuda.nccl_module()
@@ -207,51 +212,44 @@ class Communicator(GuardedCalls):
         return child
 
     # -- collectives (pointers, counts and codes are plain ints) --------------------
-    def _call(self, c_name: str, *args) -> None:
-        """Run one NCCL call: the C function with this communicator inserted before the
-        stream, settled or left to the open group."""
-        function = getattr(self._lib, c_name)
-        status = self._guarded(c_name, lambda handle: function(*args[:-1], handle, args[-1]))
-        # Outside the guard: a poll that fails or times out aborts this communicator from
-        # this very thread, which must not wait for itself.
-        self._settle(c_name, status)
-
-    def all_reduce(self, sendbuf, recvbuf, count, dtype, op, stream):
-        self._call("ncclAllReduce", sendbuf, recvbuf, count, dtype, op, stream)
-
-    def call_now(self, function: str, args: tuple, stream) -> None:
-        """``function(*args, comm, stream)`` (ncclAllReduce, ncclAllGather, ncclReduceScatter)
-        on a blocking communicator, outside any NCCL group: the fast path's one frame, with
-        the call guard's rules (:meth:`_guarded`) written inline."""
-        with self._lock:
-            handle = self._handle
-            if self.state != "ok" or not handle:
-                raise CommunicatorAbortedError(
-                    f"{function}: the NCCL communicator on cuda:{self.device} was {self.state}")
-            note = [threading.get_ident(), time.monotonic(), function, None]
-            self._callers.append(note)
+    def launch(self, calls, stream) -> None:
+        """The NCCL calls ``calls`` on ``stream``: each ``(C function, its arguments before the
+        communicator and the stream)``, e.g. ``("ncclAllReduce", (send, recv, count, dtype,
+        op))``, in this order under one guard (:mod:`cupycoll.nccl.call_guard`), settled or left
+        to the NCCL group open on this thread (several calls that must launch together are
+        issued inside :meth:`group`). Every NCCL call of a collective comes here, each C
+        function looked up once per launch and its status checked here (a coalesced block's
+        parts are one loop, with no Python frame around each)."""
+        function = calls[0][0]
+        functions = self._lib.unchecked
+        call = functions[function]
+        handle, note = self._enter(function)
+        status = 0
         try:
-            getattr(self._lib, function)(*args, handle, stream)
+            for name, args in calls:
+                if name != function:
+                    function, call = name, functions[name]
+                status = call(*args, handle, stream)
+                if status and status != _IN_PROGRESS:
+                    raise self._lib.failure(function, status)
         except Exception as exc:
             if self.ended:
                 raise self.cut_short(function) from exc
             raise
         finally:
-            self._callers.remove(note)
-            if self._abort_pending:
-                self._abort_if_last()
+            self._leave(note)
+        if self.nonblocking or _OPEN_GROUPS.__dict__.get("depth"):
+            # Outside the guard: a poll that fails or times out aborts this communicator from
+            # this very thread, which must not wait for itself. (A blocking call outside an
+            # NCCL group has nothing to settle.)
+            self._settle(function, status)
 
-    def all_reduces(self, parts, stream) -> None:
-        """An in-place ncclAllReduce for each ``(buffer, count, dtype, op)`` of ``parts``, in
-        one NCCL group (or the one open on this thread), under one guard: the parts of a
-        coalesced call, as the same calls made one by one inside a group would be."""
-        function = self._lib.ncclAllReduce
+    def _call(self, c_name: str, *args) -> None:
+        """One NCCL call (its stream last) through :meth:`launch`."""
+        self.launch(((c_name, args[:-1]),), args[-1])
 
-        def call(handle):
-            for ptr, count, dtype, op in parts:
-                function(ptr, ptr, count, dtype, op, handle, stream)
-        with self.group():
-            self._settle("ncclAllReduce", self._guarded("ncclAllReduce", call))
+    def all_reduce(self, sendbuf, recvbuf, count, dtype, op, stream):
+        self._call("ncclAllReduce", sendbuf, recvbuf, count, dtype, op, stream)
 
     def broadcast(self, sendbuf, recvbuf, count, dtype, root, stream):
         self._call("ncclBroadcast", sendbuf, recvbuf, count, dtype, root, stream)

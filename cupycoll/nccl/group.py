@@ -19,11 +19,14 @@ import threading
 
 from . import bindings as nccl_bindings
 
-_group_state = threading.local()  # NCCL groups are per thread, so is this bookkeeping
+# NCCL groups are per thread, so is this bookkeeping: "depth" (0 or absent: no group open)
+# and "members".
+per_thread = threading.local()
+
 
 
 def _open_group():
-    state = _group_state.__dict__
+    state = per_thread.__dict__
     if "depth" not in state:
         state["depth"], state["members"] = 0, []
     return state
@@ -82,14 +85,14 @@ def nccl_group(lib: "nccl_bindings.NcclLibrary"):
             for comm in members:
                 if raised is not None:
                     comm._abort_for(raised)
-                elif not cut:
+                elif not cut and comm.nonblocking:  # a blocking one has nothing to poll
                     comm._poll("ncclGroupEnd")
 
 
 def join(comm) -> bool:
     """Inside an open group: record ``comm`` (polled or aborted at the group's end), True.
     Outside one: False, and the caller settles its call itself."""
-    state = _group_state.__dict__
+    state = per_thread.__dict__
     if not state.get("depth"):  # also where no group was ever opened on this thread
         return False
     if comm not in state["members"]:

@@ -67,8 +67,11 @@ class GroupTrace:
         """Record one call (``tensors``: a flat sequence, those every rank passes alike) and,
         when enabled, check it against the other ranks first; its entry, which goes down
         the call (None for a gloo point-to-point call, whose Work stays gloo's own)."""
-        if len(tensors) == 1:  # the hot path: one tensor
+        if len(tensors) == 1:  # the hot paths: one tensor, or FSDP's two
             shapes, dtypes = (tensors[0].shape,), (tensors[0].dtype,)
+        elif len(tensors) == 2:
+            first, second = tensors
+            shapes, dtypes = (first.shape, second.shape), (first.dtype, second.dtype)
         else:
             shapes, dtypes = tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
         rec = self.recorder

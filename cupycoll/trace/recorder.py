@@ -152,6 +152,49 @@ class Recorder:
         else:
             raise CupycollValueError(f"state={state!r}: expected one of {', '.join(STATES)}")
 
+    def mark_all(self, entries, state: str) -> None:
+        """:meth:`mark` ``entries``: one entry (a list), a tuple of them (the parts of one
+        coalesced call, marked issued in one pass) or None."""
+        if entries is None:
+            return
+        if type(entries) is list:
+            self.mark(entries, state)
+            return
+        if state != "issued":
+            for entry in entries:
+                self.mark(entry, state)
+            return
+        now, last = _monotonic(), None
+        for entry in entries:
+            entry[E_STATE] = state
+            entry[E_ISSUED] = now
+            if not entry[E_P2P]:
+                last = entry
+        if last is not None and last[E_SEQ] > self.last_issued:
+            self.last_issued = last[E_SEQ]
+            self.last_issued_entry = last
+
+    @staticmethod
+    def describe_batch(records) -> str:
+        """What a timeout message names a batch by (``records``: its entry, or a tuple of
+        them): its first call, and how many more it had."""
+        found = records if isinstance(records, tuple) else (records,) if records is not None else ()
+        if not found:
+            return "a collective"
+        text = describe_entry(found[0])
+        return text if len(found) == 1 else f"{text} (and {len(found) - 1} more calls of its batch)"
+
+    def record_parts(self, op: str, tensors: Sequence, route: str = "nccl") -> tuple:
+        """Record each of ``tensors`` as one ``op`` of its own, queued (the parts of one
+        coalesced call, numbered one by one as each would be alone, so that the ranks'
+        records still match call for call), in one pass; their entries, as a tuple."""
+        now, next_seq, append, made = _monotonic(), self._next_seq, self.entries.append, []
+        for t in tensors:
+            entry = [next_seq(), False, op, (t.shape,), (t.dtype,), None, route, "queued", now, None, None]
+            append(entry)
+            made.append(entry)
+        return tuple(made)
+
     # -- off the hot path -----------------------------------------------------------
     def mark_unfinished(self, state: str = "aborted") -> int:
         """Mark every entry still queued or issued (a group abort); returns how many."""

@@ -95,7 +95,7 @@ def test_candidates_and_aliases():
 
 
 def test_cupycolls_nccl_candidate_runs_with_no_override_as_a_users_group_does():
-    # the fast path steps aside while an algorithm override is in force: under one the
+    # an algorithm override in force sends every call the queue's way (Issuer._later): under one the
     # candidate would measure the general path, not what a user's calls take
     from bench import calls
     from cupycoll import config

@@ -64,16 +64,16 @@ def test_the_covering_work_of_a_block_closed_during_an_abort_fails():
     group = IssuingGroup(None, 0, 2, datetime.timedelta(seconds=5))
 
     def abort_before_tracking():  # another thread aborts just before the block's batch is issued
-        group._cuda.before_tracking = None
+        group._issuer.before_tracking = None
         aborter = threading.Thread(target=group.abort)
         aborter.start()
         aborter.join(5)
 
     group._start_coalescing(CUDA)
     inner = group.allreduce([torch.ones(4)], c10d.AllreduceOptions())
-    group._cuda.before_tracking = abort_before_tracking
+    group._issuer.before_tracking = abort_before_tracking
     covering = group._end_coalescing(CUDA)
-    group._cuda.event.fired.set()  # the abort ended the kernel
+    group._issuer.event.fired.set()  # the abort ended the kernel
     assert group._cuda.state == "aborted" and not inner.is_success()
     assert not covering.is_success() and isinstance(covering.exception(), CommunicatorAbortedError)
     assert not group._cuda.watch.in_flight()  # issued after the abort returned: released at once

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 import cupycoll
-from cupycoll import config
+from cupycoll import bounds, config
 from cupycoll.nccl import bindings as nb
 from cupycoll.backend import CudaBackend
 from cupycoll.nccl.communicator import Communicator
@@ -28,7 +28,8 @@ from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, Cu
 from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog
 from cupycoll.work import CudaWork
 from faulty import (CountedEvent, FakeComm, Polled, ScriptedLibrary, eventually, fault_group, grouping_comm,
-                    holding, issued_work, make_group, make_watch, poll, polling_comm, run_script, undiagnosed)
+                    holding, issued_work, make_group, make_watch, poll, polling_comm, queued_call, recorder_entry,
+                    run_script, undiagnosed)
 from standins import CUDA, CpuAsCudaGroup
 
 
@@ -92,6 +93,47 @@ def test_a_work_older_than_the_timeout_is_a_fault_naming_the_collective():
     watch.release()  # the abort returned: the tensors go
     assert stuck._slot.keepalive is None and not watch.in_flight()
     assert watch.check() is None  # a fault is reported once
+
+
+def test_a_synchronous_call_without_an_event_of_its_own_still_times_out_within_its_bound():
+    # Synchronous calls close together on one stream share one event (bounds.SEAL_S). With
+    # no later call to record it, the watchdog's pass does, and judges it at the next pass:
+    # a hang after the last call is still a timeout within timeout + one pass.
+    watch = make_watch("trainers", timeout=0.05)
+    first = watch.issued(0, recorder_entry(seq=1), None, sparse=True)
+    second = watch.issued(0, recorder_entry(seq=2), None, sparse=True)
+    assert second is first and not first.sealed and first.event.records == 0  # one slot, no event yet
+    issued_at = first.issued_at
+    assert watch.check(now=issued_at + 0.01) is None  # older than SEAL_S: the pass records its event
+    assert first.sealed and first.event.records == 1
+    finding = watch.check(now=issued_at + 0.06)
+    assert finding.is_timeout and finding.batch is first
+    assert "all_reduce #1" in str(finding.fault) and "1 more" in str(finding.fault)
+    # A slot sealed by a pass already past the timeout is judged by the next pass, never
+    # against its own fresh record.
+    late = make_watch(timeout=0.05)
+    slot = late.issued(0, recorder_entry(seq=1), None, sparse=True)
+    assert late.check(now=slot.issued_at + 0.06) is None and slot.sealed
+    assert late.check(now=slot.issued_at + 0.07).batch is slot
+
+
+def test_a_synchronous_call_records_an_event_once_its_streams_open_one_is_older_than_the_interval():
+    watch = make_watch()
+    first = watch.issued(0, recorder_entry(seq=1), None, sparse=True)
+    time.sleep(bounds.SEAL_S * 2)
+    later = watch.issued(0, recorder_entry(seq=2), None, sparse=True)
+    assert later is not first and first.sealed and first.event.records == 1 and not later.sealed
+    other_stream = watch.issued(1, recorder_entry(seq=3), None, sparse=True)  # one open slot per stream
+    assert other_stream is not later and not later.sealed
+    kept = torch.ones(2)
+    asynchronous = watch.issued(0, recorder_entry(seq=4), kept)  # keeps its tensors: an event of its own
+    assert later.sealed and asynchronous.sealed and asynchronous.event.records == 1
+    # A Work of an open slot asked whether it is done records the slot's event first.
+    open_slot = watch.issued(2, recorder_entry(seq=5), None, sparse=True)
+    work = CudaWork("all_reduce", CUDA, [], watch, slot=open_slot, stream=2, async_op=False)
+    assert not work.is_completed() and open_slot.sealed
+    open_slot.event.fired.set()
+    assert work.is_completed()
 
 
 def test_an_async_nccl_error_is_a_fault():
@@ -346,12 +388,10 @@ def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
 
     def second(c, stream, peer):
         raise torch.OutOfMemoryError("staging")
-    from cupycoll.call_queue import Issue
     watch = group._cuda.watch
-    issues = [Issue(CudaWork("send", CUDA, [], watch), first, None, None, True, peer=1),
-              Issue(CudaWork("recv", CUDA, [], watch), second, None, None, True, peer=1)]
+    batch = [queued_call(watch, "send", 1, run=first), queued_call(watch, "recv", 1, run=second)]
     with pytest.raises(torch.OutOfMemoryError):
-        group._cuda._launch_all(issues, {1: comm}, 0)
+        group._issuer._launch_all(batch, {1: comm}, 0)
     assert group._cuda.life.ended.wait(5)
     assert comm.state == "aborted" and group._cuda.state == "aborted"
     assert isinstance(group._cuda.fault, torch.OutOfMemoryError)
@@ -360,13 +400,12 @@ def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
 def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):
     # Fallible Python steps (staging, PREMUL_SUM ops) run as prepares before the NCCL
     # group opens; one that raises leaves NCCL untouched, fails the batch, faults nothing.
-    from cupycoll.call_queue import Issue
     group = make_group()
-    cuda = group._cuda
+    cuda, issuer = group._cuda, group._issuer
     comm, events = grouping_comm()
     comm.on_abort = cuda.life.fault_once
     cuda.comm, cuda.device = comm, CUDA
-    cuda.calls._enqueue = lambda issues: cuda._launch_all(issues, {1: comm}, 0)
+    issuer._enqueue = lambda batch: issuer._launch_all(batch, {1: comm}, 0)
 
     def send(c, stream, peer):
         events.append(("send", c))
@@ -375,23 +414,21 @@ def test_a_batch_whose_prepare_raises_makes_no_nccl_call(no_device):
         raise torch.OutOfMemoryError("staging")
 
     def batch(second_prepare):
-        return [Issue(CudaWork("send", CUDA, [], cuda.watch), send, None, None, True, peer=1,
-                      prepare=lambda c: events.append(("prepare", c))),
-                Issue(CudaWork("recv", CUDA, [], cuda.watch), send, None, None, True, peer=1,
-                      prepare=second_prepare)]
+        return [queued_call(cuda.watch, "send", 1, run=send, prepare=lambda c: events.append(("prepare", c))),
+                queued_call(cuda.watch, "recv", 1, run=send, prepare=second_prepare)]
 
     failed = batch(oom)
-    cuda.calls.pending = list(failed)
+    issuer.pending = list(failed)
     with pytest.raises(torch.OutOfMemoryError):
-        cuda.calls.flush()
+        issuer.flush()
     assert events == [("prepare", comm)]  # the first prepare ran; no group, no NCCL call
     for issue in failed:  # both Works, never issued, with the error as the cause
         error = issue.work.exception()
         assert "never issued" in str(error) and isinstance(error.__cause__, torch.OutOfMemoryError)
-    assert comm.state == "ok" and cuda.state == "ok" and cuda.calls.pending == []
+    assert comm.state == "ok" and cuda.state == "ok" and issuer.pending == []
     events.clear()
-    cuda.calls.pending = batch(None)
-    cuda.calls.flush()  # the group is still usable
+    issuer.pending = batch(None)
+    issuer.flush()  # the group is still usable
     assert events == [("prepare", comm), "start", ("send", comm), ("send", comm), "end"]
     group.abort()  # while CuPy is still the stand-in
 
@@ -643,7 +680,7 @@ def test_a_group_made_with_watch_calls_off_puts_no_call_in_flight(cuda_standins)
                            config.Options(watch_calls=False))
     cuda = group._cuda
     cuda.comm = FakeComm()
-    cuda._launch_all = lambda issues, comms, stream, launched=None: None
+    group._issuer._launch_all = lambda batch, comms, stream, launched=None: None
     work = group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
     assert cuda.watch.in_flight() == 0 and work._slot is None and work.is_completed()
     group.abort()

@@ -18,16 +18,14 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from cupycoll.faults import lifecycle
-from cupycoll.call_queue import Issue
 from cupycoll.errors import CollectiveTimeoutError
 from cupycoll.faults.watchdog import Finding, Watchdog
-from cupycoll.work import CudaWork
-from faulty import FakeComm, eventually, issued_work, make_group
+from faulty import FakeComm, eventually, issued_work, make_group, queued_call
 from standins import CUDA, IssuingGroup, capture
 
 
 def issues_of(watch, *ops, peer=None):
-    return [Issue(CudaWork(op, CUDA, [torch.ones(2)], watch, seq=i), None, None, torch.ones(2), True, peer)
+    return [queued_call(watch, op, peer, seq=i, keep=torch.ones(2), outputs=[torch.ones(2)])
             for i, op in enumerate(ops, 1)]
 
 
@@ -39,13 +37,13 @@ def test_calls_issued_while_capturing_are_not_handed_to_the_watchdog(monkeypatch
     cuda = group._cuda
     capture(cuda_standins, True)
     captured = issues_of(cuda.watch, "all_reduce", "broadcast")
-    cuda._track(captured, 0, 0, True)
+    group._issuer._track(captured, 0, 0, True)
     assert not cuda.watch.in_flight()
     assert all(i.work._slot is None and i.tracked for i in captured)  # issued all the same
     assert all(i.work.is_completed() for i in captured)  # nothing to wait for outside the graph
     capture(cuda_standins, False)
     later = issues_of(cuda.watch, "all_reduce")
-    cuda._track(later, 0, 0, True)
+    group._issuer._track(later, 0, 0, True)
     assert cuda.watch.in_flight() == 1 and later[0].tracked and later[0].work._in_flight() is not None
     group.abort()
 
@@ -57,7 +55,7 @@ def test_an_async_call_captured_in_a_graph_joins_back_into_the_capture_at_wait(m
     cuda = group._cuda
     capture(cuda_standins, True)
     captured = issues_of(cuda.watch, "all_reduce")
-    cuda._track(captured, 0x77, 0, True)
+    group._issuer._track(captured, 0x77, 0, True)
     work = captured[0].work
     join = work._join
     assert join is not None and join is cuda.watch.join_event(0x77) and join.records == 1
@@ -70,7 +68,7 @@ def test_an_async_call_captured_in_a_graph_joins_back_into_the_capture_at_wait(m
     assert "cudaStreamWaitEvent" not in [name for _, name, _ in cuda_standins.calls[before:]]
     synchronous = issues_of(cuda.watch, "all_reduce")
     capture(cuda_standins, True)
-    cuda._track(synchronous, 0x77, 0x77, False)  # on the caller's stream: ordered already
+    group._issuer._track(synchronous, 0x77, 0x77, False)  # on the caller's stream: ordered already
     assert synchronous[0].work._join is None
     group.abort()
 
@@ -79,7 +77,7 @@ def test_a_coalescing_blocks_work_closed_while_capturing_is_not_watched(monkeypa
     group = make_group()
     cuda = group._cuda
     cuda.comm = FakeComm()
-    cuda._launch_all = lambda issues, comms, stream, launched=None: None  # launching: nothing to do
+    group._issuer._launch_all = lambda batch, comms, stream, launched=None: None  # launching: nothing to do
     cuda._adopt_device(CUDA)
     capture(cuda_standins, True)
     group._start_coalescing(CUDA)
@@ -172,7 +170,7 @@ def test_an_aborted_group_with_a_work_in_flight_is_freed_once_dropped():
     gc.disable()
     try:
         group.abort()  # the Work is still in flight: it fails with the abort's error
-        group._cuda.event.fired.set()  # the abort ended the kernel
+        group._issuer.event.fired.set()  # the abort ended the kernel
         assert work.exception() is not None and work.get_future() is not None
         del group, work
         assert gone() is None  # freed at once, not by a collection

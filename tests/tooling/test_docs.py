@@ -254,10 +254,10 @@ def test_a_moved_module_a_renamed_name_and_a_gone_test_are_caught(namespace, tmp
             "and `lifecycle.GroupLifetimes`; `cupycoll.Options(timeout=5)` and `cupycoll.Option`; "
             "`faults.watchdog.Watch`; `nccl.bootstrap.StoreBootstrap` and `nccl.bootstrap.Bootstrap`; "
             "`group_trace.GroupTrace.call`; "
-            "`CudaBackend.submit` and `CudaBackend.sumbit`; "
+            "`Issuer.issue` and `Issuer.isue`; "
             "`test_faults.py::test_abort_all_reaches_every_live_group`, `test_faults.py::test_gone`")
     assert missing_paths(doc_paths(text)) == ["cupycoll/kernels/*.cu*"]
-    assert unresolved(text, namespace) == ["CudaBackend.sumbit", "cupycoll.Option", "group_trace.GroupTrace.call",
+    assert unresolved(text, namespace) == ["Issuer.isue", "cupycoll.Option", "group_trace.GroupTrace.call",
                                            "lifecycle.GroupLifetimes", "nccl.bootstrap.Bootstrap"]
     assert uncited(text, defined_tests()) == ["test_faults.py::test_gone"]
 
@@ -282,3 +282,19 @@ def test_a_link_to_a_gone_file_or_heading_is_caught(tmp_path):
 def test_an_instance_attribute_counts_and_a_made_up_one_does_not(namespace):
     assert namespace.resolve("CudaBackend.settings") is True  # set in __init__
     assert namespace.resolve("CudaBackend.no_such_attribute") is False
+
+
+def test_the_sizes_and_call_counts_the_docs_quote_are_the_tools():
+    # Figures that move with the code are read from the tools that measure them, not typed.
+    from tools import call_path, size
+
+    design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = size.measure()
+    assert f"About {size.about(lines['lines'])} lines of Python" in readme
+    assert f"**about {size.about(lines['lines'])} lines**, a module at most {size.MODULE_LINES}" in design
+    path = call_path.measure(20)
+    assert (f"**{path['calls']} calls in {path['modules']} modules, {path['cross_module_calls']} across modules, "
+            f"none upward**") in design
+    assert f"every call (an algorithm override in force), {path['general_calls']} calls;" in design
+    assert f"**{path['block_calls']} calls**, none per part" in design

@@ -197,7 +197,8 @@ def test_the_cuda_route_marks_and_explains_through_the_watchdog(monkeypatch, cud
     cuda_standins.event_class = lambda: event
     group = CpuAsCudaGroup(None, 0, 1)
     cuda = group._cuda
-    monkeypatch.setattr(cuda, "_enqueue", lambda issues: cuda._track(issues, 0, 0, False))
+    issuer = group._issuer
+    monkeypatch.setattr(issuer, "_enqueue", lambda batch: issuer._track(batch, 0, 0, False))
     work = group.allreduce([torch.ones(2)], c10d.AllreduceOptions())
     rec = group._trace.recorder
     entry = work._slot.records
@@ -207,6 +208,7 @@ def test_the_cuda_route_marks_and_explains_through_the_watchdog(monkeypatch, cud
     asked = []
     cuda.life._explain = lambda e, t: asked.append((e, t)) or "why"
     slot = work._slot
+    cuda.watch.seal(slot)  # a synchronous call's event, recorded
     event.fired.set()
     deadline = time.monotonic() + 10
     while entry[7] != "completed" and time.monotonic() < deadline:

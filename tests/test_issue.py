@@ -1,7 +1,7 @@
-"""The CUDA call queue (cupycoll.call_queue) as pure logic: when point-to-point and
-coalesced calls are issued, and as which NCCL groups; and how a Work leaves the queue when
-another thread issues its batch or an abort drops it. A stand-in backend records each batch
-``_enqueue`` would issue as one NCCL group (the GPU tier issues the same batches for real)."""
+"""The issuer (cupycoll.issue) as pure logic: when point-to-point and coalesced calls are
+issued, and as which NCCL groups; and how a Work leaves the queue when another thread issues
+its batch or an abort drops it. A stand-in issuer records each batch ``_enqueue`` would issue
+as one NCCL group (the GPU tier issues the same batches for real)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from cupycoll.nccl.bootstrap import StoreBootstrap
-from cupycoll.call_queue import Issue
+from cupycoll.issue import Call
 from cupycoll.errors import CommunicatorAbortedError, CupycollError, CupycollValueError
 from cupycoll.process_group import ProcessGroupCupycoll
-from faulty import make_group
-from standins import CUDA, QueueBackend, QueueGroup
+from faulty import GroupComm, make_group
+from standins import CUDA, QueueGroup, QueueIssuer
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_coalescing_block_is_one_group_with_one_work(group):
     assert work.result()[:2] == [a, b]
 
 
-def test_fast_path_coalesced_ops(group):
+def test_torchs_coalesced_forms_are_one_batch_each(group):
     group.allreduce_coalesced([x(), x(2), x(3)], c10d.AllreduceCoalescedOptions())
     outs, ins = [torch.zeros(6), torch.zeros(3)], [x(2), x(1)]
     group.all_gather_single_coalesced(outs, ins, c10d.AllgatherOptions())
@@ -71,7 +71,7 @@ def test_fast_path_coalesced_ops(group):
     assert group.batches == [["all_reduce"] * 3, ["all_gather_into_tensor"] * 2, ["reduce_scatter_tensor"]]
 
 
-def test_fast_path_inside_open_block_joins_it(group):
+def test_torchs_coalesced_call_inside_an_open_block_joins_it(group):
     # torch >= 2.13 with device=: _start_coalescing, then the captured ops as one
     # allreduce_coalesced call, then _end_coalescing.
     group._start_coalescing(CUDA)
@@ -84,7 +84,7 @@ def test_bad_input_inside_coalesced_call_issues_nothing(group):
     bad = torch.ones(4, 4).t()
     with pytest.raises(CupycollValueError, match="not contiguous"):
         group.allreduce_coalesced([x(), bad], c10d.AllreduceCoalescedOptions())
-    assert group.batches == [] and group._cuda.calls.pending == [] and group._cuda.calls.block is None
+    assert group.batches == [] and group._issuer.pending == [] and group._issuer.block is None
     group.allreduce([x()], c10d.AllreduceOptions())
     assert group.batches == [["all_reduce"]]
 
@@ -109,8 +109,8 @@ def test_abort_drops_the_queue_and_refuses_work(group):
     send = group.send([x()], 1, 0)
     group.abort()
     assert isinstance(send.exception(), CommunicatorAbortedError)  # failed before it was ever issued
-    group._cuda.calls.flush()  # the queue lets go of what it held
-    assert group._cuda.calls.pending == []
+    group._issuer.flush()  # the queue lets go of what it held
+    assert group._issuer.pending == []
     with pytest.raises(Exception, match="aborted"):
         group.allreduce([x()], c10d.AllreduceOptions())
 
@@ -146,17 +146,17 @@ def test_works_of_a_batch_that_failed_to_issue_raise(group):
     send = group.send([x()], 1, 0)
     recv = group.recv([x()], 2, 0)
 
-    def broken(issues):
+    def broken(batch):
         raise RuntimeError("ncclGroupEnd failed")
 
-    group._cuda._enqueue = broken
+    group._issuer._enqueue = broken
     with pytest.raises(RuntimeError, match="ncclGroupEnd failed"):
         recv.wait()
     with pytest.raises(Exception, match="send was never issued: ncclGroupEnd failed"):
         send.wait()
     error = send.exception()
     assert isinstance(error, CupycollError) and isinstance(error.__cause__, RuntimeError)
-    assert send.is_completed() and not send.is_success() and group._cuda.calls.pending == []
+    assert send.is_completed() and not send.is_success() and group._issuer.pending == []
     # the future fails as C++ callers (DDP's reducer) can see it: a RuntimeError with its text
     with pytest.raises(RuntimeError, match="CupycollError: send was never issued"):
         send.get_future().wait()
@@ -175,7 +175,7 @@ def test_exception_in_the_managers_body_leaves_the_group_usable(group):
     with pytest.raises(CupycollError, match="abandoned"):
         queued.wait()
     assert group.batches == [["all_reduce"]]  # issued alone, at once
-    assert group._cuda.calls.block is None
+    assert group._issuer.block is None
     work.wait()
     # and the next manager works normally
     with dist._coalescing_manager(group=group, device=CUDA):
@@ -200,6 +200,8 @@ def test_a_call_on_another_group_inside_a_manager_is_an_error(group):
 
 def test_cpu_tensors_inside_a_cuda_block_are_an_error(group):
     class Routing(QueueGroup):
+        _tensors_are_cuda = True  # a CPU tensor is one: the real routing
+
         def _classify(self, tensors, op_name):
             return ProcessGroupCupycoll._classify(self, tensors, op_name)
 
@@ -222,10 +224,11 @@ def test_ring_calls_run_after_the_nccl_group_of_their_batch(group):
             order.append("end")
 
     group._cuda.comm = GroupComm()
-    issues = [Issue(None, lambda comm, s, name=name: order.append(name), None, None, False,
-                    own_group=name.startswith("ring"))
-              for name in ("send", "ring-1", "all_reduce", "ring-2")]
-    group._cuda._launch_all(issues, None, 0)
+    batch = [Call(op=name, device=CUDA, outputs=[], keep=None, async_op=False, entry=None,
+                  run=lambda comm, s, name=name: order.append(name),
+                  algorithm="ring" if name.startswith("ring") else None)
+             for name in ("send", "ring-1", "all_reduce", "ring-2")]
+    group._issuer._launch_all(batch, None, 0)
     assert order == ["start", "send", "all_reduce", "end", "ring-1", "ring-2"]
 
 
@@ -242,14 +245,14 @@ def test_after_a_raising_manager_torchs_fast_path_works_again(group):
                 raise KeyError("user error")
         except KeyError:
             pass
-    assert group not in state and group._cuda.calls.block is None
+    assert group not in state and group._issuer.block is None
     assert group.batches == []
 
 
 def test_abort_fails_queued_and_coalesced_works(group):
     # A Work dropped from the queue is failed: touched later, it must not report success.
     recv = group.recv([x()], 2, 0)
-    group._cuda.calls.drop(CommunicatorAbortedError("dropped"))  # the queue alone
+    group._issuer.drop(CommunicatorAbortedError("dropped"))  # the queue alone
     assert recv.exception() is not None and group.batches == []
     group = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
     group._start_coalescing(CUDA)
@@ -262,14 +265,14 @@ def test_abort_fails_queued_and_coalesced_works(group):
             work.wait()
     with pytest.raises(CommunicatorAbortedError, match="was aborted"):
         group._end_coalescing(CUDA)
-    assert group.batches == [] and group._cuda.calls.block is None
+    assert group.batches == [] and group._issuer.block is None
 
 
 def test_drop_fails_the_works_with_the_given_reason(group):
     recv = group.recv([x()], 2, 0)
     reason = CommunicatorAbortedError("all_reduce #7 timed out")
-    group._cuda.calls.drop(reason)
-    assert recv.exception() is reason and group._cuda.calls.pending == []
+    group._issuer.drop(reason)
+    assert recv.exception() is reason and group._issuer.pending == []
 
 
 def test_two_issuing_threads_never_enqueue_at_once():
@@ -278,18 +281,18 @@ def test_two_issuing_threads_never_enqueue_at_once():
     import threading
     import time
 
-    class Overlap(QueueBackend):
+    class Overlap(QueueIssuer):
         active = peak = 0
 
-        def _enqueue(self, issues):
+        def _enqueue(self, batch):
             Overlap.active += 1
             Overlap.peak = max(Overlap.peak, Overlap.active)
             time.sleep(0.001)  # the NCCL calls: long enough for the other thread to arrive
             Overlap.active -= 1
-            super()._enqueue(issues)
+            super()._enqueue(batch)
 
     class OverlapGroup(QueueGroup):
-        backend_class = Overlap
+        issuer_class = Overlap
 
     group = OverlapGroup(None, 0, 3, datetime.timedelta(seconds=5))
     errors = []
@@ -318,7 +321,7 @@ def test_two_issuing_threads_never_enqueue_at_once():
 
 def test_a_flush_with_nothing_queued_does_not_wait_behind_another_threads_issue():
     group = make_group()
-    calls = group._cuda.calls
+    calls = group._issuer
     holding, done = threading.Event(), threading.Event()
 
     def issuer():  # e.g. inside ncclCommInitRank or a blocking NCCL call
@@ -341,21 +344,21 @@ def test_a_flush_with_nothing_queued_does_not_wait_behind_another_threads_issue(
 
 def test_touching_a_work_whose_batch_another_thread_issues_waits_for_it():
     group = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
-    cuda = group._cuda
+    calls = group._issuer
     inside, release = threading.Event(), threading.Event()
-    enqueue = cuda._enqueue
+    enqueue = calls._enqueue
 
-    def slow_enqueue(issues):  # the batch has left ``pending`` and is not issued yet
+    def slow_enqueue(batch):  # the batch has left ``pending`` and is not issued yet
         inside.set()
         release.wait(10)
-        enqueue(issues)
+        enqueue(batch)
 
-    cuda._enqueue = slow_enqueue
+    calls._enqueue = slow_enqueue
     send = group.send([torch.ones(2)], 1, 0)
     recv = group.recv([torch.ones(2)], 2, 0)
     issuer = threading.Thread(target=recv.wait)
     issuer.start()
-    assert inside.wait(5) and cuda.calls.pending == []
+    assert inside.wait(5) and calls.pending == []
     toucher = threading.Thread(target=send.wait)
     toucher.start()
     toucher.join(0.3)
@@ -372,7 +375,7 @@ def test_a_work_dropped_by_an_abort_is_failed_before_it_leaves_the_queue():
     # A flush that finds the queue empty returns without the lock: a Work dropped from it
     # must already answer failed then, never "done" because nothing is left to issue.
     group = QueueGroup(None, 0, 3, datetime.timedelta(seconds=5))
-    calls = group._cuda.calls
+    calls = group._issuer
     recv = group.recv([torch.ones(2)], 2, 0)
     seen = []
     pending = calls.pending
@@ -389,3 +392,24 @@ def test_a_work_dropped_by_an_abort_is_failed_before_it_leaves_the_queue():
     calls.drop(CommunicatorAbortedError("aborted"))
     assert seen and all(error is not None for error in seen[1:])
     assert calls.pending == [] and recv.exception() is not None
+
+
+def test_a_launch_the_watch_cannot_take_faults_the_group(cuda_standins, monkeypatch):
+    # The call reached NCCL (the peers wait for it); when putting it in flight raises, the
+    # group's lifetime ends the group rather than leave a launched call neither watched nor
+    # handed back.
+    group = make_group()
+    cuda = group._cuda
+    cuda.comm = GroupComm()
+    cuda._adopt_device(CUDA)
+
+    def no_event(*args, **kwargs):
+        raise RuntimeError("cudaEventCreateWithFlags failed: out of memory")
+    monkeypatch.setattr(cuda.watch, "issued", no_event)
+    opts = c10d.AllreduceOptions()
+    opts.asyncOp = True
+    with pytest.raises(RuntimeError, match="out of memory"):
+        group.allreduce([torch.ones(4)], opts)
+    assert cuda.comm.launched == ["ncclAllReduce"]  # launched in one frame
+    assert cuda.life.ended.wait(5) and cuda.state == "aborted"
+    assert "out of memory" in str(cuda.fault)
