@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from .errors import CupycollValueError
+
 
 def _release(version: str) -> tuple:
     """``"2.15.0+cu132"`` -> ``(2, 15)``."""
@@ -234,6 +236,9 @@ def gloo_alltoall(gloo: ProcessGroup, outputs: Sequence[torch.Tensor],
 # Which release in between fixed it is unknown: 2.8 - 2.10 are not run, and no fix was found
 # in torch's issues. So the gate is conservative: those releases take the fallback, which is
 # correct on every version (the tests run it on each CI leg) and costs only twice the traffic.
+# There gloo's checks of the tensors (dtypes, the first dimension a world's worth of the
+# output's, the rest alike) are failed CHECKs that abort the process (run here: 2.7.1), where
+# 2.11's raise a RuntimeError: so the fallback checks them first.
 GLOO_REDUCE_SCATTER_HONOURS_OP = TORCH >= (2, 11)
 
 
@@ -242,19 +247,27 @@ def gloo_reduce_scatter_tensor(gloo: ProcessGroup, output: torch.Tensor, input: 
     """``reduce_scatter_tensor`` on a gloo group with the op the caller gave.
 
     Where gloo would sum anyway (GLOO_REDUCE_SCATTER_HONOURS_OP), an all-reduce of the whole
-    input with the op, of which this rank keeps its chunk: twice the traffic, right result.
-    Bad input gets gloo's own errors, as from _reduce_scatter_base."""
-    if GLOO_REDUCE_SCATTER_HONOURS_OP or opts.reduceOp == ReduceOp.SUM:
+    input with the op, of which this rank keeps its chunk: twice the traffic, right result;
+    and tensors gloo would refuse are a CupycollValueError there, before anything is sent.
+    Elsewhere bad input gets gloo's own errors, as from _reduce_scatter_base."""
+    if GLOO_REDUCE_SCATTER_HONOURS_OP:
         return gloo._reduce_scatter_base(output, input, opts)
-    if input.numel() != output.numel() * gloo.size() or input.dtype != output.dtype:
-        return gloo._reduce_scatter_base(output, input, opts)  # gloo's own error
+    size = gloo.size()
+    if (input.dtype != output.dtype or output.dim() == 0 or input.dim() != output.dim()
+            or input.shape[1:] != output.shape[1:] or input.shape[0] != output.shape[0] * size):
+        raise CupycollValueError(
+            f"reduce_scatter_tensor on CPU tensors: input {_shown(input)} for output {_shown(output)} in a "
+            f"group of {size}; the input must be the output's dtype and shape but for its first "
+            f"dimension, {size} times the output's")
+    if opts.reduceOp == ReduceOp.SUM:
+        return gloo._reduce_scatter_base(output, input, opts)
     full = input.detach().clone().reshape(-1)
     # gloo's all-reduce has no AVG ("Cannot use ReduceOp.AVG with Gloo"): SUM, then divide.
     average = opts.reduceOp == ReduceOp.AVG
     all_opts = dist.AllreduceOptions()
     all_opts.reduceOp = ReduceOp.SUM if average else opts.reduceOp
     work = gloo.allreduce([full], all_opts)
-    start, size = gloo.rank() * output.numel(), gloo.size()
+    start = gloo.rank() * output.numel()
 
     # The callback must not hold the group: it is released on a gloo worker thread, and if
     # it held the last reference, the group's destructor would join that very thread (abort).
@@ -265,6 +278,47 @@ def gloo_reduce_scatter_tensor(gloo: ProcessGroup, output: torch.Tensor, input: 
         return [output]
 
     return FutureWork(work.get_future().then(keep_chunk))
+
+
+# torch 2.8 gave ProcessGroupGloo the list form of reduce_scatter (pytorch#149869, March
+# 2025: an all-reduce per rank). Run here: 2.7.1 raises "ProcessGroupGloo does not support
+# reduce_scatter", 2.11, 2.13 and 2.15 honour every op. 2.8 - 2.10 are not run: treated as
+# 2.7.1, as whether the first version passed the op on is not known. Before 2.11 cupycoll's
+# CPU route builds the list form from reduce_scatter_tensor's (above), correct on every
+# version.
+GLOO_HAS_REDUCE_SCATTER = TORCH >= (2, 11)
+
+
+def gloo_reduce_scatter(gloo: ProcessGroup, outputs: Sequence[torch.Tensor],
+                        input_lists: Sequence[Sequence[torch.Tensor]], opts) -> dist.Work:
+    """``reduce_scatter`` (the list form) on a gloo group, also where gloo lacks it (see
+    GLOO_HAS_REDUCE_SCATTER).
+
+    The fallback takes what gloo's list form takes, one output and one list of an input per
+    rank, each of the output's shape and dtype (else a CupycollValueError naming them, before
+    anything is sent), and reduce-scatters the inputs joined along their first dimension
+    into the output with :func:`gloo_reduce_scatter_tensor`."""
+    if GLOO_HAS_REDUCE_SCATTER:
+        return gloo.reduce_scatter(outputs, input_lists, opts)
+    size = gloo.size()
+    if len(outputs) != 1 or len(input_lists) != 1 or len(input_lists[0]) != size:
+        raise CupycollValueError(
+            f"reduce_scatter on CPU tensors: {len(outputs)} outputs and input lists of "
+            f"{[len(inputs) for inputs in input_lists]} tensors in a group of {size}; gloo takes one output "
+            f"and one list of {size} inputs (one per rank)")
+    output, inputs = outputs[0], list(input_lists[0])
+    for index, tensor in enumerate(inputs):
+        if tensor.dtype != output.dtype or tensor.shape != output.shape:
+            raise CupycollValueError(
+                f"reduce_scatter on CPU tensors: input {index} is {_shown(tensor)}, the output "
+                f"{_shown(output)}; each input must be the output's dtype and shape")
+    if output.dim() == 0:  # reduce_scatter_tensor's chunks lie along a first dimension
+        output, inputs = output.view(1), [tensor.view(1) for tensor in inputs]
+    return gloo_reduce_scatter_tensor(gloo, output, torch.cat(inputs), opts)
+
+
+def _shown(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).replace('torch.', '')}{tuple(tensor.shape)}"
 
 
 def gloo_ranks_absent(store, rank: int, size: int) -> Optional[List[int]]:

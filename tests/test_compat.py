@@ -173,6 +173,48 @@ def test_gloo_averages_floats_from_2_13_and_never_integers(gloo_cases):
     assert all("error" in r for r in gloo_cases["average_int64"]), gloo_cases["average_int64"]
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("op", list(OPS))
+def test_gloo_reduce_scatter_list_honours_the_op(gloo_cases, op, fallback):
+    # the fallback (torch 2.7.1's route: the inputs joined, reduce_scatter_tensor's all-reduce
+    # route) is exercised on every torch; the default is gloo's own list form from 2.11
+    results = _values(gloo_cases, f"reduce_scatter_list_{'fallback_' if fallback else ''}{op}")
+    for rank in range(2):
+        assert results[rank].shape == (1, 3)
+        assert torch.equal(results[rank].reshape(-1), _expected(op, rank)), (op, rank, results[rank])
+
+
+def test_gloo_reduce_scatter_list_fallback_takes_scalars(gloo_cases):
+    results = _values(gloo_cases, "reduce_scatter_list_fallback_scalar_SUM")
+    for rank in range(2):
+        assert results[rank].shape == () and results[rank] == (rank_input(0) + rank_input(1))[rank]
+
+
+def test_gloo_has_its_list_reduce_scatter_from_2_11_and_not_on_2_7(gloo_cases):
+    errors = _values(gloo_cases, "plain_reduce_scatter")
+    if compat.GLOO_HAS_REDUCE_SCATTER:
+        assert errors == [None, None]
+    elif compat.TORCH < (2, 8):  # pytorch#149869 added it; 2.8 - 2.10 are not run
+        assert all("does not support reduce_scatter" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("case, named", list(gloo_compat_worker.LIST_REFUSED_NAMED.items()))
+def test_the_list_reduce_scatter_fallback_refuses_what_gloo_refuses_by_name(gloo_cases, case, named):
+    got = gloo_cases[f"refused_list_{case}"]
+    assert all(r.get("error", "").startswith("CupycollValueError: reduce_scatter on CPU tensors") for r in got), got
+    assert all(named in r["error"] for r in got), (named, got)
+
+
+@pytest.mark.parametrize("op", ["SUM", "MAX"])
+@pytest.mark.parametrize("case", list(gloo_compat_worker.TENSOR_REFUSED))
+def test_the_reduce_scatter_tensor_fallback_refuses_what_gloo_would_crash_on(gloo_cases, case, op):
+    # before 2.11 gloo's own checks of these abort the process (2.7.1), and a 0-d tensor crashes
+    # it on every release: the fallback checks first, each rank alike (so neither waits)
+    got = gloo_cases[f"refused_tensor_{case}_{op}"]
+    assert all(r.get("error", "").startswith("CupycollValueError: reduce_scatter_tensor on CPU tensors: input")
+               for r in got), got
+
+
 class _FailingGloo:
     """A gloo group whose every call fails as a timed-out one does: its Work's future
     completes with the error."""
@@ -202,6 +244,10 @@ def test_gloo_fallbacks_fail_when_gloo_fails(monkeypatch):
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = dist.ReduceOp.MAX
     work = compat.gloo_reduce_scatter_tensor(_FailingGloo(), torch.zeros(1), torch.ones(2), opts)
+    with pytest.raises(RuntimeError, match="timed out waiting for peer 1"):
+        work.wait()
+    monkeypatch.setattr(compat, "GLOO_HAS_REDUCE_SCATTER", False)
+    work = compat.gloo_reduce_scatter(_FailingGloo(), [torch.zeros(1)], [[torch.ones(1), torch.ones(1)]], opts)
     with pytest.raises(RuntimeError, match="timed out waiting for peer 1"):
         work.wait()
 
