@@ -73,13 +73,28 @@ TORCH_LAZY_BACKEND_ENTRY_POINTS = TORCH >= (2, 14)
 # every supported version has, warn there ("... is deprecated"). 2.11 has only the old
 # names; 2.12 is not run (the rename, the stack of pytorch#186134, came in June 2026, after
 # its release), and the old names work there anyway. For callers outside the package (the
-# benchmark): warning-free on every version.
-if TORCH >= (2, 13):
+# benchmark): warning-free on every version. The same release binds ProcessGroup's methods
+# under the new names too (all_gather_single, all_gather_single_coalesced,
+# reduce_scatter_single, reduce_scatter_single_coalesced, all_to_all_single) next to the old
+# ones (_allgather_base, allgather_into_tensor_coalesced, _reduce_scatter_base,
+# reduce_scatter_tensor_coalesced, alltoall_base); 2.11 and 2.7.1 bind the old ones alone
+# (run here). A cupycoll group answers both names on every release.
+TENSOR_COLLECTIVES_RENAMED = TORCH >= (2, 13)
+if TENSOR_COLLECTIVES_RENAMED:
     all_gather_single = dist.all_gather_single
     reduce_scatter_single = dist.reduce_scatter_single
 else:
     all_gather_single = dist.all_gather_into_tensor
     reduce_scatter_single = dist.reduce_scatter_tensor
+
+
+# torch 2.9 gave every short form of ProcessGroup's methods (a bare op, a root, one tensor) a
+# trailing ``timeout`` and added the forms alltoall_base(..., timeout) and barrier(timeout)
+# (pytorch#158123, July 2025, after 2.8's branch cut). Run here: 2.11, 2.13 and 2.15 bind
+# them, 2.7.1 does not; 2.8 - 2.10 are not run. cupycoll.call_forms takes the timeouts on
+# every release (2.7.1's binding refuses such a call, and binds no other form to it), so
+# nothing in the package branches on this: it says which forms this torch's own binding has.
+SHORT_FORMS_TAKE_TIMEOUT = TORCH >= (2, 9)
 
 
 def premul_factor(reduce_op) -> Optional[object]:

@@ -21,6 +21,7 @@ from cupycoll.errors import CupycollValueError
 from installed import cupycoll_entry_points
 from mp import run_ranks
 from shapes import backend_shape, cupycoll_group_type, shell_of
+from torch_forms import forms
 from workers import gloo_compat_worker
 from workers.gloo_compat_worker import rank_input
 
@@ -273,10 +274,22 @@ def test_set_default_backend():
     compat.shutdown(gloo)
 
 
+# ProcessGroup's methods by their names from torch 2.13 on, and before
+_RENAMED_METHODS = {"all_gather_single": "_allgather_base",
+                    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+                    "reduce_scatter_single": "_reduce_scatter_base",
+                    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+                    "all_to_all_single": "alltoall_base"}
+
+
 def test_tensor_collective_names_by_version(recwarn):
     # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to the *_single names
-    renamed = compat.TORCH >= (2, 13)
+    renamed = compat.TENSOR_COLLECTIVES_RENAMED
+    assert renamed == (compat.TORCH >= (2, 13))
     assert hasattr(dist, "all_gather_single") == hasattr(dist, "reduce_scatter_single") == renamed
+    for new, old in _RENAMED_METHODS.items():  # and bound ProcessGroup's methods under both names
+        assert hasattr(dist.ProcessGroup, new) == renamed, new
+        assert hasattr(dist.ProcessGroup, old), old
     expected = ((dist.all_gather_single, dist.reduce_scatter_single) if renamed
                 else (dist.all_gather_into_tensor, dist.reduce_scatter_tensor))
     assert (compat.all_gather_single, compat.reduce_scatter_single) == expected
@@ -289,6 +302,19 @@ def test_tensor_collective_names_by_version(recwarn):
     finally:
         dist.destroy_process_group()
     assert not [w for w in recwarn if "deprecated" in str(w.message)]  # what the rename is for
+
+
+def test_short_forms_take_a_timeout_from_2_9():
+    # read from torch's own binding: the short forms, and the two forms 2.9 added
+    short = [(method, form) for method in ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
+                                           "reduce_scatter")
+             for form in forms(method) if not form.params[-1].kind.endswith("Options")]
+    assert len(short) == 8  # allreduce has two
+    assert all((form.params[-1].name == "timeout") == compat.SHORT_FORMS_TAKE_TIMEOUT for _, form in short), short
+    added = [form.names for method in ("alltoall_base", "barrier") for form in forms(method)
+             if form.names[-1:] == ("timeout",)]
+    assert added == ([("output", "input", "output_split_sizes", "input_split_sizes", "timeout"), ("timeout",)]
+                     if compat.SHORT_FORMS_TAKE_TIMEOUT else [])
 
 
 def test_shutdown_is_safe_on_every_version():
