@@ -191,6 +191,9 @@ _ALL_TO_ALL_SINGLE = (
 
 # Every form of torch's ProcessGroup methods a cupycoll group answers, by method name (the
 # names before torch 2.13 and after: see the shell's aliases), in the order torch tries them.
+# The same table on every release: the short forms' timeouts, and the timeout forms of
+# all_to_all_single and barrier, are torch 2.9's (compat.SHORT_FORMS_TAKE_TIMEOUT), taken here
+# on 2.7.1 too, where torch's binding refuses such a call and binds no other form to it.
 FORMS: Dict[str, Tuple[Form, ...]] = {
     "allreduce": (
         _options_form(_ALLREDUCE, ("tensors", "tensors")),

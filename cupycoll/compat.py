@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from .errors import CupycollValueError
+
 
 def _release(version: str) -> tuple:
     """``"2.15.0+cu132"`` -> ``(2, 15)``."""
@@ -72,13 +74,28 @@ TORCH_LAZY_BACKEND_ENTRY_POINTS = TORCH >= (2, 14)
 # every supported version has, warn there ("... is deprecated"). 2.11 has only the old
 # names; 2.12 is not run (the rename, the stack of pytorch#186134, came in June 2026, after
 # its release), and the old names work there anyway. For callers outside the package (the
-# benchmark): warning-free on every version.
-if TORCH >= (2, 13):
+# benchmark): warning-free on every version. The same release binds ProcessGroup's methods
+# under the new names too (all_gather_single, all_gather_single_coalesced,
+# reduce_scatter_single, reduce_scatter_single_coalesced, all_to_all_single) next to the old
+# ones (_allgather_base, allgather_into_tensor_coalesced, _reduce_scatter_base,
+# reduce_scatter_tensor_coalesced, alltoall_base); 2.11 and 2.7.1 bind the old ones alone
+# (run here). A cupycoll group answers both names on every release.
+TENSOR_COLLECTIVES_RENAMED = TORCH >= (2, 13)
+if TENSOR_COLLECTIVES_RENAMED:
     all_gather_single = dist.all_gather_single
     reduce_scatter_single = dist.reduce_scatter_single
 else:
     all_gather_single = dist.all_gather_into_tensor
     reduce_scatter_single = dist.reduce_scatter_tensor
+
+
+# torch 2.9 gave every short form of ProcessGroup's methods (a bare op, a root, one tensor) a
+# trailing ``timeout`` and added the forms alltoall_base(..., timeout) and barrier(timeout)
+# (pytorch#158123, July 2025, after 2.8's branch cut). Run here: 2.11, 2.13 and 2.15 bind
+# them, 2.7.1 does not; 2.8 - 2.10 are not run. cupycoll.call_forms takes the timeouts on
+# every release (2.7.1's binding refuses such a call, and binds no other form to it), so
+# nothing in the package branches on this: it says which forms this torch's own binding has.
+SHORT_FORMS_TAKE_TIMEOUT = TORCH >= (2, 9)
 
 
 def premul_factor(reduce_op) -> Optional[object]:
@@ -240,6 +257,9 @@ def gloo_alltoall(gloo: ProcessGroup, outputs: Sequence[torch.Tensor],
 # Which release in between fixed it is unknown: 2.8 - 2.10 are not run, and no fix was found
 # in torch's issues. So the gate is conservative: those releases take the fallback, which is
 # correct on every version (the tests run it on each CI leg) and costs only twice the traffic.
+# There gloo's checks of the tensors (dtypes, the first dimension a world's worth of the
+# output's, the rest alike) are failed CHECKs that abort the process (run here: 2.7.1), where
+# 2.11's raise a RuntimeError: so the fallback checks them first.
 GLOO_REDUCE_SCATTER_HONOURS_OP = TORCH >= (2, 11)
 
 
@@ -248,19 +268,27 @@ def gloo_reduce_scatter_tensor(gloo: ProcessGroup, output: torch.Tensor, input: 
     """``reduce_scatter_tensor`` on a gloo group with the op the caller gave.
 
     Where gloo would sum anyway (GLOO_REDUCE_SCATTER_HONOURS_OP), an all-reduce of the whole
-    input with the op, of which this rank keeps its chunk: twice the traffic, right result.
-    Bad input gets gloo's own errors, as from _reduce_scatter_base."""
-    if GLOO_REDUCE_SCATTER_HONOURS_OP or opts.reduceOp == ReduceOp.SUM:
+    input with the op, of which this rank keeps its chunk: twice the traffic, right result;
+    and tensors gloo would refuse are a CupycollValueError there, before anything is sent.
+    Elsewhere bad input gets gloo's own errors, as from _reduce_scatter_base."""
+    if GLOO_REDUCE_SCATTER_HONOURS_OP:
         return gloo._reduce_scatter_base(output, input, opts)
-    if input.numel() != output.numel() * gloo.size() or input.dtype != output.dtype:
-        return gloo._reduce_scatter_base(output, input, opts)  # gloo's own error
+    size = gloo.size()
+    if (input.dtype != output.dtype or output.dim() == 0 or input.dim() != output.dim()
+            or input.shape[1:] != output.shape[1:] or input.shape[0] != output.shape[0] * size):
+        raise CupycollValueError(
+            f"reduce_scatter_tensor on CPU tensors: input {_shown(input)} for output {_shown(output)} in a "
+            f"group of {size}; the input must be the output's dtype and shape but for its first "
+            f"dimension, {size} times the output's")
+    if opts.reduceOp == ReduceOp.SUM:
+        return gloo._reduce_scatter_base(output, input, opts)
     full = input.detach().clone().reshape(-1)
     # gloo's all-reduce has no AVG ("Cannot use ReduceOp.AVG with Gloo"): SUM, then divide.
     average = opts.reduceOp == ReduceOp.AVG
     all_opts = dist.AllreduceOptions()
     all_opts.reduceOp = ReduceOp.SUM if average else opts.reduceOp
     work = gloo.allreduce([full], all_opts)
-    start, size = gloo.rank() * output.numel(), gloo.size()
+    start = gloo.rank() * output.numel()
 
     # The callback must not hold the group: it is released on a gloo worker thread, and if
     # it held the last reference, the group's destructor would join that very thread (abort).
@@ -271,6 +299,47 @@ def gloo_reduce_scatter_tensor(gloo: ProcessGroup, output: torch.Tensor, input: 
         return [output]
 
     return FutureWork(work.get_future().then(keep_chunk))
+
+
+# torch 2.8 gave ProcessGroupGloo the list form of reduce_scatter (pytorch#149869, March
+# 2025: an all-reduce per rank). Run here: 2.7.1 raises "ProcessGroupGloo does not support
+# reduce_scatter", 2.11, 2.13 and 2.15 honour every op. 2.8 - 2.10 are not run: treated as
+# 2.7.1, as whether the first version passed the op on is not known. Before 2.11 cupycoll's
+# CPU route builds the list form from reduce_scatter_tensor's (above), correct on every
+# version.
+GLOO_HAS_REDUCE_SCATTER = TORCH >= (2, 11)
+
+
+def gloo_reduce_scatter(gloo: ProcessGroup, outputs: Sequence[torch.Tensor],
+                        input_lists: Sequence[Sequence[torch.Tensor]], opts) -> dist.Work:
+    """``reduce_scatter`` (the list form) on a gloo group, also where gloo lacks it (see
+    GLOO_HAS_REDUCE_SCATTER).
+
+    The fallback takes what gloo's list form takes, one output and one list of an input per
+    rank, each of the output's shape and dtype (else a CupycollValueError naming them, before
+    anything is sent), and reduce-scatters the inputs joined along their first dimension
+    into the output with :func:`gloo_reduce_scatter_tensor`."""
+    if GLOO_HAS_REDUCE_SCATTER:
+        return gloo.reduce_scatter(outputs, input_lists, opts)
+    size = gloo.size()
+    if len(outputs) != 1 or len(input_lists) != 1 or len(input_lists[0]) != size:
+        raise CupycollValueError(
+            f"reduce_scatter on CPU tensors: {len(outputs)} outputs and input lists of "
+            f"{[len(inputs) for inputs in input_lists]} tensors in a group of {size}; gloo takes one output "
+            f"and one list of {size} inputs (one per rank)")
+    output, inputs = outputs[0], list(input_lists[0])
+    for index, tensor in enumerate(inputs):
+        if tensor.dtype != output.dtype or tensor.shape != output.shape:
+            raise CupycollValueError(
+                f"reduce_scatter on CPU tensors: input {index} is {_shown(tensor)}, the output "
+                f"{_shown(output)}; each input must be the output's dtype and shape")
+    if output.dim() == 0:  # reduce_scatter_tensor's chunks lie along a first dimension
+        output, inputs = output.view(1), [tensor.view(1) for tensor in inputs]
+    return gloo_reduce_scatter_tensor(gloo, output, torch.cat(inputs), opts)
+
+
+def _shown(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).replace('torch.', '')}{tuple(tensor.shape)}"
 
 
 def gloo_ranks_absent(store, rank: int, size: int) -> Optional[List[int]]:

@@ -5,7 +5,9 @@
 * CPU tensors, CPU barriers and (through them) the object collectives go to the group's
   gloo half (a gloo group built on the same store): they behave exactly as ``"cpu:gloo"``,
   but for ReduceOp.AVG, which gloo cannot do on integers and cupycoll averages
-  (:mod:`cupycoll.cpu_average`), as the CUDA route does;
+  (:mod:`cupycoll.cpu_average`), as the CUDA route does, and what an older gloo lacks or gets
+  wrong (the list forms of alltoall and reduce_scatter, reduce_scatter_tensor's op), which
+  :mod:`cupycoll.compat` builds from what it has;
 * CUDA tensors go to the group's :class:`~cupycoll.backend.CudaBackend`, through the
   collective's body in :mod:`cupycoll.collectives`;
 * every call is recorded first in the group's flight recorder (:mod:`cupycoll.trace.group`),
@@ -437,8 +439,8 @@ class GroupShell:
                 "reduce_scatter", (output_tensors, input_tensors, opts), rest, named)
         cuda, entry = self._route([output_tensors, input_tensors], "reduce_scatter", opts)
         if not cuda:
-            return self._gloo_reduction(entry, self._cpu.reduce_scatter, output_tensors, output_tensors,
-                                        input_tensors, opts)
+            return self._gloo_reduction(entry, compat.gloo_reduce_scatter, output_tensors, self._cpu,
+                                        output_tensors, input_tensors, opts)
         return self._issue(entry, collectives.reduce_scatter, output_tensors, input_tensors, opts)
 
     def reduce_scatter_single(self, outputTensor=MISSING, inputTensor=MISSING, opts=MISSING, *rest, **named):

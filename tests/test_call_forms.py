@@ -1,9 +1,11 @@
 """torch's call forms of a ProcessGroup's methods on a cupycoll group (cupycoll.call_forms and
 the shell's entry points), on one rank: every form torch binds is one cupycoll binds, under
-torch's parameter names; a short form builds the options torch would; a call no form takes
-is a typed error naming its values, raised before anything is recorded; a CPU reduce-scatter's
-Work hands out a future though gloo's has none. tests/multiproc/test_every_call_form.py calls
-every form on 2 ranks against gloo."""
+torch's parameter names, and on each release the other way round (but for the timeouts torch
+2.9 added, which cupycoll takes on every release); a short form builds the options torch
+would; a call no form takes is a typed error naming its values, raised before anything is
+recorded; a CPU reduce-scatter's Work hands out a future though gloo's has none, also on a
+torch whose gloo has no list form. tests/multiproc/test_every_call_form.py calls every form on
+2 ranks against gloo."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from torch._C import _distributed_c10d as c10d
 from cupycoll import CupycollTypeError, call_forms, compat
 from cupycoll.process_group import ProcessGroupCupycoll
 from cupycoll.shell import GroupShell
-from torch_forms import forms, kind
+from torch_forms import forms, kind, overloads
 
 R = c10d.ReduceOp
 
@@ -41,14 +43,54 @@ def _covers(ours: call_forms.Form, theirs) -> bool:
     return all(default is not call_forms.MISSING for _, _, default in mine[len(theirs.params):])
 
 
+def _names_of_2_13() -> set:
+    """The methods torch 2.13 bound under new names (compat.TENSOR_COLLECTIVES_RENAMED): those
+    the shell's old names are aliases of."""
+    return {member.__name__ for name, member in vars(GroupShell).items()
+            if name in call_forms.FORMS and member.__name__ != name}
+
+
+def _added_by_2_9(method: str, form: call_forms.Form) -> bool:
+    """Is ``form`` one torch 2.9 added (compat.SHORT_FORMS_TAKE_TIMEOUT): the options form
+    with a timeout for its options (barrier's, all_to_all_single's)?"""
+    return form.names == call_forms.FORMS[method][0].names[:-1] + ("timeout",)
+
+
+def _forms_this_torch_binds():
+    """(method, cupycoll's form) for each of cupycoll's forms this torch's own binding has too."""
+    for method, ours in call_forms.FORMS.items():
+        if method in _names_of_2_13() and not compat.TENSOR_COLLECTIVES_RENAMED:
+            continue
+        for form in ours:
+            if compat.SHORT_FORMS_TAKE_TIMEOUT or not _added_by_2_9(method, form):
+                yield method, form
+
+
 def test_every_form_torch_binds_is_one_cupycoll_binds_under_the_same_names():
     seen = 0
     for method, ours in call_forms.FORMS.items():
+        assert len(forms(method)) == overloads(method), method  # every form pybind lists was read
         for theirs in forms(method):
             assert not any(p.kind.startswith("unknown") for p in theirs.params), theirs
             assert any(_covers(form, theirs) for form in ours), f"cupycoll has no form {theirs}"
             seen += 1
-    assert seen >= 30  # the docstrings were read
+    # this release's own count (35 forms on 2.13 and 2.15, 29 on 2.11, 27 on 2.7.1)
+    assert seen == len(list(_forms_this_torch_binds()))
+
+
+def test_every_form_cupycoll_binds_is_one_torch_binds_but_for_a_timeout_older_releases_lack():
+    # with the test above: cupycoll's table is this release's, form for form
+    for method, ours in _forms_this_torch_binds():
+        missing = 0 if compat.SHORT_FORMS_TAKE_TIMEOUT or ours.names[-1] != "timeout" else 1
+        assert any(_covers(ours, theirs) and len(ours.params) == len(theirs.params) + missing
+                   for theirs in forms(method)), f"torch {torch.__version__} has no form {ours.describe(method)}"
+
+
+def test_this_torch_binds_every_method_of_the_table_under_its_names():
+    absent = {method for method in call_forms.FORMS if not overloads(method)}
+    assert absent == (set() if compat.TENSOR_COLLECTIVES_RENAMED else _names_of_2_13())
+    assert _names_of_2_13() == {"all_gather_single", "all_gather_single_coalesced", "reduce_scatter_single",
+                                "reduce_scatter_single_coalesced", "all_to_all_single"}
 
 
 def test_a_form_torch_would_add_is_found():
@@ -70,7 +112,12 @@ def test_every_collective_of_the_shell_that_torch_binds_has_its_forms():
         if callable(member) and takes_tensors:
             assert name in call_forms.FORMS, name
             found.add(name)
-    assert {"allreduce", "send", "all_to_all_single", "_allgather_base"} <= found
+    # every collective of the table (all but barrier) under the names this release binds
+    expected = {method for method, ours in call_forms.FORMS.items()
+                if any(isinstance(k, str) and k.startswith("tensor") for form in ours for _, k, _ in form.params)}
+    if not compat.TENSOR_COLLECTIVES_RENAMED:
+        expected -= _names_of_2_13()
+    assert found == expected and {"allreduce", "send", "alltoall_base", "_allgather_base"} <= found
 
 
 @pytest.mark.parametrize("method", sorted(call_forms.FORMS))

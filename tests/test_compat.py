@@ -21,6 +21,7 @@ from cupycoll.errors import CupycollValueError
 from installed import cupycoll_entry_points
 from mp import run_ranks
 from shapes import backend_shape, cupycoll_group_type, shell_of
+from torch_forms import forms
 from workers import gloo_compat_worker
 from workers.gloo_compat_worker import rank_input
 
@@ -173,6 +174,48 @@ def test_gloo_averages_floats_from_2_13_and_never_integers(gloo_cases):
     assert all("error" in r for r in gloo_cases["average_int64"]), gloo_cases["average_int64"]
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("op", list(OPS))
+def test_gloo_reduce_scatter_list_honours_the_op(gloo_cases, op, fallback):
+    # the fallback (torch 2.7.1's route: the inputs joined, reduce_scatter_tensor's all-reduce
+    # route) is exercised on every torch; the default is gloo's own list form from 2.11
+    results = _values(gloo_cases, f"reduce_scatter_list_{'fallback_' if fallback else ''}{op}")
+    for rank in range(2):
+        assert results[rank].shape == (1, 3)
+        assert torch.equal(results[rank].reshape(-1), _expected(op, rank)), (op, rank, results[rank])
+
+
+def test_gloo_reduce_scatter_list_fallback_takes_scalars(gloo_cases):
+    results = _values(gloo_cases, "reduce_scatter_list_fallback_scalar_SUM")
+    for rank in range(2):
+        assert results[rank].shape == () and results[rank] == (rank_input(0) + rank_input(1))[rank]
+
+
+def test_gloo_has_its_list_reduce_scatter_from_2_11_and_not_on_2_7(gloo_cases):
+    errors = _values(gloo_cases, "plain_reduce_scatter")
+    if compat.GLOO_HAS_REDUCE_SCATTER:
+        assert errors == [None, None]
+    elif compat.TORCH < (2, 8):  # pytorch#149869 added it; 2.8 - 2.10 are not run
+        assert all("does not support reduce_scatter" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("case, named", list(gloo_compat_worker.LIST_REFUSED_NAMED.items()))
+def test_the_list_reduce_scatter_fallback_refuses_what_gloo_refuses_by_name(gloo_cases, case, named):
+    got = gloo_cases[f"refused_list_{case}"]
+    assert all(r.get("error", "").startswith("CupycollValueError: reduce_scatter on CPU tensors") for r in got), got
+    assert all(named in r["error"] for r in got), (named, got)
+
+
+@pytest.mark.parametrize("op", ["SUM", "MAX"])
+@pytest.mark.parametrize("case", list(gloo_compat_worker.TENSOR_REFUSED))
+def test_the_reduce_scatter_tensor_fallback_refuses_what_gloo_would_crash_on(gloo_cases, case, op):
+    # before 2.11 gloo's own checks of these abort the process (2.7.1), and a 0-d tensor crashes
+    # it on every release: the fallback checks first, each rank alike (so neither waits)
+    got = gloo_cases[f"refused_tensor_{case}_{op}"]
+    assert all(r.get("error", "").startswith("CupycollValueError: reduce_scatter_tensor on CPU tensors: input")
+               for r in got), got
+
+
 class _FailingGloo:
     """A gloo group whose every call fails as a timed-out one does: its Work's future
     completes with the error."""
@@ -204,6 +247,10 @@ def test_gloo_fallbacks_fail_when_gloo_fails(monkeypatch):
     work = compat.gloo_reduce_scatter_tensor(_FailingGloo(), torch.zeros(1), torch.ones(2), opts)
     with pytest.raises(RuntimeError, match="timed out waiting for peer 1"):
         work.wait()
+    monkeypatch.setattr(compat, "GLOO_HAS_REDUCE_SCATTER", False)
+    work = compat.gloo_reduce_scatter(_FailingGloo(), [torch.zeros(1)], [[torch.ones(1), torch.ones(1)]], opts)
+    with pytest.raises(RuntimeError, match="timed out waiting for peer 1"):
+        work.wait()
 
 
 def test_gloo_reduce_scatter_base_by_version(gloo_cases):
@@ -227,10 +274,22 @@ def test_set_default_backend():
     compat.shutdown(gloo)
 
 
+# ProcessGroup's methods by their names from torch 2.13 on, and before
+_RENAMED_METHODS = {"all_gather_single": "_allgather_base",
+                    "all_gather_single_coalesced": "allgather_into_tensor_coalesced",
+                    "reduce_scatter_single": "_reduce_scatter_base",
+                    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+                    "all_to_all_single": "alltoall_base"}
+
+
 def test_tensor_collective_names_by_version(recwarn):
     # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to the *_single names
-    renamed = compat.TORCH >= (2, 13)
+    renamed = compat.TENSOR_COLLECTIVES_RENAMED
+    assert renamed == (compat.TORCH >= (2, 13))
     assert hasattr(dist, "all_gather_single") == hasattr(dist, "reduce_scatter_single") == renamed
+    for new, old in _RENAMED_METHODS.items():  # and bound ProcessGroup's methods under both names
+        assert hasattr(dist.ProcessGroup, new) == renamed, new
+        assert hasattr(dist.ProcessGroup, old), old
     expected = ((dist.all_gather_single, dist.reduce_scatter_single) if renamed
                 else (dist.all_gather_into_tensor, dist.reduce_scatter_tensor))
     assert (compat.all_gather_single, compat.reduce_scatter_single) == expected
@@ -243,6 +302,19 @@ def test_tensor_collective_names_by_version(recwarn):
     finally:
         dist.destroy_process_group()
     assert not [w for w in recwarn if "deprecated" in str(w.message)]  # what the rename is for
+
+
+def test_short_forms_take_a_timeout_from_2_9():
+    # read from torch's own binding: the short forms, and the two forms 2.9 added
+    short = [(method, form) for method in ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
+                                           "reduce_scatter")
+             for form in forms(method) if not form.params[-1].kind.endswith("Options")]
+    assert len(short) == 8  # allreduce has two
+    assert all((form.params[-1].name == "timeout") == compat.SHORT_FORMS_TAKE_TIMEOUT for _, form in short), short
+    added = [form.names for method in ("alltoall_base", "barrier") for form in forms(method)
+             if form.names[-1:] == ("timeout",)]
+    assert added == ([("output", "input", "output_split_sizes", "input_split_sizes", "timeout"), ("timeout",)]
+                     if compat.SHORT_FORMS_TAKE_TIMEOUT else [])
 
 
 def test_shutdown_is_safe_on_every_version():

@@ -100,6 +100,19 @@ def _form(method: str, line: str) -> Optional[TorchForm]:
     return TorchForm(method, tuple(params))
 
 
+def overloads(method: str, cls=c10d.ProcessGroup) -> int:
+    """How many forms pybind says ``cls.method`` has, counted apart from :func:`forms`' reading
+    of them: its numbered lines after "Overloaded function.", or 1 for a lone signature; 0
+    where the release has no such method."""
+    function = getattr(cls, method, None)
+    if function is None:
+        return 0
+    doc = function.__doc__ or ""
+    if "Overloaded function." not in doc:
+        return 1
+    return len(re.findall(r"^\d+\. ", doc, flags=re.MULTILINE))
+
+
 def forms(method: str, cls=c10d.ProcessGroup) -> List[TorchForm]:
     """Every form of ``cls.method`` the installed torch binds, in its order; [] where the
     release has no such method."""

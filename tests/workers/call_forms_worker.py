@@ -221,10 +221,38 @@ def gloo_gap(method: str, style: str, form, theirs: dict) -> bool:
     (cupycoll.compat names each)."""
     if not compat.GLOO_HAS_ALLTOALL and method == "alltoall":
         return "does not support alltoall" in theirs.get("message", "")
+    if not compat.GLOO_HAS_REDUCE_SCATTER and method == "reduce_scatter":
+        return "does not support reduce_scatter" in theirs.get("message", "")
     ops = [p for p in form.params if p.kind in ("op", "ReduceScatterOptions")]
     if not compat.GLOO_REDUCE_SCATTER_HONOURS_OP and method in ("reduce_scatter_single", "_reduce_scatter_base"):
         return bool(ops) and style != "defaults"  # gloo sums whatever the op
     return False
+
+
+def case_op(args, kwargs):
+    """The reduction op a case passes, bare or in its options object; SUM where it passes none."""
+    for given in [*args, *kwargs.values()]:
+        if isinstance(given, (R, R.RedOpType)):
+            return given
+        if hasattr(given, "reduceOp"):
+            return given.reduceOp
+    return R.SUM
+
+
+def filled(method: str, args, kwargs):
+    """What a case of a gloo_gap must leave in its outputs on this rank, from every rank's
+    inputs (tensor_args: rank q's i-th input is value(q, i)); None where none is known."""
+    if method == "alltoall":
+        return [value(peer, RANK) for peer in range(WORLD)]
+    if method in ("reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base"):
+        op = case_op(args, kwargs)
+        fold = next(f for o, f in ((R.SUM, torch.add), (R.MAX, torch.maximum), (R.MIN, torch.minimum),
+                                   (R.PRODUCT, torch.mul)) if op == o)
+        result = value(0, RANK)
+        for peer in range(1, WORLD):
+            result = fold(result, value(peer, RANK))
+        return [result]
+    return None
 
 
 def rooted_short_form(method: str, form) -> bool:
@@ -238,8 +266,17 @@ def same(ours: list, theirs: list) -> bool:
     return len(ours) == len(theirs) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
-def compare(case: str, ours: dict, theirs: dict, gap: bool, binds: bool):
-    """What differs, or None (``binds``: cupycoll binds the forms, its TypeErrors are typed)."""
+def compare(case: str, ours: dict, theirs: dict, gap: bool, binds: bool, reference=None):
+    """What differs, or None (``binds``: cupycoll binds the forms, its TypeErrors are typed;
+    ``reference``: what a gap's outputs must be, see filled)."""
+    if gap and reference is not None:  # gloo refuses or gets it wrong here: cupycoll must not
+        if "raised" in ours:
+            return f"{case}: cupycoll {ours['raised']} where gloo falls short: {ours['message']}"
+        if not same(ours["outputs"], reference):
+            return f"{case}: outputs differ from what every rank's inputs give: {ours['outputs']} != {reference}"
+        if isinstance(ours["future"], str) or not same(ours["future"], ours["outputs"]):
+            return f"{case}: cupycoll's future is not its outputs: {ours['future']}"
+        return None
     if "raised" in theirs and (gap or theirs.get("disagreed")) and "raised" not in ours:
         return None  # see gloo_gap and rooted_short_form
     if "raised" in ours or "raised" in theirs:
@@ -335,10 +372,12 @@ def suite(ours, gloo, control, differences: list, seen_forms: list) -> int:
                     continue
                 case = f"{form} {style}"
                 if method in POINT_TO_POINT:
+                    reference = None
                     mine = point_to_point(ours, method, form, style, control)
                     theirs = point_to_point(gloo, method, form, style, control)
                 else:
                     a, k, o = build(method, form, style)
+                    reference = filled(method, a, k)
                     mine = run(ours, method, a, k, o, control)
                     a, k, o = build(method, form, style)
                     theirs = run(gloo, method, a, k, o, control,
@@ -346,7 +385,7 @@ def suite(ours, gloo, control, differences: list, seen_forms: list) -> int:
                     if theirs.get("disagreed"):  # the root's call is left under way: a new gloo group
                         gloo = dist.new_group(backend="gloo", timeout=TIMEOUT)
                 cases += 1
-                difference = compare(case, mine, theirs, gloo_gap(method, style, form, theirs), binds)
+                difference = compare(case, mine, theirs, gloo_gap(method, style, form, theirs), binds, reference)
                 if difference:
                     differences.append(difference)
             for what, args, kwargs in bad_forms(method, form):

@@ -64,6 +64,66 @@ def reduce_scatter(op: str, raw: bool = False) -> Callable:
     return run
 
 
+def reduce_scatter_list(op: str, scalar: bool = False) -> Callable:
+    """The list form through compat.gloo_reduce_scatter: rank_input's halves as the rank's two
+    inputs, each (1, 3) (or, ``scalar``, its first two values as 0-d tensors)."""
+    def run(group, rank):
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, op)
+        if scalar:
+            inputs, out = list(rank_input(rank)[:2].unbind()), torch.zeros(())
+        else:
+            inputs, out = list(rank_input(rank).view(2, 1, 3).unbind()), torch.zeros(1, 3)
+        compat.gloo_reduce_scatter(group, [out], [inputs], opts).wait()
+        return out
+    return run
+
+
+def plain_reduce_scatter(group, rank):
+    """gloo's own list reduce_scatter: None where it works, else its error text."""
+    try:
+        group.reduce_scatter([torch.zeros(1)], [[torch.ones(1), torch.ones(1)]],
+                             dist.ReduceScatterOptions()).wait()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def refused(form: str, output: Callable, inputs: Callable, op: str = "MAX") -> Callable:
+    """A fallback's call (``form``: "list" or "tensor") with tensors gloo refuses; the value
+    "sent" where it did not raise."""
+    def run(group, rank):
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, op)
+        call = compat.gloo_reduce_scatter if form == "list" else compat.gloo_reduce_scatter_tensor
+        call(group, output(), inputs(), opts)
+        return "sent"
+    return run
+
+
+_INT = torch.int64
+# list form, two ranks: (outputs, input lists, what the error names)
+LIST_REFUSED = {
+    "two outputs": (lambda: [torch.zeros(3), torch.zeros(3)], lambda: [[torch.ones(3)] * 2] * 2,
+                    "2 outputs and input lists of [2, 2] tensors in a group of 2"),
+    "one input": (lambda: [torch.zeros(3)], lambda: [[torch.ones(3)]], "input lists of [1] tensors in a group of 2"),
+    "a longer input": (lambda: [torch.zeros(3)], lambda: [[torch.ones(3), torch.ones(4)]],
+                       "input 1 is float32(4,), the output float32(3,)"),
+    "an integer input": (lambda: [torch.zeros(3)], lambda: [[torch.ones(3, dtype=_INT), torch.ones(3)]],
+                         "input 0 is int64(3,), the output float32(3,)"),
+}
+LIST_REFUSED_NAMED = {name: named for name, (_, _, named) in LIST_REFUSED.items()}
+# tensor form, two ranks: (output, input)
+TENSOR_REFUSED = {
+    "too few elements": (lambda: torch.zeros(3), lambda: torch.ones(5)),
+    "another dtype": (lambda: torch.zeros(3), lambda: torch.ones(6, dtype=_INT)),
+    "the chunks along another dimension": (lambda: torch.zeros(1, 3), lambda: torch.ones(1, 6)),
+    "one dimension more": (lambda: torch.zeros(3), lambda: torch.ones(2, 3)),
+    "0-d tensors": (lambda: torch.zeros(()), lambda: torch.ones(())),
+    "a 0-d input": (lambda: torch.zeros(3), lambda: torch.ones(())),
+}
+
+
 def average(dtype: torch.dtype) -> Callable:
     """gloo's own all_reduce with ReduceOp.AVG: the tensor, or gloo's error."""
     def run(group, rank):
@@ -86,9 +146,21 @@ CASES: Dict[str, Tuple[Dict[str, bool], Callable]] = {
     "average_float32": ({}, average(torch.float32)),
     "average_int64": ({}, average(torch.int64)),
 }
+# the list form as torch 2.7.1 runs it: neither gloo's list form nor its op in reduce_scatter_tensor
+_LIST_FALLBACK = {"GLOO_HAS_REDUCE_SCATTER": False, "GLOO_REDUCE_SCATTER_HONOURS_OP": False}
+for _name, (_outputs, _inputs, _) in LIST_REFUSED.items():
+    CASES[f"refused_list_{_name}"] = (_LIST_FALLBACK, refused("list", _outputs, _inputs))
+for _name, (_output, _input) in TENSOR_REFUSED.items():
+    for _op in ("SUM", "MAX"):
+        CASES[f"refused_tensor_{_name}_{_op}"] = ({"GLOO_REDUCE_SCATTER_HONOURS_OP": False},
+                                                  refused("tensor", _output, _input, _op))
+CASES["plain_reduce_scatter"] = ({}, plain_reduce_scatter)
+CASES["reduce_scatter_list_fallback_scalar_SUM"] = (_LIST_FALLBACK, reduce_scatter_list("SUM", scalar=True))
 for _op in OPS:
     CASES[f"reduce_scatter_{_op}"] = ({}, reduce_scatter(_op))
     CASES[f"reduce_scatter_fallback_{_op}"] = ({"GLOO_REDUCE_SCATTER_HONOURS_OP": False}, reduce_scatter(_op))
+    CASES[f"reduce_scatter_list_{_op}"] = ({}, reduce_scatter_list(_op))
+    CASES[f"reduce_scatter_list_fallback_{_op}"] = (_LIST_FALLBACK, reduce_scatter_list(_op))
 
 
 def main() -> int:
