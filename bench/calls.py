@@ -3,6 +3,9 @@
 A candidate is a group plus a scope (``cupycoll.algorithm("ring")``, or nothing); buffers
 follow nccl-tests' layouts (:mod:`metrics`), in place or out of place; :func:`make_call`
 returns a no-argument function issuing one synchronous torch.distributed call.
+:class:`FrontOnlyGroup` is a group whose calls do nothing: torch's own Python front (its
+``dist.*`` functions, ``_coalescing_manager`` and the ``_CollOp`` records it collects) timed
+alone, the share of a call that every backend pays.
 
 Left out: timing and checking them (runner, checks), names (catalog).
 """
@@ -47,6 +50,46 @@ class Candidate:
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+class DoneWork(dist.Work):
+    """A Work that is finished when it is made."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+class FrontOnlyGroup(dist.ProcessGroup):
+    """A group whose all_reduce, coalesced all_reduce and coalescing block do nothing and
+    return a finished Work. ``dist.all_reduce`` and ``dist._coalescing_manager`` call these
+    methods from Python, so timing them on this group times torch's front and nothing else
+    (not even counting what arrives, or making a Work per call: that would be time of the
+    group's own)."""
+
+    def __init__(self, rank: int, size: int):
+        super().__init__(rank, size)
+        self._done = DoneWork()
+
+    def getBackendName(self) -> str:
+        return "front-only"
+
+    def allreduce(self, tensors, opts=None):
+        return self._done
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self._done
+
+    def _start_coalescing(self, device) -> None:
+        pass
+
+    def _end_coalescing(self, device):
+        return self._done
 
 
 def reduce_op(name: str):

@@ -40,6 +40,7 @@ from typing import Dict, List, Optional
 WORKER_ENV = "CUPYCOLL_BENCH_WORKER"      # set in the ranks the launcher starts
 DEVICE_ENV = "CUPYCOLL_BENCH_DEVICE"      # the CUDA device index of that rank
 TRANSPORT_ENV = "CUPYCOLL_BENCH_TRANSPORT"
+SHARED_ENV = "CUPYCOLL_BENCH_SHARED_GPU"  # "1" where several ranks share a GPU (Plan.shared)
 LAUNCHER_ENV = "CUPYCOLL_BENCH_LAUNCHER"  # the launcher's pid, for bind_to_launcher
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # What torch's elastic launcher handles (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
@@ -148,7 +149,8 @@ def rank_env(plan: Plan, rank: int, port: int, base: Dict[str, str]) -> Dict[str
         TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_RUN_ID="cupycoll-bench",
         PYTHONUNBUFFERED="1",
-        **{WORKER_ENV: "1", TRANSPORT_ENV: plan.transport, LAUNCHER_ENV: str(os.getpid())},
+        **{WORKER_ENV: "1", TRANSPORT_ENV: plan.transport, LAUNCHER_ENV: str(os.getpid()),
+           SHARED_ENV: "1" if plan.shared else "0"},
     )
     # The ranks import this package by name; make sure they find it (and cupycoll beside
     # it in a checkout) wherever the launcher was started from.

@@ -84,7 +84,7 @@ def collect_meta(ctx) -> Dict:
         "git_commit": _git("rev-parse", "HEAD") or os.environ.get(COMMIT_ENV) or "unknown",
         "git_dirty": (None if _git("rev-parse", "HEAD") is None
                       else bool(_git("status", "--porcelain", "--untracked-files=no"))),
-        "world_size": ctx.world, "transport": ctx.transport,
+        "world_size": ctx.world, "transport": ctx.transport, "shared_gpu": ctx.shared_gpu,
         "gpu": me["device_name"], "gpus_visible": torch.cuda.device_count() if ctx.device.type == "cuda" else 0,
         "driver_version": _driver_version() if ctx.device.type == "cuda" else "n/a",
         "torch": torch.__version__, "torch_cuda": torch.version.cuda or "none",

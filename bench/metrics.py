@@ -14,6 +14,12 @@ Pure Python (no torch). Definitions, as nccl-tests' src/*.cu and doc/PERFORMANCE
 * ``busbw = algbw * factor``: all_reduce 2(n-1)/n; all_gather, reduce_scatter and
   all_to_all (n-1)/n; broadcast, reduce and sendrecv 1.
 
+And which GPU times measure the GPU rather than the collective (:func:`time_sliced`): ranks
+that share one GPU (``--ranks`` above the GPUs) are separate processes, whose kernels the
+GPU runs in turns, in time slices of about 2.3 ms; a collective waits for its peer's
+kernel, so its GPU time is a whole number of slices until the message is large enough for
+the transfer to outlast them.
+
 Left out: timing itself, and anything about which backend runs what.
 """
 
@@ -24,6 +30,9 @@ import statistics
 from typing import Iterable, Optional
 
 SPLIT = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
+# From this size up (per call, nccl-tests' size), a GPU time on a shared GPU is read as the
+# collective's: a 16 MiB all_reduce over the loopback sockets takes ~10 ms, several slices.
+UNSLICED_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +87,12 @@ def speedup(baseline_us: Optional[float], candidate_us: Optional[float]) -> Opti
     if not baseline_us or not candidate_us:
         return None
     return baseline_us / candidate_us
+
+
+def time_sliced(shared_gpu: bool, size_bytes: int) -> bool:
+    """Does a GPU time of calls of ``size_bytes`` measure the GPU's time slices between
+    ranks (``shared_gpu``: several ranks on one GPU) rather than the collective?"""
+    return shared_gpu and size_bytes < UNSLICED_BYTES
 
 
 def median(values: Iterable[float]) -> float:

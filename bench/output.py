@@ -18,6 +18,7 @@ import math
 import os
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
+from .metrics import UNSLICED_BYTES
 from .sizes import format_bytes
 
 SCHEMA = "cupycoll-bench/1"
@@ -27,9 +28,15 @@ SPEEDUP_HELP = "speedup = {base} time / candidate time (> 1: faster than {base})
 FIELDS = [
     "kind", "collective", "scenario", "case", "target", "cycle", "size", "count", "type", "redop", "root",
     "placement", "candidate", "status", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "host_us",
-    "speedup", "gpu_us", "cpu_us", "gpu_ratio", "cpu_ratio", "value", "limit", "iterations",
-    "world_size", "note",
+    "speedup", "time_sliced", "gpu_us", "cpu_us", "gpu_ratio", "cpu_ratio", "own_cpu_us", "own_ratio", "parts",
+    "value", "limit", "iterations", "world_size", "note",
 ]
+# After a table line or scenario line whose GPU time measures the GPU's time slices between
+# ranks sharing it (metrics.time_sliced), and what it means, once under the table.
+SLICED_MARK = "time-sliced"
+SLICED_NOTE = ("# {n} marked time-sliced: the ranks share one GPU, which runs their kernels in turns (~2.3 ms "
+               "slices), so GPU times (and bandwidths, speedups, GPU ratios) of calls below {limit} measure the "
+               "slices, not the collective; host times do not")
 
 
 class ResultsError(ValueError):
@@ -99,7 +106,22 @@ def table_line(point: Dict, cells: Dict[str, Optional[Dict]], candidates: Sequen
         text += _columns(_CELL, [fmt_num(row["time_us"], 9, 2), fmt_num(row["algbw_gbps"], 7, 2),
                                  fmt_num(row["busbw_gbps"], 7, 2), wrong, fmt_num(row["host_us"], 9, 2),
                                  speed])
+    if any(row and row.get("time_sliced") for row in cells.values()):
+        text = text.rstrip() + "  " + SLICED_MARK
     return text.rstrip()
+
+
+def sliced_note(rows: Sequence[Dict], what: str = "points") -> List[str]:
+    """The note under a table or scenario with time-sliced rows ([] when none is)."""
+    marked = {_point_key(r) for r in rows if r.get("time_sliced")}
+    if not marked:
+        return []
+    return [SLICED_NOTE.format(n=f"{len(marked)} {what}", limit=format_bytes(UNSLICED_BYTES))]
+
+
+def _point_key(row: Dict) -> tuple:
+    return tuple(row.get(k) for k in ("kind", "collective", "scenario", "case", "cycle", "size", "type", "redop",
+                                      "root", "placement"))
 
 
 def _wrong_text(rows: Sequence[Dict], checked: bool) -> str:
@@ -128,6 +150,7 @@ def table_footer(rows: Sequence[Dict], candidates: Sequence[str], checked: bool 
         if bws:
             lines.append(f"# Avg bus bandwidth    : {sum(bws) / len(bws):.4g} GB/s  {name} ({len(bws)} points)")
     lines += _reasons(rows)
+    lines += sliced_note(rows)
     lines.append("#")
     return lines
 
@@ -195,25 +218,50 @@ def nccl_tests_tables(collective: str, rows: Sequence[Dict], candidates: Sequenc
 
 
 def scenario_lines(title: str, rows: Sequence[Dict], baseline: str, clock: str = "GPU") -> List[str]:
-    """A scenario's cases, one line per case and candidate, with the ratio to the baseline.
-    ``clock`` heads the first time column: "GPU" (CUDA events), "wall" with --device cpu."""
+    """A scenario's cases, one line per case and candidate, with the ratio to the baseline;
+    then the candidates' own shares where the scenario timed torch's front alone, the note on
+    time-sliced GPU times, the targets. ``clock`` heads the first time column: "GPU" (CUDA
+    events), "wall" with --device cpu."""
     lines = ["#", f"# scenario {title}: medians per iteration; ratio = candidate / {baseline} "
                   "(< 1: less time than the baseline)",
              f"# {'case':<34} {'candidate':<14} {clock + ' us':>11} {'CPU us':>11} {clock + ' ratio':>10} "
              f"{'CPU ratio':>9}"]
-    for r in rows:
-        if r.get("kind") != "scenario":
-            continue
+    cases = [r for r in rows if r.get("kind") == "scenario"]
+    for r in cases:
         if r.get("status") != "ok":
             lines.append(f"  {r['case']:<34} {r['candidate']:<14} {r['status']}: {r.get('note', '')}")
             continue
-        lines.append(f"  {r['case']:<34} {r['candidate']:<14} {fmt_num(r.get('gpu_us'), 11, 2)} "
-                     f"{fmt_num(r.get('cpu_us'), 11, 2)} {fmt_num(r.get('gpu_ratio'), 10, 3)} "
-                     f"{fmt_num(r.get('cpu_ratio'), 9, 3)}")
+        lines.append((f"  {r['case']:<34} {r['candidate']:<14} {fmt_num(r.get('gpu_us'), 11, 2)} "
+                      f"{fmt_num(r.get('cpu_us'), 11, 2)} {fmt_num(r.get('gpu_ratio'), 10, 3)} "
+                      f"{fmt_num(r.get('cpu_ratio'), 9, 3)}"
+                      + (f"  {SLICED_MARK}" if r.get("time_sliced") else "")).rstrip())
+    lines += share_lines(cases, baseline)
+    lines += sliced_note(cases, "cases")
     for r in rows:
         if r.get("kind") == "target":
             value = "-" if r.get("value") is None else f"{r['value']:.3f}"
             lines.append(f"# target: {r['target']:<58} {value:>7} (limit {r['limit']:g})  {r['status']}")
+    return lines
+
+
+def share_lines(rows: Sequence[Dict], baseline: str) -> List[str]:
+    """Per case: the front's CPU time, then each candidate's own share (its CPU time less the
+    front's) and that over the baseline's; per part for a block of several calls ([] when
+    no case has a share)."""
+    owned = [r for r in rows if r.get("own_cpu_us") is not None]
+    if not owned:
+        return []
+    lines = ["#", f"# own share = CPU time less the same calls' on a group that does nothing (torch's Python "
+                  f"front, which every backend pays); own ratio = own share / {baseline}'s",
+             f"# {'case':<34} {'candidate':<14} {'CPU us':>11} {'own us':>11} {'own/part':>10} {'own ratio':>9}"]
+    for case in dict.fromkeys(r["case"] for r in owned):
+        # A case with shares had its front measured: its rows are the front and the candidates.
+        for r in [r for r in rows if r["case"] == case and r.get("status") == "ok"]:
+            own, parts = r.get("own_cpu_us"), r.get("parts") or 1
+            per_part = own / parts if own is not None and parts > 1 else None
+            lines.append((f"  {case:<34} {r['candidate']:<14} {fmt_num(r.get('cpu_us'), 11, 2)} "
+                          f"{fmt_num(own, 11, 2)} {fmt_num(per_part, 10, 2)} "
+                          f"{fmt_num(r.get('own_ratio'), 9, 3)}").rstrip())
     return lines
 
 

@@ -1,8 +1,9 @@
 """One rank of a run: what it measures with, and how the ranks agree on what happened.
 
-:class:`Rank` holds the settings, the rank's place in the world, its device, the plain gloo
-group used only to coordinate, the candidates, the timer and the progress bar; it sums and
-combines per-rank numbers over that group and writes the result files (rank 0).
+:class:`Rank` holds the settings, the rank's place in the world, its device (and whether
+other ranks share it: :meth:`Rank.time_sliced`), the plain gloo group used only to
+coordinate, the candidates, the timer and the progress bar; it sums and combines per-rank
+numbers over that group and writes the result files (rank 0).
 
 :meth:`Rank.agree` is the one protocol for failures, used by the sweep (runner) and the
 scenarios alike: every rank passes what its step raised (or None), the ranks take the
@@ -23,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import output
+from . import metrics, output
 from .calls import Candidate
 from .timing import Progress, Timer
 
@@ -45,9 +46,15 @@ class Rank:
     coord: object                 # plain gloo group: barriers and summaries
     candidates: List[Candidate]
     timer: Timer
+    shared_gpu: bool = False      # several ranks on this GPU: small messages' GPU times are time-sliced
     progress: Optional[Progress] = None
     rows: List[Dict] = dataclasses.field(default_factory=list)
     meta: Dict = dataclasses.field(default_factory=dict)
+
+    def time_sliced(self, size_bytes: int) -> bool:
+        """Does a GPU time of calls of ``size_bytes`` here measure the GPU's time slices
+        between the ranks sharing it (:func:`metrics.time_sliced`)?"""
+        return metrics.time_sliced(self.shared_gpu, size_bytes)
 
     @property
     def leader(self) -> bool:

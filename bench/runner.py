@@ -15,6 +15,8 @@ them and a final synchronize instead), then ``-n`` calls timed one by one on the
 timed iteration N calls in one coalescing block, ``-z 1`` synchronizes after every call.
 ``-N C`` runs the sizes of each type and op C times, as nccl-tests' cycles; each row then
 names its ``cycle`` (1..C).
+Where ranks share one GPU, a point below 16 MiB says ``time_sliced`` (its GPU time measures
+the GPU's turns between the ranks: :func:`metrics.time_sliced`) and its table line is marked.
 The ranks' times are combined as ``-a`` says (default: mean) and #wrong summed over the
 gloo group; a candidate that fails on any rank is a status row on every rank
 (:meth:`rank.Rank.agree`). Every rank ends with the same rows, and rank 0 prints and
@@ -198,6 +200,8 @@ def _point(ctx: Rank, collective, lay, dtype, dtype_name, op, root, placement, n
         if row["status"] == "ok":
             row["algbw_gbps"] = metrics.algbw(lay.size, row["time_us"])
             row["busbw_gbps"] = metrics.busbw(collective, lay.size, row["time_us"], ctx.world)
+            if ctx.time_sliced(lay.size):
+                row["time_sliced"] = True
         cells[cand.name] = row
         if ctx.progress:
             ctx.progress.update(f"{collective} {output.format_bytes(lay.size)} {cand.name}")
@@ -226,9 +230,11 @@ def rank_main(cfg, plan: Optional[launch.Plan]) -> int:
     if plan is None:  # started by our launcher: it put the plan in the environment
         transport = os.environ.get(launch.TRANSPORT_ENV, "")
         index = int(os.environ.get(launch.DEVICE_ENV, "0"))
+        shared = os.environ.get(launch.SHARED_ENV) == "1"
     else:  # under torchrun
         transport = plan.transport
         index = plan.devices[0] if plan.devices else 0
+        shared = plan.shared
         if plan.shared:
             # Set before NCCL starts: NCCL refuses two ranks of one host on one GPU.
             os.environ.update(launch.share_gpu_env(rank))
@@ -254,7 +260,8 @@ def rank_main(cfg, plan: Optional[launch.Plan]) -> int:
     candidates = build_candidates(cfg.candidates, timeout)
     timer = Timer(device)
     timer.description = describe_time(cfg, timer)
-    ctx = Rank(cfg, rank, world, device, transport, coord, candidates, timer)
+    ctx = Rank(cfg, rank, world, device, transport, coord, candidates, timer,
+               shared_gpu=shared and device.type == "cuda")
     ctx.meta = collect_meta(ctx)
     for line in output.describe_meta(ctx.meta):
         ctx.say(line)

@@ -12,20 +12,24 @@ limit, going on after a failure, all within one overall budget (``--budget``, de
    2: all_reduce, all_gather, reduce_scatter, broadcast, send/recv, PREMUL_SUM, ring) and
    the semantics part.
 3. **demo**: ``examples/demo.py`` (what ``make demo`` runs): DDP on cupycoll vs torch nccl.
-4. **bench**: the benchmark CLI at 2 ranks: every collective at small sizes; all_reduce and
-   reduce_scatter to 256 MiB, fp32 and bf16, for cupycoll:nccl, cupycoll:ring, torch:nccl;
-   the coalescing and overhead scenarios at world 1 and 2; the ring kernels vs a copy.
-5. **faults**: bench/fault_bench.py: watchdog µs per call, abort latency, hung peer -> error,
-   killed peer -> error.
+4. **bench**: the benchmark CLI at 2 ranks, 20 iterations a figure: every collective at
+   small sizes; all_reduce and reduce_scatter at 16 and 64 MiB, fp32 and bf16, for
+   cupycoll:nccl, cupycoll:ring, torch:nccl; the coalescing and overhead scenarios at world 1
+   and 2; the ring kernels vs a copy. The 2 ranks share the GPU, so their GPU times below
+   16 MiB are time slices (the results mark them): what they give is host times and the
+   large messages' ratios.
+5. **faults**: bench/fault_bench.py: the watchdog's cost per call (thread CPU, 15 alternated
+   rounds, with its spread), abort latency, hung peer -> error, killed peer -> error.
 
 The full run goes measurements first (env, semantics, demo, the world-1 scenarios, faults,
 the sweeps), then the long tier parts, so that a budget that runs short costs test parts
 (``--stage tier`` re-runs them in one command) rather than the only figures. A step that
 cannot start in the time left is recorded "skipped: out of time budget". The estimates
-(``--list``; the tier's from tests/gpu/tier.py) add up to about 580 s of the 540: the last
-tier part, fsdp, is what the full run leaves to ``--stage tier.fsdp`` when the others take
-their estimates. ``--lease`` runs what the GPU runs still owe first (env, probe, api, faults,
-compile, fsdp, ring), then the rest while each step's whole limit fits.
+(``--list``; the tier's from tests/gpu/tier.py) add up to about 500 s of the 540, so the
+last tier part, fsdp, is what a full run that overruns them leaves to ``--stage
+tier.fsdp``. ``--lease`` runs what the GPU runs still owe first (env, probe, api, faults,
+compile, fsdp, ring), then the rest while each step's whole limit fits (about 525 s of its
+570 by the estimates).
 
 Output, ``--out DIR`` (default verify-gpu-out/), at most 8 files and no folder:
 summary.md (table of steps, targets PASS/MISS, the docs/gpu-verification.md row),
@@ -104,13 +108,18 @@ TIMINGS = {
     "tier.compile": Timing(None, 57),
     "tier.fsdp": Timing(None, 29),
     "demo.demo": Timing(120, 28),
+    # The watchdog part's 15 rounds add under a second of calls to the measured 43 s.
     "faults.fault_bench": Timing(150, 43),
-    "bench.row": Timing(60, 15),
-    "bench.small": Timing(90, 15),
+    # The 2-rank steps at 20 iterations, estimated from the third lease's steps at 3 (10 for
+    # the scenarios): ~14 s of start-up per step (what the step took less its calls), plus its
+    # calls at the GPU times that lease measured per point or case (each point: a checked
+    # call, the warm-up, the -n timed calls and -n host-timed ones, which queue as many).
+    "bench.row": Timing(60, 20, measured=False),
+    "bench.small": Timing(60, 19, measured=False),
     "bench.small-quick": Timing(60, 9),  # the first lease's (2026-11-26); not run since
-    "bench.large": Timing(150, 39),
+    "bench.large": Timing(150, 47, measured=False),  # 16 and 64 MiB: 256 MiB alone would take ~100 s
     "bench.scenarios-1rank": Timing(90, 15),
-    "bench.scenarios-2ranks": Timing(90, 55),
+    "bench.scenarios-2ranks": Timing(100, 75, measured=False),  # 2 warm-up + 20 + 20 iterations of each case
 }
 
 
@@ -187,6 +196,9 @@ def no_gpu_message() -> str:
 
 # -- the plan -------------------------------------------------------------------------
 CANDIDATES = "cupycoll:nccl,cupycoll:ring,torch:nccl"
+# Iterations of every 2-rank GPU figure: two processes on one GPU take turns in ~2.3 ms
+# slices, so a figure of a few calls is a few slices more or less.
+SHARED_ITERS = "20"
 
 
 def _bench(name: str, est: float, limit: float, json_name: str, args: List[str], py: str, work: str) -> Step:
@@ -210,7 +222,8 @@ def plan(mode: str, py: str, work: str, out: str, tier_module=None) -> List[Step
     demo = _timed(Step("demo", "demo", [py, "examples/demo.py"], 0, 0, read=verify_figures.read_demo))
     faults_json = verify_summary.out_path(out, "faults.json")
     faults = _timed(Step("faults", "fault_bench", [py, "-m", "bench.fault_bench", "--json", faults_json,
-                                                   "--iterations", "2000", "--trials", "2"], 0, 0,
+                                                   "--iterations", "6000", "--rounds", "15", "--trials", "2"],
+                         0, 0,
                          read=lambda r: _faults_figures(faults_json)))
     probe_json = os.path.join(work, "probe.json")
     probe = _timed(Step("tier", "probe", [py, "-m", "tools.gpu_probe", "--json", probe_json, "--timeout", "50"],
@@ -222,25 +235,27 @@ def plan(mode: str, py: str, work: str, out: str, tier_module=None) -> List[Step
                                "1", "--check", "1"], py, work), "bench.small-quick")
         semantics = [parts[name] for name in ("tier.py", "semantics") if name in parts]  # or why not
         return [env, probe, *semantics, demo, small]
+    # 2 ranks share the GPU: every 2-rank GPU figure is the mean of SHARED_ITERS calls or more.
     small = _timed(_bench("small", 0, 0, "sweep-small.json",
                           ["all", "--ranks", "2", "--minbytes", "1K", "--maxbytes", "256K", "--stepfactor", "256",
-                           "--iters", "3", "--warmup_iters", "1", "--check", "1"], py, work))
+                           "--iters", SHARED_ITERS, "--warmup_iters", "1", "--check", "1"], py, work))
     large = _timed(_bench("large", 0, 0, "sweep-large.json",
                           ["all_reduce", "reduce_scatter", "--ranks", "2", "--minbytes", "16M", "--maxbytes",
-                           "256M", "--stepfactor", "4", "--datatype", "float,bfloat16", "--iters", "3",
+                           "64M", "--stepfactor", "4", "--datatype", "float,bfloat16", "--iters", SHARED_ITERS,
                            "--warmup_iters", "1", "--check", "1", "--backends", CANDIDATES], py, work))
     scen1 = _timed(_bench("scenarios-1rank", 0, 0, "scenarios-1rank.json",
                           ["--scenario", "coalescing,overhead,kernel", "--ngpus", "1", "--coalesce-bytes", "256M",
                            "--scenario-iters", "20", "--overhead-calls", "200"], py, work))
     scen2 = _timed(_bench("scenarios-2ranks", 0, 0, "scenarios-2ranks.json",
                           ["--scenario", "coalescing,overhead", "--ranks", "2", "--coalesce-bytes", "16M",
-                           "--scenario-iters", "10", "--overhead-calls", "100"], py, work))
+                           "--scenario-iters", SHARED_ITERS, "--warmup_iters", "2", "--overhead-calls", "100"],
+                          py, work))
     if mode == "lease":
         # One all_reduce row per candidate at 1 MiB and 64 MiB.
         row = _timed(_bench("row", 0, 0, "sweep-row.json",
                             ["all_reduce", "--ranks", "2", "--minbytes", "1M", "--maxbytes", "64M", "--stepfactor",
-                             "64", "--iters", "3", "--warmup_iters", "1", "--check", "1", "--backends", CANDIDATES],
-                            py, work))
+                             "64", "--iters", SHARED_ITERS, "--warmup_iters", "1", "--check", "1", "--backends",
+                             CANDIDATES], py, work))
         # What the runs still owe, first: the environment, the probe and the api part (quick,
         # and what everything after them stands on), then the faults part (the blocking
         # recovery, shrink and killed-rank scenarios, the cycles, the stuck call's abort), the
@@ -275,6 +290,9 @@ def _faults_figures(path: str) -> dict:
     for label, o in (data.get("watchdog_overhead") or {}).items():
         if isinstance(o, dict) and o.get("watchdog_us") is not None:
             figures[f"watchdog {label} µs"] = round(o["watchdog_us"], 2)
+            spread = o.get("spread_us")
+            if isinstance(spread, dict):
+                figures[f"watchdog {label} interquartile µs"] = f"{spread['q1']:+.2f} to {spread['q3']:+.2f}"
     for mode, f in (data.get("modes") or {}).items():
         for key in ("abort_latency_s", "hung_error_s", "killed_error_s"):
             if isinstance(f, dict) and f.get(key) is not None:

@@ -4,9 +4,10 @@ The folder holds at most :data:`MAX_FILES` files and no subfolders (the GPU mach
 back 8 files per command), all named in :data:`OUT_FILES`; :func:`check_out_dir` says what
 breaks that rule. ``summary.md`` has, in order: the machine and versions; one table row per
 step (stage, part, passed / failed / skipped with the reason, time against its limit and
-estimate, key figures); the targets (PASS / MISS / not measured, with why); the
-ready-to-paste row for docs/gpu-verification.md and the commands that copy the result files
-to bench/results/; the output tail of every failed step. ``results.json`` holds the same as
+estimate, key figures); the targets (PASS / MISS / not measured, with why), under a note on
+which 2-rank figures a shared GPU's time slices make; the ready-to-paste row for
+docs/gpu-verification.md and the commands that copy the result files to bench/results/; the
+output tail of every failed step. ``results.json`` holds the same as
 data. Both are rewritten after every step, so a run killed from outside leaves the summary
 so far, naming the step it was killed in.
 
@@ -29,6 +30,10 @@ OUT_FILES = ("summary.md", "results.json", "verify.log.gz", "bench-sweep.json", 
 RECORDED = ("bench-sweep.json", "bench-sweep.png", "bench-scenarios.json", "bench-scenarios.png",
             "faults.json", "summary.md")
 TAIL_LINES = 40
+# What the 2-rank figures are (the ranks share the lease's one GPU).
+SLICED_NOTE = ("The 2 ranks share one GPU, which runs their kernels in turns (~2.3 ms time slices): their GPU "
+               "times below 16 MiB a call measure the turns, so no target reads them (the bench files mark those "
+               "rows `time_sliced`); their host times and the ratios at ≥ 16 MiB stand.")
 assert len(OUT_FILES) <= MAX_FILES
 
 
@@ -193,7 +198,7 @@ def render(info: RunInfo, results, pending, running, targets: List[Dict], proble
     for step in pending:
         lines.append(f"| {step.stage} | {step.name} | not run yet | — ({step.limit_s:.0f} / "
                      f"~{step.estimate_s:.0f}) | |")
-    lines += ["", "## Targets (ratios from this run; figures, not timed tests)", "",
+    lines += ["", "## Targets (ratios from this run; figures, not timed tests)", "", SLICED_NOTE, "",
               "| target | limit | measured | result | detail |", "|---|---|---|---|---|"]
     for t in targets:
         lines.append(f"| {t['target']} | {t['limit']} | {_fmt_value(t['value'])} | {t['status']} | "

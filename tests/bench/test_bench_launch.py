@@ -42,7 +42,8 @@ if mode == "env":
                           is_master=False, timeout=timedelta(seconds=30))
     store.set(f"rank{rank}", "here")
     store.wait([f"rank{1 - rank}"])
-    keys = ("NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "LOCAL_RANK", "WORLD_SIZE")
+    keys = ("NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "LOCAL_RANK", "WORLD_SIZE",
+            launch.SHARED_ENV)
     with open(os.path.join(os.environ["FAKE_OUT"], f"{rank}.json"), "w") as f:
         json.dump({k: os.environ.get(k) for k in keys} | {"argv": sys.argv[1:]}, f)
 elif mode == "fail" and rank == 1:
@@ -74,6 +75,12 @@ def test_ranks_sharing_a_gpu_get_their_own_hostid_and_a_store(fake_package, monk
     assert [s["NCCL_HOSTID"] for s in seen] == ["cupycoll-bench-0", "cupycoll-bench-1"]
     assert all(s["NCCL_SOCKET_IFNAME"] == "lo" and s["NCCL_IB_DISABLE"] == "1" for s in seen)
     assert [s["LOCAL_RANK"] for s in seen] == ["0", "1"] and seen[0]["argv"] == ["all_reduce", "-b", "8"]
+    assert [s[launch.SHARED_ENV] for s in seen] == ["1", "1"]  # their small messages' GPU times are time-sliced
+
+
+def test_ranks_on_gpus_of_their_own_are_told_they_share_none():
+    env = launch.rank_env(launch.Plan(2, [0, 1], False, "real GPUs"), 1, 29500, {})
+    assert env[launch.SHARED_ENV] == "0" and "NCCL_HOSTID" not in env
 
 
 def test_the_launcher_gives_back_the_callers_signal_handlers(fake_package, monkeypatch):

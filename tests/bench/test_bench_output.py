@@ -138,6 +138,47 @@ def test_table_puts_candidates_side_by_side():
     assert len(line.split("|")) == len(header[3].split("|")) == len(CANDIDATES) + 1
 
 
+def test_a_time_sliced_point_is_marked_at_the_end_of_its_line_and_explained_under_the_table():
+    point = {"size": 1024, "count": 256, "type": "float", "redop": "sum", "root": -1, "placement": "in-place"}
+    cell = {"status": "ok", "time_us": 4610.0, "algbw_gbps": 0.0, "busbw_gbps": 0.0, "wrong": 0, "host_us": 30.0,
+            "speedup": 1.0}
+    plain = output.table_line(point, {"torch:nccl": cell}, ["torch:nccl"], "torch:nccl")
+    sliced = output.table_line(point, {"torch:nccl": dict(cell, time_sliced=True)}, ["torch:nccl"], "torch:nccl")
+    assert sliced == plain + "  " + output.SLICED_MARK  # the columns stay where they were
+    rows = [dict(point, kind="sweep", collective="all_reduce", candidate=name, time_sliced=True, **cell)
+            for name in ("cupycoll:nccl", "torch:nccl")]
+    big = dict(rows[0], size=16 << 20)
+    del big["time_sliced"]
+    note = [line for line in output.table_footer(rows + [big], CANDIDATES) if "time-sliced" in line]
+    assert len(note) == 1 and note[0].startswith("# 1 points marked time-sliced")  # one point, two candidates
+    assert "below 16 MiB" in note[0]
+    assert not [line for line in output.table_footer([big], CANDIDATES) if "time-sliced" in line]
+    # nccl-tests' own layout keeps its lines as nccl-tests prints them: only the note says it
+    assert [line for line in output.table_footer(rows, CANDIDATES, bandwidth=False) if "time-sliced" in line]
+
+
+def test_the_coalescing_scenario_on_cpu_times_torchs_front_beside_both_candidates(tmp_path):
+    js = tmp_path / "s.json"
+    proc = run_bench("--device", "cpu", "--ranks", "2", "--scenario", "coalescing", "--coalesce-bytes", "64K",
+                     "--coalesce-ops", "8", "--scenario-iters", "3", "--overhead-calls", "20", "--warmup_iters",
+                     "1", "--json", str(js))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = [r for r in output.read_json(str(js))["rows"] if r["kind"] == "scenario"]
+    front = {r["case"]: r for r in rows if r["candidate"] == "torch front"}
+    assert list(front) == ["flat", "coalesced sync", "coalesced async", "uncoalesced", "1-element sync",
+                           "1-element async"]
+    assert all(r["status"] == "ok" and r["cpu_us"] > 0 and r.get("gpu_us") is None for r in front.values())
+    assert front["coalesced sync"]["parts"] == 8 and front["1-element sync"]["parts"] == 1
+    for r in rows:
+        if r["candidate"] != "torch front" and r["status"] == "ok":  # gloo has no coalescing: those are n/a
+            assert r["own_cpu_us"] == pytest.approx(r["cpu_us"] - front[r["case"]]["cpu_us"]), r
+            assert r["own_ratio"] is not None
+    assert {r["case"] for r in rows if r["status"] == "ok" and r["candidate"] == "cupycoll:gloo"} == {
+        "flat", "uncoalesced", "1-element sync", "1-element async"}
+    assert "# own share = CPU time less" in proc.stdout and proc.stdout.count("# target:") == 4
+    assert "time-sliced" not in proc.stdout  # CPU ranks share no GPU
+
+
 def test_cputime_heads_the_time_column_with_C1():
     def column_names(lines):
         return lines[-2][1:].replace("|", " ").split()

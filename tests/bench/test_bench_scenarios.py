@@ -1,7 +1,9 @@
-"""CPU tier: the scenarios' bookkeeping — ratios, PASS/MISS targets, the ring-kernel rows.
+"""CPU tier: the scenarios' bookkeeping — ratios, own shares, PASS/MISS targets, time-sliced
+rows, the ring-kernel rows — and the group that times torch's front alone.
 
 The measurements themselves need a GPU (tests/gpu/test_gpu_bench.py); here synthetic
-numbers go through the same code that turns measurements into rows and verdicts.
+numbers go through the same code that turns measurements into rows and verdicts, and one
+run on CPU (``--device cpu``) times the front beside gloo.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import output, scenarios  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench import metrics, output, scenarios  # noqa: E402
+from bench.calls import FrontOnlyGroup  # noqa: E402
+from bench.rank import Rank  # noqa: E402
 
 pytestmark = pytest.mark.any_stack  # its subject is the same on every stack: one CI leg runs it
 
@@ -49,24 +55,36 @@ def test_ratios_are_candidate_over_baseline():
 
 def test_targets_pass_and_miss():
     verdicts = {t["target"]: t for t in scenarios._targets(coalescing_rows(), "torch:nccl")}
-    assert len(verdicts) == 6
+    assert len(verdicts) == 4
     cpu_sync = verdicts["coalesced sync: CPU time cupycoll / torch:nccl"]
     assert cpu_sync["status"] == "PASS" and cpu_sync["value"] == pytest.approx(100 / 120)
-    assert verdicts["coalesced async: CPU time cupycoll / torch:nccl"]["status"] == "MISS"  # 90 / 80
-    assert verdicts["1-element all_reduce sync: CPU per call cupycoll / torch:nccl"]["status"] == "PASS"  # 1.2
+    assert verdicts["coalesced async: CPU time cupycoll / torch:nccl"]["status"] == "PASS"  # 90 / 80 = 1.125
+    assert verdicts["1-element all_reduce sync: CPU per call cupycoll / torch:nccl"]["status"] == "MISS"  # 1.2
     assert verdicts["1-element all_reduce async: CPU per call cupycoll / torch:nccl"]["status"] == "MISS"  # 1.3
-    gpu_sync = verdicts["coalesced sync: GPU time cupycoll / its flat all_reduce"]
-    assert gpu_sync["status"] == "PASS" and gpu_sync["value"] == pytest.approx(1.0)
-    assert verdicts["coalesced async: GPU time cupycoll / its flat all_reduce"]["status"] == "PASS"  # 1.03
-    slow = {t["target"]: t for t in scenarios._targets(coalescing_rows(ours_gpu=1060.0), "torch:nccl")}
-    assert slow["coalesced sync: GPU time cupycoll / its flat all_reduce"]["status"] == "MISS"
+
+
+def test_a_coalesced_block_passes_within_1_2x_and_a_synchronous_call_within_1_0x():
+    rows = coalescing_rows(ours_cpu=143.0, tiny_cpu=10.0)  # 143 / 120 = 1.19; 10 / 10 = 1.0
+    verdicts = {t["target"]: t for t in scenarios._targets(rows, "torch:nccl")}
+    assert verdicts["coalesced sync: CPU time cupycoll / torch:nccl"]["status"] == "PASS"
+    assert verdicts["1-element all_reduce sync: CPU per call cupycoll / torch:nccl"]["status"] == "PASS"
+    rows = coalescing_rows(ours_cpu=145.0, tiny_cpu=10.1)
+    verdicts = {t["target"]: t for t in scenarios._targets(rows, "torch:nccl")}
+    assert verdicts["coalesced sync: CPU time cupycoll / torch:nccl"]["status"] == "MISS"
+    assert verdicts["1-element all_reduce sync: CPU per call cupycoll / torch:nccl"]["status"] == "MISS"
+
+
+def test_no_target_is_judged_on_a_gpu_time():
+    # a coalesced block's GPU time far above its flat all_reduce's: what a shared GPU's slices give
+    verdicts = scenarios._targets(coalescing_rows(ours_gpu=16000.0), "torch:nccl")
+    assert not [t for t in verdicts if "GPU" in t["target"]]
+    assert {field for _, field, _, _ in scenarios.TARGETS} == {"cpu"}
 
 
 def test_targets_without_a_measurement_are_na_not_pass():
     rows = [r for r in coalescing_rows() if r["candidate"] != "torch:nccl"]
     verdicts = scenarios._targets(rows, "torch:nccl")
-    assert [t["status"] for t in verdicts[:4]] == ["n/a"] * 4
-    assert [t["status"] for t in verdicts[4:]] == ["PASS", "PASS"]
+    assert [t["status"] for t in verdicts] == ["n/a"] * 4
 
 
 def test_targets_judge_the_candidate_they_are_given():
@@ -84,7 +102,155 @@ def test_scenario_lines_print_every_target():
     scenarios._ratios(rows, "torch:nccl")
     rows += scenarios._targets(rows, "torch:nccl")
     text = "\n".join(output.scenario_lines("coalescing", rows, "torch:nccl"))
-    assert text.count("# target:") == 6 and "MISS" in text and "PASS" in text
+    assert text.count("# target:") == 4 and "MISS" in text and "PASS" in text
+
+
+# -- torch's front alone, and each candidate's own share ----------------------------------
+def with_front(rows, front_cpu=60.0):
+    """The rows plus a front row per case (CPU time only, as the scenario measures it)."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    return rows + [{"kind": "scenario", "scenario": "coalescing", "case": case, "candidate": scenarios.FRONT,
+                    "status": "ok", "cpu_us": front_cpu, "parts": 64} for case in cases]
+
+
+def test_own_share_is_cpu_time_less_the_front_and_its_ratio_is_over_the_baselines_own():
+    rows = with_front(coalescing_rows(ours_cpu=100.0))  # torch:nccl's block 120, the front 60
+    scenarios._ratios(rows, "torch:nccl")
+    scenarios._shares(rows, "torch:nccl")
+    sync = {r["candidate"]: r for r in rows if r["case"] == "coalesced sync"}
+    assert sync["cupycoll:nccl"]["own_cpu_us"] == pytest.approx(40.0)
+    assert sync["torch:nccl"]["own_cpu_us"] == pytest.approx(60.0)
+    assert sync["cupycoll:nccl"]["own_ratio"] == pytest.approx(40 / 60)
+    assert sync["torch:nccl"]["own_ratio"] == pytest.approx(1.0)
+    front = sync[scenarios.FRONT]
+    assert "own_cpu_us" not in front and "gpu_ratio" not in front  # the front has no GPU time to compare
+    assert front["cpu_ratio"] == pytest.approx(60 / 120)  # torch:nccl's block is half its front
+
+
+def test_without_the_front_no_share_is_made_up():
+    rows = coalescing_rows()
+    scenarios._shares(rows, "torch:nccl")
+    assert not [r for r in rows if "own_cpu_us" in r or "own_ratio" in r]
+    failed = with_front(coalescing_rows())
+    for r in failed:
+        if r["candidate"] == scenarios.FRONT and r["case"] == "flat":
+            r.update(status="error", note="boom")
+            del r["cpu_us"]
+    scenarios._shares(failed, "torch:nccl")
+    assert not [r for r in failed if r["case"] == "flat" and "own_cpu_us" in r]
+    assert [r for r in failed if r["case"] == "coalesced sync" and "own_cpu_us" in r]
+
+
+def test_scenario_lines_show_each_candidates_own_share_per_part():
+    rows = with_front(coalescing_rows(ours_cpu=100.0))
+    for r in rows:
+        r.setdefault("parts", 64 if r["case"].startswith(("coalesced", "uncoalesced")) else 1)
+    scenarios._ratios(rows, "torch:nccl")
+    scenarios._shares(rows, "torch:nccl")
+    lines = output.scenario_lines("coalescing", rows, "torch:nccl")
+    shares = lines[lines.index(next(line for line in lines if line.startswith("# own share"))):]
+    mine = next(line for line in shares if "coalesced sync" in line and "cupycoll:nccl" in line)
+    assert mine.split()[-4:] == ["100.00", "40.00", "0.62", "0.667"]  # CPU, own, own per part (40 / 64), ratio
+    front = next(line for line in shares if "coalesced sync" in line and scenarios.FRONT in line)
+    assert front.split()[-4:] == ["60.00", "-", "-", "-"]  # the front's CPU time, nothing to subtract
+    assert output.share_lines(coalescing_rows(), "torch:nccl") == []  # no front, no share lines
+
+
+class _FrontCtx:
+    device = torch.device("cpu")
+
+
+class _Recording(FrontOnlyGroup):
+    """What reaches the front-only group (a stand-in for the test alone: the group itself
+    keeps nothing)."""
+
+    def __init__(self):
+        super().__init__(0, 2)
+        self.seen = []
+
+    def allreduce(self, tensors, opts=None):
+        self.seen.append(("allreduce", len(tensors)))
+        return super().allreduce(tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        self.seen.append(("allreduce_coalesced", len(tensors)))
+        return super().allreduce_coalesced(tensors, opts)
+
+    def _start_coalescing(self, device):
+        self.seen.append(("start", str(device)))
+
+    def _end_coalescing(self, device):
+        self.seen.append(("end", str(device)))
+        return super()._end_coalescing(device)
+
+
+def test_the_front_only_group_gets_the_calls_torch_makes_and_finishes_them_at_once():
+    group = _Recording()
+    flat, pieces = torch.zeros(8), [torch.zeros(2) for _ in range(4)]
+    cases = {case: (fn, finish) for case, fn, finish in scenarios.coalescing_cases(_FrontCtx(), group, flat, pieces)}
+    assert list(cases) == list(scenarios.COALESCING_CASES)
+    expected = {"flat": [("allreduce", 1)],
+                "coalesced sync": [("start", "cpu"), ("allreduce_coalesced", 4), ("end", "cpu")],
+                "coalesced async": [("start", "cpu"), ("allreduce_coalesced", 4), ("end", "cpu")],
+                "uncoalesced": [("allreduce", 1)] * 4,
+                "1-element sync": [("allreduce", 1)], "1-element async": [("allreduce", 1)]}
+    for case, (fn, finish) in cases.items():
+        group.seen.clear()
+        result = fn()
+        if finish is not None:
+            finish(result)
+        assert group.seen == expected[case], case
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    assert work.is_completed() and work.wait()
+    assert not dist.distributed_c10d._world.pg_coalesce_state.get(group)  # every block closed
+
+
+# -- time-sliced GPU times ----------------------------------------------------------------
+def test_gpu_times_below_16_mib_on_a_shared_gpu_are_time_sliced():
+    assert metrics.time_sliced(True, 1) and metrics.time_sliced(True, (16 << 20) - 1)
+    assert not metrics.time_sliced(True, 16 << 20) and not metrics.time_sliced(True, 256 << 20)
+    assert not metrics.time_sliced(False, 1)  # one rank per GPU: nothing takes turns
+
+
+class _RowCtx:
+    world = 2
+
+    def __init__(self, shared):
+        self.shared_gpu = shared
+
+    def time_sliced(self, size_bytes):
+        return Rank.time_sliced(self, size_bytes)
+
+
+def test_a_scenario_row_says_when_its_gpu_time_is_time_sliced():
+    ok = {"status": "ok", "gpu_us": 4500.0, "cpu_us": 30.0}
+    assert scenarios._scenario_row(_RowCtx(True), "overhead", "1-element sync", "torch:nccl", ok, 4)["time_sliced"]
+    assert "time_sliced" not in scenarios._scenario_row(_RowCtx(True), "coalescing", "flat", "torch:nccl", ok,
+                                                        16 << 20)
+    assert "time_sliced" not in scenarios._scenario_row(_RowCtx(False), "overhead", "1-element sync",
+                                                        "torch:nccl", ok, 4)
+    front = {"status": "ok", "cpu_us": 6.0}  # no GPU time at all
+    assert "time_sliced" not in scenarios._scenario_row(_RowCtx(True), "coalescing", "flat", scenarios.FRONT,
+                                                        front, 4)
+    failed = {"status": "error", "note": "boom"}
+    assert "time_sliced" not in scenarios._scenario_row(_RowCtx(True), "coalescing", "flat", "torch:nccl",
+                                                        failed, 4)
+
+
+def test_scenario_lines_mark_time_sliced_cases_and_say_what_that_means():
+    rows = coalescing_rows()
+    for r in rows:
+        if r["case"] != "flat":
+            r["time_sliced"] = True
+    lines = output.scenario_lines("coalescing", rows, "torch:nccl")
+    flat = [line for line in lines if line.lstrip().startswith("flat")]
+    sliced = [line for line in lines if line.lstrip().startswith("1-element sync")]
+    assert flat and not any(line.endswith(output.SLICED_MARK) for line in flat)
+    assert sliced and all(line.endswith(output.SLICED_MARK) for line in sliced)
+    note = next(line for line in lines if "marked time-sliced" in line)
+    assert note.startswith("# 5 cases marked time-sliced") and "16 MiB" in note and "host times do not" in note
+    assert not [line for line in output.scenario_lines("c", coalescing_rows(), "torch:nccl")
+                if "time-sliced" in line]
 
 
 def test_scenario_lines_head_the_time_column_by_the_clock_that_measured_it():

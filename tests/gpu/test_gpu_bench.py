@@ -39,7 +39,8 @@ BUDGET_S = GPU_TIER_BUDGETS_S["bench"]
 #   plot       matplotlib import and one figure, ~8 s
 #   types      2 collectives x 7 dtypes x 6 ops x 3 candidates at 64K (ring kernels compiled
 #              on first use, NVRTC), ~22 s; avg: the same on 3 float dtypes, ~15 s
-#   scenarios  coalescing (6 cases x 2 candidates x 20 iterations of 8 MiB) and overhead, ~25 s
+#   scenarios  coalescing (6 cases x 2 candidates and torch's front, 20 iterations of 8 MiB) and
+#              overhead, ~25 s
 #   torchrun   torchrun's start, 2 candidates x 3 sizes, ~22 s
 SUBPROCESS_LIMITS_S = {"smoke": 60, "plot": 25, "types": 45, "avg": 30, "scenarios": 50, "torchrun": 45}
 # The order the tests run them in, one at a time (the plot only with matplotlib).
@@ -148,20 +149,27 @@ def test_coalescing_and_overhead_scenarios_small(tmp_path):
                  "--coalesce-ops", "16", "--scenario-iters", "20", "--overhead-calls", "50",
                  "--json", str(js), *plot, timeout=SUBPROCESS_LIMITS_S["scenarios"])
     assert proc.returncode == 0, explain(proc)
-    rows = output.read_json(str(js))["rows"]
+    document = output.read_json(str(js))
+    rows, shared = document["rows"], document["meta"]["shared_gpu"]
     coalescing = [r for r in rows if r.get("scenario") == "coalescing" and r["kind"] == "scenario"]
     cases = {"flat", "coalesced sync", "coalesced async", "uncoalesced", "1-element sync", "1-element async"}
     for cand in ("cupycoll:nccl", "torch:nccl"):
         mine = {r["case"]: r for r in coalescing if r["candidate"] == cand}
         assert set(mine) == cases, cand
         assert all(r["status"] == "ok" and r["gpu_us"] > 0 and r["cpu_us"] > 0 for r in mine.values()), mine
+        # each with its own share: its CPU time less torch's front alone
+        assert all(r["own_cpu_us"] is not None for r in mine.values()), mine
+        # 2 ranks on one GPU: every case moves less than 16 MiB a call, so its GPU time is time slices
+        assert {case for case, r in mine.items() if r.get("time_sliced")} == (cases if shared else set()), mine
+    front = {r["case"]: r for r in coalescing if r["candidate"] == "torch front"}
+    assert set(front) == cases and all(r["status"] == "ok" and r["cpu_us"] > 0 for r in front.values()), front
     targets = [r for r in rows if r["kind"] == "target"]
-    assert len(targets) == 6 and all(t["status"] in ("PASS", "MISS") for t in targets), targets
+    assert len(targets) == 4 and all(t["status"] in ("PASS", "MISS") for t in targets), targets
     for t in targets:
         # a ratio of two measured times: positive and finite, and its verdict follows from it
         assert 0 < t["value"] < 1e6 and t["status"] == ("PASS" if t["value"] <= t["limit"] else "MISS"), t
         print(f"target {t['target']}: {t['value']:.3g} (limit {t['limit']}) {t['status']}")
-    assert proc.stdout.count("# target:") == 6
+    assert proc.stdout.count("# target:") == 4
     overhead = [r for r in rows if r.get("scenario") == "overhead"]
     assert {r["candidate"] for r in overhead} == set(CANDIDATES)
     # every candidate makes every call but the ring its all_gather (it reduces only)
