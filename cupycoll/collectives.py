@@ -61,11 +61,12 @@ def _reduction(backend, tensor: torch.Tensor, reduce_op):
     """The plan of reducing ``tensor`` with ``reduce_op``, made now, and kept in the backend's
     cache when it holds for every such call (no PREMUL factor, no override in force). Each
     reduction looks in that cache itself first (``None if _OVERRIDES else
-    backend.plans.get((dtype, reduce_op.op))``): the hot calls do so without a call."""
+    backend.plans.get((dtype, opts.reduceOp))``): the hot calls do so without a call. The key
+    is torch's ReduceOp itself, which hashes and compares by its kind (a PREMUL_SUM is never kept)."""
     plan = _plan(backend, tensor, reduce_op)
     kind = _args.op_type(reduce_op)
     if not _OVERRIDES and kind != _PREMUL_SUM:  # a factor is per call
-        backend.plans[tensor.dtype, kind] = plan
+        backend.plans[tensor.dtype, reduce_op] = plan
     return plan
 
 
@@ -168,7 +169,7 @@ def _reduction_call(backend, op: str, device, outputs, keep, opts, entry, plan, 
 def all_reduce(backend, tensors, opts, entry=None) -> Call:
     tensor = tensors[0] if type(tensors) is list and len(tensors) == 1 else _args.single(tensors, "all_reduce")
     device = _on_device(backend, tensor, "all_reduce tensor")
-    plan = None if _OVERRIDES else backend.plans.get((tensor.dtype, opts.reduceOp.op))
+    plan = None if _OVERRIDES else backend.plans.get((tensor.dtype, opts.reduceOp))
     if plan is None:
         plan = _reduction(backend, tensor, opts.reduceOp)
     ptr = tensor.data_ptr()
@@ -185,7 +186,7 @@ def all_reduce_coalesced(backend, tensors, opts) -> Optional[Call]:
     launched in one NCCL group; None when a part needs a call of its own (an algorithm, a
     PREMUL_SUM op, a tensor the check refuses): the group then issues them one by one in a
     block, which names what is wrong."""
-    index, cuda, plans, kind = backend._device_index, backend._tensors_are_cuda, backend.plans, opts.reduceOp.op
+    index, cuda, plans, kind = backend._device_index, backend._tensors_are_cuda, backend.plans, opts.reduceOp
     if backend.device is None or _OVERRIDES or not tensors:
         return None
     calls = []
@@ -284,7 +285,7 @@ def reduce_scatter(backend, output_tensors, input_tensors, opts, entry=None) -> 
                               "reduce_scatter input", backend.size)
     device = backend.check_device(output, "reduce_scatter output")
     _check_many(backend, inputs, output, "reduce_scatter input")
-    plan = None if _OVERRIDES else backend.plans.get((output.dtype, opts.reduceOp.op))
+    plan = None if _OVERRIDES else backend.plans.get((output.dtype, opts.reduceOp))
     if plan is None:
         plan = _reduction(backend, output, opts.reduceOp)
     staged = [None]  # the inputs side by side, made when the call is issued
@@ -300,7 +301,7 @@ def reduce_scatter(backend, output_tensors, input_tensors, opts, entry=None) -> 
 def reduce_scatter_tensor(backend, output, input, opts, entry=None) -> Call:
     what = "reduce_scatter_tensor"
     device = _check_flat_pair(backend, what, output, "output", input, "input")
-    plan = None if _OVERRIDES else backend.plans.get((output.dtype, opts.reduceOp.op))
+    plan = None if _OVERRIDES else backend.plans.get((output.dtype, opts.reduceOp))
     if plan is None:
         plan = _reduction(backend, output, opts.reduceOp)
     buffers = (input.data_ptr(), output.data_ptr())

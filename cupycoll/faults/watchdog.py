@@ -79,7 +79,7 @@ class InFlight:
         self.stream = 0
         self.issued_at = 0.0
         self.keepalive = None  # an asynchronous call's tensors, until the GPU is done
-        self.records = None  # its flight-recorder entry (a list), or a tuple of them
+        self.records = None  # its flight-recorder entry (a list), a tuple of them, or Joined
 
 
 class Finding:
@@ -97,11 +97,20 @@ class Finding:
         return isinstance(self.fault, CollectiveTimeoutError)
 
 
-def entries(records) -> tuple:
-    """A slot's flight-recorder entries as a tuple (a single entry is stored bare)."""
+class Joined(list):
+    """The flight-recorder entries of the synchronous calls that joined one open slot,
+    appended in place: a burst of calls costs one append each, not a copy of the burst."""
+
+    __slots__ = ()
+
+
+def entries(records):
+    """A slot's flight-recorder entries as a sequence (a single entry is stored bare, a
+    batch's as a tuple, the calls that joined an open slot as :class:`Joined`)."""
     if records is None:
         return ()
-    return records if isinstance(records, tuple) else (records,)
+    kind = type(records)
+    return records if kind is tuple or kind is Joined else (records,)
 
 
 def stuck_text(function: str, seconds: float) -> str:
@@ -156,7 +165,13 @@ class Watch:
                     with self._lock:  # against a seal or a close beside it
                         if last.seq and not last.sealed and self.closed is None:
                             if records is not None:
-                                last.records = (*entries(last.records), *entries(records))
+                                held = last.records
+                                if type(held) is not Joined:
+                                    last.records = Joined((*entries(held), *entries(records)))
+                                elif type(records) is tuple:
+                                    held.extend(records)
+                                else:
+                                    held.append(records)
                             return last
                 self.seal(last)
         free = self._free
@@ -271,7 +286,7 @@ class Watch:
         slot.sealed = True
         if completed and self.recorder is not None:
             mark = self.recorder.mark
-            if isinstance(records, list):
+            if type(records) is list:
                 mark(records, "completed")
             else:
                 for entry in entries(records):
@@ -376,7 +391,7 @@ class Watch:
             head = queue[0]
             if head.sealed and now - head.issued_at > self.timeout and not watchdog_cuda.query(head.event):
                 return Finding(CollectiveTimeoutError(
-                    f"process group {self.name!r}: {self._describe(head.records)} did not complete "
+                    f"process group {self.name!r}: {self._describe(entries(head.records))} did not complete "
                     f"within {self.timeout:g} s; a peer may have hung, died or skipped it"), head)
         # After the timeouts: a slot sealed now is judged by the next pass, never against its
         # own fresh record.
@@ -401,8 +416,7 @@ class Watch:
         return None
 
 
-def _describe_records(records) -> str:
-    found = entries(records)
+def _describe_records(found) -> str:
     return f"a batch of {len(found)} calls" if len(found) != 1 else "a collective"
 
 

@@ -175,10 +175,9 @@ class Recorder:
             self.last_issued_entry = last
 
     @staticmethod
-    def describe_batch(records) -> str:
-        """What a timeout message names a batch by (``records``: its entry, or a tuple of
-        them): its first call, and how many more it had."""
-        found = records if isinstance(records, tuple) else (records,) if records is not None else ()
+    def describe_batch(found) -> str:
+        """What a timeout message names a batch by (``found``: its entries, a sequence): its
+        first call, and how many more it had."""
         if not found:
             return "a collective"
         text = describe_entry(found[0])
