@@ -25,7 +25,8 @@ from cupycoll.nccl import bindings as nb
 from cupycoll.backend import CudaBackend
 from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
-from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog
+from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog, entries
+from cupycoll.trace.recorder import E_STATE
 from cupycoll.work import CudaWork
 from faulty import (CountedEvent, FakeComm, Polled, ScriptedLibrary, eventually, fault_group, grouping_comm,
                     holding, issued_work, make_group, make_watch, poll, polling_comm, queued_call, recorder_entry,
@@ -115,6 +116,21 @@ def test_a_synchronous_call_without_an_event_of_its_own_still_times_out_within_i
     slot = late.issued(0, recorder_entry(seq=1), None, sparse=True)
     assert late.check(now=slot.issued_at + 0.06) is None and slot.sealed
     assert late.check(now=slot.issued_at + 0.07).batch is slot
+
+
+def test_a_burst_of_synchronous_calls_keeps_every_entry_in_order_and_completes_them_all():
+    watch = make_watch()
+    recorder = watch.recorder
+    made = [recorder.record("all_reduce", ((4,),), (torch.float32,), None, "nccl", "issued") for _ in range(3)]
+    parts = tuple(recorder.record("all_reduce", ((2,),), (torch.float32,), None, "nccl", "issued") for _ in range(2))
+    slot = watch.issued(0, made[0], None, sparse=True)
+    for records in (made[1], parts, made[2]):  # a coalesced call's tuple joins as its entries
+        assert watch.issued(0, records, None, sparse=True) is slot
+    assert list(entries(slot.records)) == [made[0], made[1], *parts, made[2]]
+    watch.seal(slot)
+    slot.event.fired.set()
+    watch.retire()
+    assert [entry[E_STATE] for entry in (*made, *parts)] == ["completed"] * 5
 
 
 def test_a_synchronous_call_records_an_event_once_its_streams_open_one_is_older_than_the_interval():
