@@ -32,13 +32,13 @@ PYTEST_ARGS ?=
 # into the venv where this names it (CI's today leg: .ci/run), e.g. TORCHFT_SPEC=torchft==0.2.0.
 TORCHFT_SPEC ?=
 TURN        := $(if $(shell command -v flock 2>/dev/null),flock pyproject.toml)
-# Worker processes for the CPU tier (pytest-xdist; 0: in pytest's own process). One worker
-# leaves a core idle while a test waits on a timeout or a deadline; two brought the four CI
-# legs from 24.6 to 19.4 min on a 2-core machine (the CI machine allows 30 at most).
-# More would oversubscribe 2 cores with the rank processes the multi-process tests start.
+# Worker processes for the CPU tier (pytest-xdist; 0: in pytest's own process). A worker
+# whose test waits on a timeout, a deadline or its rank processes leaves its core idle: with
+# two on a 2-core machine the tier used about two thirds of both cores, so a third worker
+# fills what they leave (the CI machine has 2 cores and allows 30 minutes at most).
 # worksteal: a worker that runs out takes the other's queued tests, so a leg does not end on
 # one busy worker.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 # Which tests `make test` runs (pytest -m). CI's legs but one add "and not any_stack": those
 # tests' subject is the same on every stack (pyproject.toml's markers).
 TEST_MARKS ?= not gpu

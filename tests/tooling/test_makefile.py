@@ -102,7 +102,7 @@ def test_make_test_runs_the_tier_with_its_own_plugins_only(tmp_path):
     # the machine's pytest plugins (the venv sees its site-packages) stay out; the two the
     # tier uses are named
     assert line.startswith(f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {tmp_path / 'v'}/bin/python -m pytest ")
-    assert "-p xdist.plugin -p pytest_timeout -n 2 --dist worksteal --timeout 300" in line
+    assert "-p xdist.plugin -p pytest_timeout -n 3 --dist worksteal --timeout 300" in line
     assert line.endswith('-m "not gpu" -q')
 
 
