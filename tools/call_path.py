@@ -681,6 +681,45 @@ def _cpu_route_rounds(timed_calls, rounds, tensor, opts, fake_class, samples) ->
 # -- output -----------------------------------------------------------------------------
 
 
+def watch_cost(timed_calls: int = 2000, rounds: int = 15) -> dict:
+    """What watching a synchronous all_reduce costs the caller on the stand-ins: the calling
+    thread's CPU time per call of a group that watches its calls less one that does not
+    (``Options(watch_calls=False)``), over ``rounds`` alternated rounds; the median of the
+    rounds' differences, with their interquartile range and range. The stand-ins' events are
+    Python, so this is the watch's own share; the GPU machine measures it with real events
+    (``python -m bench.fault_bench``)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    from bench.group_cost import per_call_us
+
+    from cupycoll import _cuda, config
+
+    standins, _, Group = _standin_classes()
+    with _cuda.install(standins.InstantRuntime()):
+        groups = {watched: Group(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60),
+                                 config.Options(watch_calls=watched)) for watched in (True, False)}
+        try:
+            tensor, opts = torch.ones(4), _sync_options()
+            calls = {watched: (lambda g=g: g.allreduce([tensor], opts).wait()) for watched, g in groups.items()}
+            for call in calls.values():
+                call()
+                per_call_us(call, max(1, timed_calls // 2), repeats=1)  # warm-up
+            steady = _steady(groups[True])
+            differences = []
+            for _ in range(rounds):
+                watched = per_call_us(calls[True], timed_calls, repeats=1, clock=time.thread_time)
+                differences.append(watched - per_call_us(calls[False], timed_calls, repeats=1, clock=time.thread_time))
+                steady()  # the watchdog's pass between rounds: finished slots back in the pool
+        finally:
+            for group in groups.values():
+                group.abort()
+    quartiles = statistics.quantiles(differences, n=4)
+    return {"rounds": rounds, "timed_calls": timed_calls, "median_us": statistics.median(differences),
+            "iqr_us": [quartiles[0], quartiles[2]], "range_us": [min(differences), max(differences)]}
+
+
 def report(figures: dict) -> List[str]:
     lines = [f"cupycoll call path: {figures['what']}",
              f"Python {figures['python']}, torch {figures['torch']}; Python calls into cupycoll on "
@@ -726,6 +765,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--timeout", action="store_true",
                         help="instead, walk one CUDA timeout: per thread the calls into cupycoll, the modules "
                              "they touch and the callbacks crossed")
+    parser.add_argument("--watch", action="store_true",
+                        help="also time what watching a synchronous all_reduce costs the caller: a watched "
+                             "group less an unwatched one, over 15 alternated rounds, with the spread")
     parser.add_argument("--cpu-route", action="store_true",
                         help="also time the CPU route at world size 1 against plain gloo and against the "
                              "floor of a Python group that records each call, and cupycoll's share of it "
@@ -747,6 +789,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{args.calls}, by how torch holds the group:")
         for shape, us in figures["through_dist"].items():
             print(f"  {shape}: {us:.1f} us")
+    if args.watch:
+        figures["watch"] = cost = watch_cost(args.calls)
+        print(f"the watch per synchronous all_reduce, thread CPU: {cost['median_us']:.2f} us (median of "
+              f"{cost['rounds']} alternated rounds of {args.calls}; IQR {cost['iqr_us'][0]:.2f}..{cost['iqr_us'][1]:.2f}, "
+              f"range {cost['range_us'][0]:.2f}..{cost['range_us'][1]:.2f})")
     if args.cpu_route:
         figures["cpu_route"] = route = cpu_route(args.calls)
         where = "on one CPU, " if route["one_cpu"] else ""

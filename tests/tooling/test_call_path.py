@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout's tools/ and bench/, also under a bare `pytest`
 
 from cupycoll import compat  # noqa: E402
-from tools.call_path import Call, callers, cross_module, main, trace_calls, upward_calls  # noqa: E402
+from tools.call_path import Call, callers, cross_module, main, trace_calls, upward_calls, watch_cost  # noqa: E402
 
 
 def _section(lines, header):
@@ -171,3 +171,10 @@ def test_the_timeout_walk_follows_a_stuck_call_to_the_callers_error_across_its_t
     assert "faults.lifecycle" in threads["cupycoll-fault-default"]["modules"]
     assert [c["to"] for c in threads["cupycoll-fault-default"]["callbacks"]][-1] == "shell.GroupShell._cpu_shutdown"
     assert any(line.startswith("one CUDA timeout, walked") and f"{len(threads)} threads" in line for line in lines)
+
+
+def test_the_watchs_cost_is_a_watched_group_less_an_unwatched_one_with_its_spread():
+    cost = watch_cost(timed_calls=50, rounds=3)
+    assert cost["rounds"] == 3 and cost["timed_calls"] == 50
+    low, high = cost["range_us"]
+    assert low <= cost["iqr_us"][0] <= cost["median_us"] <= cost["iqr_us"][1] <= high
