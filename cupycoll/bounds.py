@@ -64,12 +64,14 @@ FORGET_WAIT_S = 1.0
 
 # -- communicator creation -----------------------------------------------------------------
 
-#: Store waits (the unique id, the arrival count) poll in slices of this length, so that an
-#: abort ends them at once; the whole wait is bounded by the timeout.
-STORE_POLL_S = 0.05
+#: Store waits (the unique id, all members arrived) are served by the store in slices of
+#: this length, so that an abort ends them within one; the whole wait is bounded by the
+#: timeout. Longer than a typical arrival skew (a waiting rank then makes one call), short
+#: enough for an abort to be prompt.
+STORE_WAIT_S = 1.0
 
-#: A creator that published "pending" but no unique id within this long is taken as gone, and
-#: the others draw a new generation (bounded by the timeout as a whole).
+#: A last arrival that claimed the decision ("pending") but published no unique id within this
+#: long is taken as gone, and the generation is abandoned (bounded by the timeout as a whole).
 PENDING_GRACE_S = 5.0
 
 # -- NCCL calls under way ----------------------------------------------------------------
@@ -92,7 +94,7 @@ TABLE = {
     "RESPONDER_INTERVAL_S": RESPONDER_INTERVAL_S,
     "DIAGNOSIS_POLL_S": DIAGNOSIS_POLL_S,
     "FORGET_WAIT_S": FORGET_WAIT_S,
-    "STORE_POLL_S": STORE_POLL_S,
+    "STORE_WAIT_S": STORE_WAIT_S,
     "PENDING_GRACE_S": PENDING_GRACE_S,
     "CALL_BLOCKED_S": CALL_BLOCKED_S,
 }
