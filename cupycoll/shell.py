@@ -512,7 +512,7 @@ class GroupShell:
         # (also of a group a signal's abort_all caught half-built: what exists is closed).
         trace, cuda = getattr(self, "_trace", None), getattr(self, "_cuda", None)
         if trace is not None:
-            trace.close(cuda.state if cuda is not None else "aborted")
+            trace.close(cuda.state if cuda is not None else "aborted", cuda.fault if cuda is not None else None)
         compat.shutdown(getattr(self, "_cpu", None))
 
     # -- torch method names that changed between versions ------------------------------
