@@ -100,9 +100,9 @@ FAULT_KINDS = ("CollectiveTimeoutError", "PeerFailedError", "NcclError", "Commun
 # Longest text from a peer that reaches a message (an op name, a described collective) and
 # longest published fault message kept.
 _TEXT_LIMIT = 200
-# What the exchange keeps of the caller's wait (at most a twentieth of it) to read the
-# records once its waits end.
-_READ_S = 0.25
+# How long the caller waits past ``wait_s`` for the exchange to read the records once its
+# waits have ended (one get): within the second the timeout's bound leaves the diagnosis.
+_READ_S = 0.5
 _MESSAGE_LIMIT = 4000
 
 # A rank's own record (its own timeout) and its listener's answer for the same collective
@@ -110,8 +110,8 @@ _MESSAGE_LIMIT = 4000
 # together, each one's request wakes the other's listener). Whichever comes first counts
 # the rank in; both append, and a reader takes the rank's own record over an answer, which,
 # taken later, may find the collective already failed and tell the peers it "completed
-# #seq and went on". These sets (bounded) say which came, per store and record key, under
-# this lock.
+# #seq and went on". These sets (bounded) say which came, per store (held: its id is never
+# another's while it is here) and record key, under this lock.
 _records_lock = threading.Lock()
 _own_records: collections.deque = collections.deque(maxlen=256)
 _counted: collections.deque = collections.deque(maxlen=512)
@@ -393,13 +393,24 @@ def _signal(store, base: str, count: int, size: int) -> None:
         store.set(f"{base}/most", b"1")
 
 
-def _count_in(store, base: str, key: tuple, size: int) -> Optional[int]:
-    """Count this rank in for the collective at ``base``, once per process and rank (its own
-    record or its listener's answer, whichever comes first); the count, or None when it was
-    counted already. Called under _records_lock."""
-    if key in _counted:
-        return None
-    _counted.append(key)
+def _first(key: tuple, own: bool) -> bool:
+    """Is this the first record of ``key`` (store, record key) this process publishes (its
+    own, or its listener's answer)? It then counts the rank in. ``own``: the rank's own,
+    which the listener never answers over. Decided under _records_lock; the store calls
+    that follow are made outside it."""
+    with _records_lock:
+        if own:
+            _own_records.append(key)
+        elif key in _own_records:
+            return False
+        if key in _counted:
+            return False
+        _counted.append(key)
+        return True
+
+
+def _count_in(store, base: str, size: int) -> int:
+    """Count this rank in for the collective at ``base``; the count."""
     count = store.add(f"{base}/count", 1)
     _signal(store, base, count, size)
     return count
@@ -446,7 +457,7 @@ def diagnose(store, group: str, rank: int, size: int, mine: dict, timeout_s: Opt
              incarnation: int = 0, what: str = "timed out", one_gone: bool = False) -> Report:
     """Publish ``mine`` (:func:`progress`, whose ``stuck`` names the collective), ask the
     other ranks, read their records for at most ``wait_s``, and build the report. Returns
-    within ``wait_s`` (plus a few ms) whatever the store and the peers do; never raises.
+    within ``wait_s`` + 0.5 s (the last read) whatever the store and the peers do; never raises.
     ``one_gone``: a peer is known to be gone (gloo saw its connection close), so the records
     are read only until every rank but one has published."""
     started = time.monotonic()
@@ -457,10 +468,10 @@ def diagnose(store, group: str, rank: int, size: int, mine: dict, timeout_s: Opt
         thread = threading.Thread(
             target=_exchange, name="cupycoll-diagnosis", daemon=True,
             args=(store, key_prefix(group, incarnation), stuck, rank, size, ranks, shared,
-                  started + wait_s - min(_READ_S, wait_s / 20), size - 1 if one_gone else size,
+                  started + wait_s, size - 1 if one_gone else size,
                   (timeout_s, wait_s, group, what, one_gone)))
         thread.start()
-        thread.join(wait_s)
+        thread.join(wait_s + _READ_S)  # its waits end by wait_s; then it reads what is there
         return shared.report(stuck, timeout_s, ranks, wait_s, group, what, one_gone, started)
     except Exception as exc:  # noqa: BLE001 - the report of a diagnosis that could not run
         logger.debug("the diagnosis of group %r failed: %r", group, exc)
@@ -509,17 +520,18 @@ def _exchange(store, prefix, stuck, rank, size, ranks, shared: _Shared, deadline
     seq = stuck["seq"]
     base = f"{prefix}/{seq}"
     try:
-        key = (id(store), f"{base}/{rank}")
-        with _records_lock:  # waits while this process' listener answers for this rank
-            _own_records.append(key)
-            store.append(f"{base}/records", json.dumps(shared.records[rank]) + "\n")
-            count = _count_in(store, base, key, size)
+        first = _first((store, f"{base}/{rank}"), own=True)
+        store.append(f"{base}/records", json.dumps(shared.records[rank]) + "\n")
+        count = _count_in(store, base, size) if first else None
         with shared.lock:
             shared.published = True
+        # The waits below hold this rank's client (a client serves one call at a time) for at most
+        # the diagnosis; a connection of their own would cost the server a burst of connections.
+        waiter = store
         if count is not None and count == 1:  # the first here: ask the others, then report
             _news(store, prefix, {"kind": "ask", "seq": seq, "from": ranks[rank]}, ranks, ranks[rank])
         elif count is None or count > 1:  # another rank diagnoses this collective: its verdict
-            _wait(store, f"{base}/verdict", deadline)
+            _wait(waiter, f"{base}/verdict", deadline)
             if store.check([f"{base}/verdict"]):
                 verdict = _valid_verdict(store.get(f"{base}/verdict"), size)
                 if verdict is not None:
@@ -527,7 +539,7 @@ def _exchange(store, prefix, stuck, rank, size, ranks, shared: _Shared, deadline
                         shared.verdict = verdict
                     return
         if size > 1 and (count is None or count < enough):
-            _wait(store, f"{base}/{'most' if enough < size else 'all'}", deadline)
+            _wait(waiter, f"{base}/{'most' if enough < size else 'all'}", deadline)
         found = parse_records(store.get(f"{base}/records"), size) if size > 1 else {}
         with shared.lock:
             if shared.done:
@@ -708,19 +720,18 @@ class _Served:
         recorder = self.recorder
         rank = recorder.rank
         base = f"{self.prefix}/{seq}"
-        key = (id(self.store), f"{base}/{rank}")
+        key = (self.store, f"{base}/{rank}")
         # This rank publishes its own record when it timed out at ``seq`` too (the request may
         # be its own): that one names the collective it is stuck in, and a reader takes it
         # over this answer, which may find it already failed and say it "completed #seq".
-        with _records_lock:
-            if key in _own_records:
-                return
-            # A rank that failed in #seq itself (its own record may not be there yet) was in it.
-            entry = recorder.find(seq)
-            held = entry if entry is not None and entry[E_STATE] in ("issued", "failed") else None
-            self.store.append(f"{base}/records",
-                              json.dumps({**progress(recorder, held), "answered_by": "listener"}) + "\n")
-            _count_in(self.store, base, key, len(recorder.ranks))
+        if not _first(key, own=False):
+            return
+        # A rank that failed in #seq itself (its own record may not be there yet) was in it.
+        entry = recorder.find(seq)
+        held = entry if entry is not None and entry[E_STATE] in ("issued", "failed") else None
+        self.store.append(f"{base}/records",
+                          json.dumps({**progress(recorder, held), "answered_by": "listener"}) + "\n")
+        _count_in(self.store, base, len(recorder.ranks))
         dump_on_timeout(self.dump_dir, recorder.ranks[rank], f"a peer's timeout in group {recorder.group!r} at #{seq}")
 
 
