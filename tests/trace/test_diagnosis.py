@@ -428,6 +428,28 @@ def test_peer_text_is_escaped_before_it_reaches_a_message():
                                  "message": "gone\r\nforged"})["message"] == "gone\\r\\nforged"
 
 
+def test_an_idle_listener_makes_no_store_call_whatever_the_number_of_groups():
+    # One listener per rank, however many groups it serves; idle, it waits for its bell
+    # (one call, served by the store) where torch can clone a store, else looks at it every
+    # RESPONDER_INTERVAL_S: never a call per group.
+    import collections
+
+    lock, tally = threading.Lock(), collections.Counter()
+    store = Counting(dist.HashStore(), tally, lock)
+    groups = [rec_mod.Recorder(f"idle {g}", [0, 1], 1) for g in range(4)]
+    for recorder in groups:
+        diagnosis.serve(store, recorder)
+    try:
+        time.sleep(1.5)
+        listeners = [t for t in threading.enumerate() if t.name == "cupycoll-listener-1"]
+        assert len(listeners) == 1
+        assert sum(tally.values()) <= 2, tally
+    finally:
+        for recorder in groups:
+            diagnosis.unserve(recorder)
+    assert eventually(lambda: not any(t.name == "cupycoll-listener-1" for t in threading.enumerate()))
+
+
 # -- what the exchange costs the store -------------------------------------------------------
 
 class Counting:
