@@ -139,7 +139,11 @@ class CudaBackend:
                            runtime=self.runtime)
         self.life = lifecycle.GroupLifetime(
             self._name, self.watch, self.comms, settings.watchdog_interval, settings.on_timeout,
-            explain=trace.explain_timeout if trace is not None else None, close_cpu=_weak(on_abort))
+            explain=trace.explain_timeout if trace is not None else None, close_cpu=_weak(on_abort),
+            publish=trace.publish_fault if trace is not None else None,
+            dump=trace.dump_fault if trace is not None else None)
+        if trace is not None:  # the faults the trace finds, and those a peer publishes, are the lifetime's
+            trace.attach(_weak(self.life.caller_fault), _weak(self.life.peer_fault))
         # Callbacks into this object are weak: a cycle would keep destroyed groups (and their
         # gloo threads) alive until interpreter exit, where tearing gloo down aborts the process.
         this = weakref.ref(self)
@@ -195,6 +199,17 @@ class CudaBackend:
                      and not settings.blocking_wait and settings.algorithm != "ring")
 
     # -- torch's Backend face ----------------------------------------------------------
+    # torch's dist.shrink_group asks the backend it finds for the group's device (this one,
+    # on the ProcessGroup shape) and would refuse with its own TypeError; a group of that
+    # shape is shrunk as a whole, by cupycoll.shrink_group, which shrink() names.
+    supports_shrinking = True
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, pg_options=None):
+        raise CupycollTypeError(
+            f"process group {self.name!r} is a cupycoll group, which torch.distributed.shrink_group "
+            f"cannot shrink in this shape: call cupycoll.shrink_group({list(ranks_to_exclude)!r}, group) "
+            "with the same arguments (it takes torch's signature); nothing was changed")
+
     @property
     def supports_splitting(self) -> bool:
         # torch asks this while creating *any* subgroup of a bound default group, whatever
@@ -522,10 +537,14 @@ class CudaBackend:
                 if timed_out is not None:
                     raise timed_out from exc
                 raise
-            slot = self.watch.issued(stream, entry, keepalive) if self._watch_calls else None
+            try:
+                slot = self.watch.issued(stream, entry, keepalive) if self._watch_calls else None
+            except BaseException as exc:  # launched, but neither watched nor handed back: the peers wait for it
+                self.life.fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
+                raise
             calls._seq += 1
             work = CudaWork(op_name, self.device, [output], self.watch, seq=calls._seq)
-            work._issued(slot, stream, async_op)
+            work._issued(slot, stream, async_op, unwatched=not self._watch_calls)
         return work
 
     def all_reduce_parts(self, tensors: Sequence[torch.Tensor], opts) -> Optional[CudaWork]:
@@ -677,7 +696,7 @@ class CudaBackend:
             keepalive = [issue.keepalive for issue in issues] if async_op else None
             slot = self.watch.issued(stream, records[0] if len(records) == 1 else tuple(records), keepalive)
         for issue in issues:
-            issue.work._issued(slot, stream, async_op, join)
+            issue.work._issued(slot, stream, async_op, join, unwatched=not self._watch_calls)
             issue.tracked = True
 
     def _launch_all(self, issues: List[Issue], comms, stream_ptr: int, launched=None) -> None:

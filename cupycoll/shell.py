@@ -90,9 +90,11 @@ _CPU_PREFIX = "cupycoll-cpu/"
 
 def build_gloo_half(store, rank: int, size: int, timeout) -> Tuple[ProcessGroup, ProcessGroup]:
     """A group's gloo half on ``store`` (its own prefix): the plain ProcessGroup the shell
-    routes CPU calls to, and the gloo backend registered in it."""
+    routes CPU calls to, and the gloo backend registered in it. Its pairs connect on first
+    use where torch allows it (:data:`cupycoll.compat.GLOO_LAZY_INIT`): a group that never
+    sees a CPU tensor opens no gloo connection."""
     cpu_store = PrefixStore(_CPU_PREFIX, store)
-    gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
+    gloo = compat.new_gloo(cpu_store, rank, size, timeout)
     inner = ProcessGroup(cpu_store, rank, size)
     compat.set_default_backend(inner, _GLOO)
     inner._register_backend(_CPU, _GLOO, gloo)
@@ -590,7 +592,7 @@ class GroupShell:
         # (also of a group a signal's abort_all caught half-built: what exists is closed).
         trace, cuda = getattr(self, "_trace", None), getattr(self, "_cuda", None)
         if trace is not None:
-            trace.close(cuda.state if cuda is not None else "aborted")
+            trace.close(cuda.state if cuda is not None else "aborted", cuda.fault if cuda is not None else None)
         compat.shutdown(getattr(self, "_cpu", None))
 
     # -- torch method names that changed between versions ------------------------------

@@ -141,7 +141,7 @@ def test_trace_settings_resolve_with_torch_fallbacks(tmp_path):
                                            "CUPYCOLL_CHECK_COLLECTIVES": "0"}).check_collectives
 
 
-@pytest.mark.parametrize("value", ["-1", "1.5", "many"])
+@pytest.mark.parametrize("value", ["-1", "1.5", "many", str(10 ** 12)])
 def test_a_bad_trace_buffer_names_the_value(value):
     with pytest.raises(CupycollValueError, match=f"CUPYCOLL_TRACE_BUFFER={value!r}"):
         config.resolve(None, None, {"CUPYCOLL_TRACE_BUFFER": value})
@@ -152,6 +152,8 @@ def test_a_bad_trace_dir_is_a_typed_error():
         config.Options(trace_dir=3)
     with pytest.raises(CupycollValueError, match="Options.trace_dir=' '"):
         config.Options(trace_dir=" ")
+    with pytest.raises(CupycollValueError, match="NUL"):
+        config.resolve(None, None, {"CUPYCOLL_TRACE_DIR": "/tmp/a\0b"})
 
 
 def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
