@@ -229,24 +229,23 @@ def store_set_many(store, keys: Sequence[str], values: Sequence[bytes]) -> None:
 
 
 # torch 2.8 lets gloo connect lazily (pytorch#150801, April 2025: create_device(lazy_init=...)
-# and TORCH_GLOO_LAZY_INIT): the group's rendezvous still goes through the store (each rank
-# publishes its address and waits for the others', so a rank that never joins still fails
-# the creation), but a pair connects on its first use instead of every rank connecting to
-# every other one at creation. 2.7.1 has no lazy_init; 2.11, 2.13 and 2.15 have it (2.8 -
-# 2.10 are not run). A group's CPU half is made lazily where torch has it, so a job that
-# never sends a CPU tensor opens no gloo mesh.
+# and TORCH_GLOO_LAZY_INIT, which torch's ProcessGroupGloo constructor reads at each creation:
+# "1", "true", "yes" or "y"): a pair connects on its first use instead of every rank
+# connecting to every other one at creation. 2.7.1 has no lazy_init; 2.11, 2.13 and 2.15 have
+# it (2.8 - 2.10 are not run). What it costs, seen on 2.13: the creation waits for no peer
+# (each rank only publishes its address), and the side of a pair that listens (gloo picks it
+# by the pair's addresses) waits for its peer's connection up to 5 times the timeout
+# (gloo/transport/tcp/pair.h, waitUntil), so a collective a peer never makes fails there
+# after five timeouts, not one. A group's CPU half is therefore torch's own gloo (eager unless
+# the job sets TORCH_GLOO_LAZY_INIT, read by cupycoll.config.gloo_lazy_init), and a lazy one's
+# creation counts every rank in (cupycoll.shell.build_gloo_half).
 GLOO_LAZY_INIT = TORCH >= (2, 8)
 
 
 def new_gloo(store, rank: int, size: int, timeout: datetime.timedelta) -> "dist.ProcessGroupGloo":
-    """torch's gloo backend on ``store``, connecting lazily where torch can (GLOO_LAZY_INIT)."""
-    gloo = dist.ProcessGroupGloo
-    if not GLOO_LAZY_INIT:
-        return gloo(store, rank, size, timeout)
-    options = gloo._Options()
-    options._timeout = timeout
-    options._devices = [gloo.create_default_device(lazy_init=True)]
-    return gloo(store, rank, size, options)
+    """torch's gloo backend on ``store``, its device as torch's constructor picks it
+    (GLOO_SOCKET_IFNAME; lazy where the job sets TORCH_GLOO_LAZY_INIT: GLOO_LAZY_INIT)."""
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def has_backend(group: ProcessGroup, device: torch.device) -> bool:

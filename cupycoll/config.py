@@ -83,6 +83,13 @@ Every variable that configures cupycoll is read here, only here, and listed in
     behind, instead of waiting out its own timeout (within ``bounds.PUBLISH_WAIT_S`` of the
     publication; their listeners wait for it, served by the store). ``0``: each rank finds
     its faults alone, and ignores its peers'.
+``TORCH_GLOO_LAZY_INIT``
+    torch's own (torch 2.8+), read by torch's gloo when each group's CPU half is made: ``1``
+    (``true``, ``yes``, ``y``), its pairs connect on first use instead of all at creation.
+    cupycoll then counts every rank in at the creation, so that a rank that never comes is
+    still named there; a collective a peer never makes can take up to five timeouts to fail
+    on the rank that listens for that pair (gloo's own connect wait). Unset (default): every
+    pair connects at creation, as torch's gloo does.
 ``TORCHELASTIC_ERROR_FILE``
     Set by torchrun for each rank: a process that ends with exit status 70 after a fault
     writes the fault there first, in torch.distributed.elastic's error-file format, so that
@@ -148,6 +155,8 @@ ENVIRONMENT = {
     "CUPYCOLL_TRACE_DIR": "folder for per-rank flight-recorder dumps on timeout (default: none)",
     "CUPYCOLL_PUBLISH_FAULTS": "1 (default): a fault one rank finds fails every rank's pending Works "
                                "at once, through the store; 0: each rank finds its own",
+    "TORCH_GLOO_LAZY_INIT": "torch's (2.8+): 1, the CPU half's gloo connects each pair on first use "
+                            "(the creation still counts every rank in); unset (default): all at creation",
     "TORCHELASTIC_ERROR_FILE": "set by torchrun: an exit 70 after a fault writes the fault there",
     "CUPYCOLL_CHECK_COLLECTIVES": "1: ranks compare op/shapes/dtypes/root before each call; 0 (default)",
     "CUPYCOLL_LOG_LEVEL": "debug, info, warning, error or critical: the cupycoll loggers' level "
@@ -223,6 +232,7 @@ _TRACE_DIR_ENV, _TORCH_DUMP_ENV, _TORCH_DUMP_FILE_ENV = (
     "CUPYCOLL_TRACE_DIR", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 _LOG_LEVEL_ENV = "CUPYCOLL_LOG_LEVEL"
 _ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+_GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -385,6 +395,14 @@ def elastic_error_file(env: Optional[Mapping[str, str]] = None) -> Optional[str]
     Read when the process ends after a fault, not at a group's creation: torchrun sets it
     before the process starts, and a test may set it later."""
     return (os.environ if env is None else env).get(_ERROR_FILE_ENV) or None
+
+
+def gloo_lazy_init(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Does torch's gloo connect lazily (``TORCH_GLOO_LAZY_INIT`` as torch reads it: ``1``,
+    ``true``, ``yes`` or ``y``, any case)? Read when each group's CPU half is made, as torch
+    reads it; a value torch refuses is torch's error, raised by its gloo."""
+    value = (os.environ if env is None else env).get(_GLOO_LAZY_ENV, "")
+    return value.lower() in ("1", "true", "yes", "y")
 
 
 # The stderr handler apply_log_level added to the "cupycoll" logger (at most one per process).

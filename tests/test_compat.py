@@ -599,11 +599,17 @@ def _sockets() -> int:
     return count
 
 
-def test_gloo_connects_lazily_from_2_8():
-    # Two ranks of one gloo group in this process: made lazily, no pair connects before its
-    # first call (eagerly, every pair connects at creation and a call opens nothing).
+@pytest.mark.parametrize("lazy", ["1", None])
+def test_gloo_connects_lazily_from_2_8_where_the_job_asks_torch(monkeypatch, lazy):
+    # Two ranks of one gloo group in this process: made lazily where TORCH_GLOO_LAZY_INIT
+    # asks it, no pair connects before its first call (eagerly, every pair connects at
+    # creation and a call opens nothing).
     import threading
 
+    if lazy is None:
+        monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", lazy)
     store = dist.HashStore()
     made = {}
     threads = [threading.Thread(target=lambda r=r: made.setdefault(
@@ -620,6 +626,6 @@ def test_gloo_connects_lazily_from_2_8():
         work.wait()
     assert tensors[0].tolist() == tensors[1].tolist() == [3.0, 3.0]
     opened = _sockets() - before
-    assert (opened > 0) == compat.GLOO_LAZY_INIT, opened
+    assert (opened > 0) == (compat.GLOO_LAZY_INIT and lazy is not None), opened
     has_lazy = "lazy_init" in (dist.ProcessGroupGloo.create_default_device.__doc__ or "")
     assert has_lazy == compat.GLOO_LAZY_INIT
