@@ -112,6 +112,9 @@ CUPYCOLL = {"cuda": "cupycoll:nccl", "cpu": "cupycoll:gloo"}
 RING_COLLECTIVES = frozenset({"all_reduce", "reduce_scatter"})
 
 SCENARIOS = ("coalescing", "overhead", "kernel")
+# Scenarios of the host alone, run in the launching process (no GPU, no ranks spawned), and
+# never part of "all": "store", what cupycoll's store traffic costs (bench/store_load.py).
+HOST_SCENARIOS = ("store",)
 
 
 def _resolve(text: str, aliases: Dict[str, str], what: str, known: Sequence[str],
@@ -152,7 +155,8 @@ def resolve_candidates(text: str, device: str = "cuda") -> List[str]:
 
 
 def resolve_scenarios(text: str) -> List[str]:
-    return _resolve(text, {s: s for s in SCENARIOS}, "scenario", SCENARIOS, SCENARIOS)
+    known = SCENARIOS + HOST_SCENARIOS
+    return _resolve(text, {s: s for s in known}, "scenario", known, SCENARIOS)
 
 
 def static_unsupported(candidate: str, collective: str, dtype: str, op: str, world: int) -> str:

@@ -102,6 +102,9 @@ class Config:
     format: str                    # "side-by-side" or "nccl-tests"
     placements: List[str]          # "out-of-place", "in-place"
     scenarios: List[str]
+    store_ranks: List[int]         # --scenario store: the simulated world sizes
+    store_skew: float              # ... the spread of the ranks' arrival at a creation, seconds
+    store_idle: float              # ... the seconds an idle minute is measured over
     coalesce_bytes: int
     coalesce_ops: int
     scenario_iters: int
@@ -183,7 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     place.add_argument("--outofplace", action="store_true", help="only out-of-place calls")
     s = p.add_argument_group("scenarios")
     s.add_argument("--scenario", action="append", default=[],
-                   help="coalescing, overhead, kernel, or all (comma list, repeatable)")
+                   help="coalescing, overhead, kernel, or all (comma list, repeatable); store "
+                        "alone: the store calls cupycoll's ranks make, simulated on threads "
+                        "against one TCPStore (no GPU), projected to 1,024 and 16,384 ranks")
+    s.add_argument("--store-ranks", default="8,16,32,64",
+                   help="store: the simulated world sizes (comma list, default 8,16,32,64)")
+    s.add_argument("--store-skew", default="0.5",
+                   help="store: seconds over which the ranks arrive at a creation (default 0.5)")
+    s.add_argument("--store-idle", default="12",
+                   help="store: seconds the idle load is measured over, scaled to a minute (default 12)")
     s.add_argument("--coalesce-bytes", default="512M",
                    help="coalescing: bytes of the flattened all_reduce; split into --coalesce-ops "
                         "tensors (default 512M; make it smaller for small GPUs or shared GPUs)")
@@ -383,6 +394,13 @@ def parse(argv: List[str]) -> Config:
         raise UsageError("-N/--run_cycles 0: running forever is not offered (every cycle's rows are "
                          "kept for the tables and files); give a number of cycles")
     json_path, csv_path = _output_files(args)
+    store_ranks = [_int(part, "--store-ranks", 2) for part in str(args.store_ranks).split(",") if part.strip()]
+    if "store" in scenarios and (len(scenarios) > 1 or names):
+        raise UsageError("--scenario store runs alone, on the host (no GPU): give it without "
+                         "collectives or other scenarios")
+    if "store" in scenarios and len(store_ranks) < 2:
+        raise UsageError(f"--store-ranks {args.store_ranks}: give at least two world sizes (the "
+                         "projection fits a line through them)")
 
     return Config(
         collectives=collectives, candidates=candidates,
@@ -393,7 +411,8 @@ def parse(argv: List[str]) -> Config:
         report_cputime=_flag(args.report_cputime, "-C/--report_cputime"), run_cycles=run_cycles,
         average=_average(args.average), agg_iters=_int(args.agg_iters, "-m/--agg_iters", 1),
         blocking=_flag(args.blocking, "-z/--blocking"), format=args.format,
-        placements=placements, scenarios=scenarios,
+        placements=placements, scenarios=scenarios, store_ranks=store_ranks,
+        store_skew=_float(args.store_skew, "--store-skew"), store_idle=_float(args.store_idle, "--store-idle", 1.0),
         coalesce_bytes=coalesce_bytes, coalesce_ops=coalesce_ops,
         scenario_iters=_int(args.scenario_iters, "--scenario-iters", 1),
         overhead_calls=_int(args.overhead_calls, "--overhead-calls", 1),
@@ -451,6 +470,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"wrote {output}")
             return 0
         config = parse(argv)
+        if config.scenarios == ["store"]:  # the host alone: no GPU, no ranks spawned
+            from . import store_load
+
+            return store_load.run(config)
         if launch.is_worker() or launch.under_torchrun():
             if launch.under_torchrun() and config.ranks is not None:
                 raise UsageError("--ranks does not apply under torchrun (it already started "

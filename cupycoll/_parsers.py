@@ -111,6 +111,8 @@ def parse_directory(name: str, value) -> str:
     path = os.fspath(value)
     if not path.strip():
         raise CupycollValueError(f"{name}={value!r}: expected a folder path")
+    if "\0" in path:
+        raise CupycollValueError(f"{name}={value!r}: a path cannot hold a NUL character")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CupycollValueError(f"{name}={value!r}: exists and is not a folder")
     return path

@@ -107,9 +107,13 @@ class CudaBackend:
         self.watch = Watch(group_id or "default", timeout, self.comms, recorder, runtime=self.runtime)
         self.life = lifecycle.GroupLifetime(
             self._name, self.watch, self.comms, settings.watchdog_interval, settings.on_timeout,
-            explain=trace.explain_timeout if trace is not None else None, close_cpu=_weak(on_abort))
-        # The plans of its reductions, by (dtype, RedOpType), under the group's own algorithm
-        # (cupycoll.collectives looks them up; PREMUL_SUM, whose factor is per call, never).
+            explain=trace.explain_timeout if trace is not None else None, close_cpu=_weak(on_abort),
+            publish=trace.publish_fault if trace is not None else None,
+            dump=trace.dump_fault if trace is not None else None)
+        if trace is not None:  # the faults the trace finds, and those a peer publishes, are the lifetime's
+            trace.attach(_weak(self.life.caller_fault), _weak(self.life.peer_fault))
+        # The plans of its reductions, by (dtype, torch's ReduceOp), under the group's own
+        # algorithm (cupycoll.collectives looks them up; PREMUL_SUM, whose factor is per call, never).
         self.plans: dict = {}
         # A call was captured into a CUDA graph: NCCL's finalize then waits for every such
         # graph to be destroyed, so the group's shutdown aborts instead (bounded).
@@ -142,6 +146,17 @@ class CudaBackend:
         self.comms.group = comm
 
     # -- torch's Backend face ----------------------------------------------------------
+    # torch's dist.shrink_group asks the backend it finds for the group's device (this one,
+    # on the ProcessGroup shape) and would refuse with its own TypeError; a group of that
+    # shape is shrunk as a whole, by cupycoll.shrink_group, which shrink() names.
+    supports_shrinking = True
+
+    def shrink(self, ranks_to_exclude, shrink_flags=0, pg_options=None):
+        raise CupycollTypeError(
+            f"process group {self.name!r} is a cupycoll group, which torch.distributed.shrink_group "
+            f"cannot shrink in this shape: call cupycoll.shrink_group({list(ranks_to_exclude)!r}, group) "
+            "with the same arguments (it takes torch's signature); nothing was changed")
+
     @property
     def supports_splitting(self) -> bool:
         # torch asks this while creating *any* subgroup of a bound default group, whatever

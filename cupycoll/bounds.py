@@ -36,6 +36,12 @@ ABORT_DEADLINE = FAULT_DEADLINE
 #: either done in microseconds or stuck (an unmatched send, a peer that already left).
 SHUTDOWN_GRACE = 10.0
 
+#: What a fault's end leaves for after it may take at most this long each: the flight-recorder
+#: dump and torchrun's error file before an exit 70, the dump and the ERROR line after an end.
+#: Each runs on a thread of its own, waited for this long, so that a folder or a logging
+#: handler that blocks never holds back the abort or the exit.
+DUMP_WAIT_S = 1.0
+
 #: The atexit abort of every group never destroyed, in all: past it the process exits anyway.
 EXIT_DEADLINE = 10.0
 
@@ -52,24 +58,49 @@ HEARTBEAT_INTERVALS = 20
 #: that is alive but busy elsewhere answers in time.
 DIAGNOSIS_WAIT_S = 4.0
 
-#: How often each process's responder looks for a peer's diagnosis request (one counter per
-#: group per pass: what torch's heartbeat monitor costs too).
-RESPONDER_INTERVAL_S = 1.0
+#: Where the store cannot be cloned (torch before 2.8), how often each rank's listener looks
+#: at its bell for a peer's diagnosis request or published fault (one ``check`` a look,
+#: whatever the number of groups). With a clone it waits for the bell, served by the store,
+#: and wakes at once. Well under DIAGNOSIS_WAIT_S, so a busy rank still answers in time.
+RESPONDER_INTERVAL_S = 2.0
 
-#: How often a diagnosis polls the store while it waits.
-DIAGNOSIS_POLL_S = 0.05
+#: How long a rank that found a fault waits for the store to take its publication (the
+#: group's news and the members' bells) before it goes on ending the group: a dead store
+#: must not hold the abort back.
+PUBLISH_WAIT_S = 1.0
+
+#: A CPU Work waited on waits in gloo in slices of this length, so that a fault a peer
+#: published (or an abort) fails it within one rather than at gloo's own timeout.
+CPU_WAIT_SLICE_S = 0.5
 
 #: How long a rank closing a group waits to count itself out of the group's diagnosis keys.
 FORGET_WAIT_S = 1.0
 
+# -- recovery ---------------------------------------------------------------------------
+
+#: What a shrink's survivors wait for each other beyond the time the last of them may take to
+#: learn of the fault by itself (the group timeout, a watchdog interval and DIAGNOSIS_WAIT_S:
+#: a survivor the publication did not reach finds the fault by its own timeout): the time to
+#: get from the error to shrink_group.
+SHRINK_MARGIN_S = 2.0
+
+
+def shrink_gathering(timeout_s: float, watchdog_interval_s: float) -> float:
+    """How long a shrink's survivors wait for each other: until every survivor has learnt of
+    the fault, whoever learnt first (see SHRINK_MARGIN_S)."""
+    return timeout_s + watchdog_interval_s + DIAGNOSIS_WAIT_S + SHRINK_MARGIN_S
+
+
 # -- communicator creation -----------------------------------------------------------------
 
-#: Store waits (the unique id, the arrival count) poll in slices of this length, so that an
-#: abort ends them at once; the whole wait is bounded by the timeout.
-STORE_POLL_S = 0.05
+#: Store waits (the unique id, all members arrived) are served by the store in slices of
+#: this length, so that an abort ends them within one; the whole wait is bounded by the
+#: timeout. Longer than a typical arrival skew (a waiting rank then makes one call), short
+#: enough for an abort to be prompt.
+STORE_WAIT_S = 1.0
 
-#: A creator that published "pending" but no unique id within this long is taken as gone, and
-#: the others draw a new generation (bounded by the timeout as a whole).
+#: A last arrival that claimed the decision ("pending") but published no unique id within this
+#: long is taken as gone, and the generation is abandoned (bounded by the timeout as a whole).
 PENDING_GRACE_S = 5.0
 
 # -- NCCL calls under way ----------------------------------------------------------------
@@ -94,14 +125,17 @@ TABLE = {
     "FAULT_DEADLINE": FAULT_DEADLINE,
     "ABORT_DEADLINE": ABORT_DEADLINE,
     "SHUTDOWN_GRACE": SHUTDOWN_GRACE,
+    "DUMP_WAIT_S": DUMP_WAIT_S,
     "EXIT_DEADLINE": EXIT_DEADLINE,
     "HEARTBEAT_TIMEOUT": HEARTBEAT_TIMEOUT,
     "HEARTBEAT_INTERVALS": HEARTBEAT_INTERVALS,
     "DIAGNOSIS_WAIT_S": DIAGNOSIS_WAIT_S,
     "RESPONDER_INTERVAL_S": RESPONDER_INTERVAL_S,
-    "DIAGNOSIS_POLL_S": DIAGNOSIS_POLL_S,
+    "PUBLISH_WAIT_S": PUBLISH_WAIT_S,
     "FORGET_WAIT_S": FORGET_WAIT_S,
-    "STORE_POLL_S": STORE_POLL_S,
+    "CPU_WAIT_SLICE_S": CPU_WAIT_SLICE_S,
+    "SHRINK_MARGIN_S": SHRINK_MARGIN_S,
+    "STORE_WAIT_S": STORE_WAIT_S,
     "PENDING_GRACE_S": PENDING_GRACE_S,
     "CALL_BLOCKED_S": CALL_BLOCKED_S,
     "SEAL_S": SEAL_S,

@@ -72,7 +72,7 @@ class CoalescingBlock:
                 inner._failed(exc)  # the Work handed out inside the block says it never ran
                 raise
             # The caller inside the block holds ``inner``: it answers for the call as issued.
-            inner._issued(work._slot, work._stream, work._async, work._join)
+            inner._issued(work._slot, work._stream, work._async, work._join, work._unwatched)
             return inner
         self.flush()
         return CudaWork.covering(works, blocking_wait=self._blocking_wait)

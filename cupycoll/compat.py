@@ -216,6 +216,61 @@ class FutureWork(dist.Work):
         return self._future
 
 
+# torch 2.8 gave the stores clone(): a new client of the same server, a connection of its
+# own (pytorch#150966, April 2025, between 2.7's and 2.8's branch cuts; 2.7.1 has none, 2.11,
+# 2.13 and 2.15 have it; 2.8 - 2.10 are not run). Where there is one, a rank's diagnosis
+# listener waits for its bell on it, served by the store (a wait on the group's own client
+# would hold every other call of that client back: a client serves one call at a time);
+# where there is none it looks every bounds.RESPONDER_INTERVAL_S.
+STORE_CLONE = TORCH >= (2, 8)
+
+
+def clone_store(store):
+    """A client of ``store``'s server of its own (see STORE_CLONE), or None where torch has
+    none. A store that cannot be cloned raises what its ``clone`` raises."""
+    if not STORE_CLONE:
+        return None
+    return store.clone()
+
+
+def root_store(store):
+    """The store beneath ``store``'s prefixes: the one every group of a job shares (every
+    supported torch has ``PrefixStore.underlying_store``)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def store_set_many(store, keys: Sequence[str], values: Sequence[bytes]) -> None:
+    """Set ``keys`` to ``values`` in one call (``multi_set``: torch 2.1+, every supported
+    release; one ``set`` each on a store that does not implement it, as a Python store may)."""
+    try:
+        store.multi_set(list(keys), list(values))
+    except (AttributeError, NotImplementedError):
+        for key, value in zip(keys, values):
+            store.set(key, value)
+
+
+# torch 2.8 lets gloo connect lazily (pytorch#150801, April 2025: create_device(lazy_init=...)
+# and TORCH_GLOO_LAZY_INIT, which torch's ProcessGroupGloo constructor reads at each creation:
+# "1", "true", "yes" or "y"): a pair connects on its first use instead of every rank
+# connecting to every other one at creation. 2.7.1 has no lazy_init; 2.11, 2.13 and 2.15 have
+# it (2.8 - 2.10 are not run). What it costs, seen on 2.13: the creation waits for no peer
+# (each rank only publishes its address), and the side of a pair that listens (gloo picks it
+# by the pair's addresses) waits for its peer's connection up to 5 times the timeout
+# (gloo/transport/tcp/pair.h, waitUntil), so a collective a peer never makes fails there
+# after five timeouts, not one. A group's CPU half is therefore torch's own gloo (eager unless
+# the job sets TORCH_GLOO_LAZY_INIT, read by cupycoll.config.gloo_lazy_init), and a lazy one's
+# creation counts every rank in (cupycoll.shell.build_gloo_half).
+GLOO_LAZY_INIT = TORCH >= (2, 8)
+
+
+def new_gloo(store, rank: int, size: int, timeout: datetime.timedelta) -> "dist.ProcessGroupGloo":
+    """torch's gloo backend on ``store``, its device as torch's constructor picks it
+    (GLOO_SOCKET_IFNAME; lazy where the job sets TORCH_GLOO_LAZY_INIT: GLOO_LAZY_INIT)."""
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
 def has_backend(group: ProcessGroup, device: torch.device) -> bool:
     """Has ``group`` a backend registered for ``device``'s type?"""
     return device in group._device_types

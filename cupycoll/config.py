@@ -29,7 +29,9 @@ Every variable that configures cupycoll is read here, only here, and listed in
     always exchanges a fresh unique id.
 ``CUPYCOLL_NCCL_LIBRARY``
     Path of the ``libnccl.so.2`` to bind with ctypes. By default cupycoll binds the library
-    CuPy already loaded, so that CuPy, torch and cupycoll share one NCCL.
+    CuPy already loaded, so that CuPy, torch and cupycoll share one NCCL. Trusted as code:
+    the library runs in the process, so it must come from whoever controls the job's
+    environment.
 ``CUPYCOLL_SHAPE``
     How torch holds a new group: ``process_group`` (default on every release), a cupycoll
     ProcessGroup that is the whole group and routes CPU tensors to its own gloo; ``backend``
@@ -66,13 +68,32 @@ Every variable that configures cupycoll is read here, only here, and listed in
     need more runs more rounds of the largest slices that fit. The same on every rank.
 
 ``CUPYCOLL_TRACE_BUFFER`` (``TORCH_NCCL_TRACE_BUFFER_SIZE``)
-    Entries the flight recorder keeps per group (default 2000); ``0`` keeps none (the
-    sequence numbers that timeout reports use are still counted).
+    Entries the flight recorder keeps per group (default 2000, at most 1,000,000: about
+    0.3 GB a group); ``0`` keeps none (the sequence numbers that timeout reports use are
+    still counted).
 ``CUPYCOLL_TRACE_DIR`` (``TORCH_NCCL_DUMP_ON_TIMEOUT``)
     Folder where every rank writes its flight recorder as JSON when a collective times out
     (read them with ``python -m cupycoll.trace DIR``). Unset: no dump, unless torch's
     ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` asks for one, then into the folder of
     ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (default ``/tmp``).
+``CUPYCOLL_PUBLISH_FAULTS``
+    ``1`` (default): a rank that finds a fault in a group (a timeout, a dead peer, an NCCL
+    error) publishes it through the group's store once it is explained, and every other
+    rank of the group fails its pending Works at once with the same error, naming the rank
+    behind, instead of waiting out its own timeout (within ``bounds.PUBLISH_WAIT_S`` of the
+    publication; their listeners wait for it, served by the store). ``0``: each rank finds
+    its faults alone, and ignores its peers'.
+``TORCH_GLOO_LAZY_INIT``
+    torch's own (torch 2.8+), read by torch's gloo when each group's CPU half is made: ``1``
+    (``true``, ``yes``, ``y``), its pairs connect on first use instead of all at creation.
+    cupycoll then counts every rank in at the creation, so that a rank that never comes is
+    still named there; a collective a peer never makes can take up to five timeouts to fail
+    on the rank that listens for that pair (gloo's own connect wait). Unset (default): every
+    pair connects at creation, as torch's gloo does.
+``TORCHELASTIC_ERROR_FILE``
+    Set by torchrun for each rank: a process that ends with exit status 70 after a fault
+    writes the fault there first, in torch.distributed.elastic's error-file format, so that
+    torchrun's summary names it.
 ``CUPYCOLL_CHECK_COLLECTIVES`` (``TORCH_DISTRIBUTED_DEBUG=DETAIL``)
     ``1``: before each collective the ranks compare op, shapes, dtypes and root over the
     group's gloo half, and a mismatch raises on every rank instead of hanging. ``0``
@@ -130,8 +151,13 @@ ENVIRONMENT = {
                             "watchdog's cost; never for training)",
     "CUPYCOLL_ALGORITHM": "auto (default): NCCL, ring only for bitwise ops; nccl; ring",
     "CUPYCOLL_RING_SCRATCH_BYTES": "most ring scratch memory per communicator, grown on demand (default 1 GiB)",
-    "CUPYCOLL_TRACE_BUFFER": "flight-recorder entries per group (default 2000; 0: none)",
+    "CUPYCOLL_TRACE_BUFFER": "flight-recorder entries per group (default 2000, at most 1000000; 0: none)",
     "CUPYCOLL_TRACE_DIR": "folder for per-rank flight-recorder dumps on timeout (default: none)",
+    "CUPYCOLL_PUBLISH_FAULTS": "1 (default): a fault one rank finds fails every rank's pending Works "
+                               "at once, through the store; 0: each rank finds its own",
+    "TORCH_GLOO_LAZY_INIT": "torch's (2.8+): 1, the CPU half's gloo connects each pair on first use "
+                            "(the creation still counts every rank in); unset (default): all at creation",
+    "TORCHELASTIC_ERROR_FILE": "set by torchrun: an exit 70 after a fault writes the fault there",
     "CUPYCOLL_CHECK_COLLECTIVES": "1: ranks compare op/shapes/dtypes/root before each call; 0 (default)",
     "CUPYCOLL_LOG_LEVEL": "debug, info, warning, error or critical: the cupycoll loggers' level "
                           "(info: one line per group created); unset (default): left as it is",
@@ -150,6 +176,7 @@ DEFAULT_RING_SCRATCH_BYTES = 1 << 30
 DEFAULT_WATCHDOG_INTERVAL = 0.1
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 DEFAULT_TRACE_BUFFER = 2000
+MAX_TRACE_BUFFER = 1_000_000  # entries a group's recorder may keep: about 0.3 GB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +186,15 @@ class _Field:
     env: str
     torch_env: Optional[str] = None
     torch_parse: Optional[Callable] = None
+
+
+def _parse_trace_buffer(name: str, value) -> int:
+    """A flight-recorder size: a whole number from 0 to MAX_TRACE_BUFFER."""
+    size = parse_nonnegative_int(name, value)
+    if size > MAX_TRACE_BUFFER:
+        raise CupycollValueError(f"{name}={value!r}: at most {MAX_TRACE_BUFFER} entries per group "
+                                 "(each costs about 300 bytes while the group lives)")
+    return size
 
 
 def _parse_algorithm(name: str, value) -> str:
@@ -182,8 +218,9 @@ _FIELDS = {
     "algorithm": _Field(_parse_algorithm, "auto", "CUPYCOLL_ALGORITHM"),
     "ring_scratch_bytes": _Field(parse_positive_int, DEFAULT_RING_SCRATCH_BYTES,
                                  "CUPYCOLL_RING_SCRATCH_BYTES"),
-    "trace_buffer": _Field(parse_nonnegative_int, DEFAULT_TRACE_BUFFER, "CUPYCOLL_TRACE_BUFFER",
-                           "TORCH_NCCL_TRACE_BUFFER_SIZE", parse_nonnegative_int),
+    "trace_buffer": _Field(_parse_trace_buffer, DEFAULT_TRACE_BUFFER, "CUPYCOLL_TRACE_BUFFER",
+                           "TORCH_NCCL_TRACE_BUFFER_SIZE", _parse_trace_buffer),
+    "publish_faults": _Field(parse_bool, True, "CUPYCOLL_PUBLISH_FAULTS"),
     "check_collectives": _Field(parse_bool, False, "CUPYCOLL_CHECK_COLLECTIVES",
                                 "TORCH_DISTRIBUTED_DEBUG", torch_debug_detail),
 }
@@ -194,6 +231,8 @@ SHAPES = ("process_group", "backend")
 _TRACE_DIR_ENV, _TORCH_DUMP_ENV, _TORCH_DUMP_FILE_ENV = (
     "CUPYCOLL_TRACE_DIR", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 _LOG_LEVEL_ENV = "CUPYCOLL_LOG_LEVEL"
+_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+_GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -225,6 +264,8 @@ class Options:
         trace_buffer: flight-recorder entries kept per group (0: none).
         trace_dir: folder for the per-rank flight-recorder dumps written on a timeout.
         check_collectives: compare every collective's arguments across ranks first.
+        publish_faults: a fault this rank finds reaches the group's other ranks through the
+            store, and theirs reach it (default True; see CUPYCOLL_PUBLISH_FAULTS).
     """
 
     timeout: Optional[Union[datetime.timedelta, float]] = None
@@ -239,6 +280,7 @@ class Options:
     trace_buffer: Optional[int] = None
     trace_dir: Optional[str] = None
     check_collectives: Optional[bool] = None
+    publish_faults: Optional[bool] = None
 
     def __post_init__(self):
         if self.timeout is not None:
@@ -268,6 +310,7 @@ class Settings:
     trace_buffer: int = DEFAULT_TRACE_BUFFER
     trace_dir: Optional[str] = None
     check_collectives: bool = False
+    publish_faults: bool = True
 
     def as_options(self) -> "Options":
         """These settings as Options, every field set (the library path aside, which only the
@@ -345,6 +388,21 @@ def resolve(
     return Settings(timeout=_timeout(options, group_timeout, env),
                     nccl_library=env.get(_LIBRARY_ENV) or None,
                     trace_dir=_trace_dir(options, env), **values)
+
+
+def elastic_error_file(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Where torchrun wants this rank's error written (``TORCHELASTIC_ERROR_FILE``), or None.
+    Read when the process ends after a fault, not at a group's creation: torchrun sets it
+    before the process starts, and a test may set it later."""
+    return (os.environ if env is None else env).get(_ERROR_FILE_ENV) or None
+
+
+def gloo_lazy_init(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Does torch's gloo connect lazily (``TORCH_GLOO_LAZY_INIT`` as torch reads it: ``1``,
+    ``true``, ``yes`` or ``y``, any case)? Read when each group's CPU half is made, as torch
+    reads it; a value torch refuses is torch's error, raised by its gloo."""
+    value = (os.environ if env is None else env).get(_GLOO_LAZY_ENV, "")
+    return value.lower() in ("1", "true", "yes", "y")
 
 
 # The stderr handler apply_log_level added to the "cupycoll" logger (at most one per process).

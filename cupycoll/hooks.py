@@ -8,13 +8,13 @@ in. A hook that raises is logged and the next one runs, as ``atexit`` itself doe
 
 Exit, in order:
 
-1. ``diagnosis``: stop the responder thread, so that no daemon thread is inside a store call
+1. ``diagnosis``: stop the listener threads (rung awake), so that no daemon thread is inside a store call
    while the interpreter finalizes.
 2. ``lifecycle``: stop the watchdog and abort every group not destroyed, or whose fault's
    abort has not run yet, bounded in all.
 
 In a forked child (whose parent's threads are gone, and whose copies of locks a parent's
-thread may have held): the watchdog, the parent's groups and the diagnosis responder start
+thread may have held): the watchdog, the parent's groups and the diagnosis listeners start
 afresh, each by its own module's hook.
 
 Deliberately left out: torch's and NCCL's own hooks.

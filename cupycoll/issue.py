@@ -147,7 +147,7 @@ class Issuer(CoalescingBlock):
             self._seq += 1
             return CudaWork(call.op, call.device, call.outputs, self._watch, seq=self._seq,
                             blocking_wait=call.blocking_wait or self._blocking_wait, slot=slot, stream=stream,
-                            async_op=async_op)
+                            async_op=async_op, unwatched=not self._watch_calls)
 
     def _later(self, call: Call) -> CudaWork:
         """Queue ``call``, or issue it after what is queued, as one NCCL group."""
@@ -336,7 +336,7 @@ class Issuer(CoalescingBlock):
                 records = found[0] if len(found) == 1 else tuple(found) if found else None
             slot = self._watch.issued(stream, records, keepalive, not async_op)
         for call in batch:
-            call.work._issued(slot, stream, async_op, join)
+            call.work._issued(slot, stream, async_op, join, unwatched=not self._watch_calls)
             call.tracked = True
 
     def _launch_all(self, batch: List[Call], comms, stream: int, launched=None) -> None:

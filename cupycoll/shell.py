@@ -53,6 +53,7 @@ from . import _args, call_forms, collectives, compat, config, cpu_average
 from .call_forms import MISSING
 from .backend import CudaBackend
 from .issue import Issuer
+from .nccl.bootstrap import delete_keys, is_store_timeout
 from .errors import CollectiveTimeoutError, CupycollValueError
 from .trace.diagnosis import ranks_text
 from .trace.group import GroupTrace
@@ -95,13 +96,52 @@ _CPU_PREFIX = "cupycoll-cpu/"
 
 def build_gloo_half(store, rank: int, size: int, timeout) -> Tuple[ProcessGroup, ProcessGroup]:
     """A group's gloo half on ``store`` (its own prefix): the plain ProcessGroup the shell
-    routes CPU calls to, and the gloo backend registered in it."""
+    routes CPU calls to, and the gloo backend registered in it. torch's own gloo: its pairs
+    connect at creation, or on first use where the job asks torch for it
+    (``TORCH_GLOO_LAZY_INIT``, torch 2.8+: :data:`cupycoll.compat.GLOO_LAZY_INIT`). A lazy
+    gloo waits for no peer at creation, so then every rank counts itself in
+    (:func:`_all_made`): the creation still fails, as an eager gloo's rendezvous does, when a
+    rank never makes the group."""
     cpu_store = PrefixStore(_CPU_PREFIX, store)
-    gloo = dist.ProcessGroupGloo(cpu_store, rank, size, timeout)
+    lazy = compat.GLOO_LAZY_INIT and config.gloo_lazy_init()
+    gloo = compat.new_gloo(cpu_store, rank, size, timeout)
+    if lazy:
+        _all_made(cpu_store, size, timeout)
     inner = ProcessGroup(cpu_store, rank, size)
     compat.set_default_backend(inner, _GLOO)
     inner._register_backend(_CPU, _GLOO, gloo)
     return inner, gloo
+
+
+# The CPU half's arrival keys in its store (beside gloo's own address keys, "0/<rank>").
+_MADE, _MADE_ALL, _MADE_LEFT = "cupycoll-made/count", "cupycoll-made/all", "cupycoll-made/left"
+
+
+def _all_made(cpu_store, size: int, timeout) -> None:
+    """Return once all ``size`` ranks have made their lazy gloo on ``cpu_store``: each adds
+    itself to one count, the one that completes it publishes that all are there, the others
+    wait for that in the store (one call, served by it, for at most ``timeout``); then each
+    counts itself out, the last deleting the three keys. 3 store calls a rank whatever the
+    world size (an eager gloo's rendezvous reads every peer's address). A store wait that
+    times out raises torch's DistStoreError, as an eager gloo's rendezvous does: the shell
+    names the ranks whose gloo address is not in the store. A count a failed creation left
+    under the same name lets the next one through early (its ranks are then found missing at
+    their first CPU call): never a wait for nobody."""
+    if size <= 1:
+        return
+    if cpu_store.add(_MADE, 1) >= size:
+        cpu_store.set(_MADE_ALL, b"1")
+    else:
+        try:
+            cpu_store.wait([_MADE_ALL], timeout)
+        except dist.DistStoreError:
+            raise
+        except RuntimeError as exc:  # a FileStore says "timeout" in a plain RuntimeError
+            if not is_store_timeout(exc):
+                raise
+            raise dist.DistStoreError(str(exc)) from exc
+    if cpu_store.add(_MADE_LEFT, 1) == size:  # every rank is past the wait: nobody reads them again
+        delete_keys(cpu_store, [_MADE, _MADE_ALL, _MADE_LEFT])
 
 
 def shell_of(group: ProcessGroup) -> "GroupShell":
@@ -617,7 +657,7 @@ class GroupShell:
         # (also of a group a signal's abort_all caught half-built: what exists is closed).
         trace, cuda = getattr(self, "_trace", None), getattr(self, "_cuda", None)
         if trace is not None:
-            trace.close(cuda.state if cuda is not None else "aborted")
+            trace.close(cuda.state if cuda is not None else "aborted", cuda.fault if cuda is not None else None)
         compat.shutdown(getattr(self, "_cpu", None))
 
     # -- torch method names that changed between versions ------------------------------

@@ -11,8 +11,10 @@ rules (torch >= 2.11 has that function; this one runs on every torch cupycoll su
   naming every rank (ValueError), an unknown ``shrink_flags`` (ValueError), a call from an
   excluded rank (RuntimeError), a group that is not cupycoll's (TypeError) or was destroyed
   (ValueError);
-* the survivors first gather (:func:`survivors_arrive`): one that does not come within the
-  timeout is named in a CollectiveTimeoutError, an abort of the group (``abort_all()``) ends
+* the survivors first gather (:func:`survivors_arrive`): one that does not come within
+  :func:`cupycoll.bounds.shrink_gathering` (the timeout, a watchdog interval, the
+  diagnosis's wait and a margin: survivors learn of a death at different times) is named in
+  a CollectiveTimeoutError, an abort of the group (``abort_all()``) ends
   the wait, and either way the group is left as it was, so the shrink can be called again
   (without the missing rank); a failed shrink leaves no store key of its own;
 * torch knows the new group as it knows any group: a shrunk default group is destroyed with
@@ -49,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore
 
-from . import compat, config
+from . import bounds, compat, config
 from .errors import CollectiveTimeoutError, CommunicatorAbortedError
 from .faults.lifecycle import GroupState
 from .nccl.bootstrap import StoreBootstrap, delete_keys
@@ -117,7 +119,9 @@ def survivors_arrive(parent: "GroupShell", exclude: Sequence[int], store, rank: 
     missing rank, names it only by a store key, and nothing can interrupt it. Here a survivor
     missing after the timeout is named (CollectiveTimeoutError), and an abort of the parent
     while it waits (``cupycoll.abort_all()``) ends the wait at once; the parent is left as it
-    was either way, so the shrink can be called again."""
+    was either way, so the shrink can be called again. The wait is
+    :func:`cupycoll.bounds.shrink_gathering`, not the timeout: a survivor that learnt of the
+    fault first must wait for one that learns of it at its own timeout and diagnosis."""
     name = parent.getGroupName()
     survivors = [r for r in range(parent._size) if r not in exclude]
     life = parent._cuda.life
@@ -137,13 +141,18 @@ def survivors_arrive(parent: "GroupShell", exclude: Sequence[int], store, rank: 
         missing[:] = [parent._global_ranks[survivors[r]] for r in absent]
         return f"missing: {ranks_text(missing)}"
 
+    # The survivors learn of the fault at different times (a dead peer's neighbour at once,
+    # the others at their timeout and its diagnosis when the fault's publication does not
+    # reach them): the gathering waits until the last of them has learnt of it.
+    gathering = bounds.shrink_gathering(timeout_s, parent.settings.watchdog_interval)
     try:
-        StoreBootstrap(store, rank, timeout_s, lambda: name, check).all_arrive("shrink-arrival", size, describe)
+        StoreBootstrap(store, rank, timeout_s, lambda: name, check).all_arrive("shrink-arrival", size, describe,
+                                                                                 gathering)
     except CollectiveTimeoutError as exc:
         them = "it" if len(missing) == 1 else "them"
         raise CollectiveTimeoutError(
             f"shrinking process group {name!r} (leaving out its ranks {sorted(exclude)}) failed: "
-            f"{ranks_text(missing)} of the survivors did not join it within {timeout_s:g} s (dead, "
+            f"{ranks_text(missing)} of the survivors did not join it within {gathering:g} s (dead, "
             f"or not calling shrink_group); the group is as it was: shrink it again without "
             f"{them}") from exc
 

@@ -13,10 +13,14 @@ cupycoll's, in the shape ``CUPYCOLL_SHAPE`` selects (docs/usage.md, "Two shapes"
 
 * ``configure`` aborts the last quorum's group (cupycoll's abort: bounded, never waiting on a
   peer that is gone) and builds the new one, with the wrapper's timeout;
-* ``errored()`` is what ended the current group (:func:`cupycoll.group_fault`: a timeout, an
-  NCCL error, an abort), asked of the group each time; after ``abort()`` it stays the
-  aborted group's until the next ``configure``. A CPU collective that failed raises from its
-  Work, where torchft's Manager reports it, and leaves the group healthy, as gloo's does;
+* ``errored()`` is what ended the current group, asked of the group each time, as its next
+  call would raise it: a CommunicatorAbortedError saying it was aborted (what torchft's own
+  groups say), whose cause is the group's fault (:func:`cupycoll.group_fault`: a timeout,
+  an NCCL error, a peer's death) when one ended it; after ``abort()`` it stays the aborted
+  group's until the next ``configure``. A CPU collective that failed between the ranks (a
+  timeout, a dead peer) raises from its Work, where torchft's Manager reports it, and ends
+  the group as a CUDA fault does (its peers are told: docs/faults.md); one this rank's own
+  argument failed leaves it healthy, as gloo's does;
 * ``shutdown()`` shuts the group down (torchft's own wrapper only drops it).
 
 Usage::
@@ -39,7 +43,7 @@ import datetime
 from typing import List, Optional
 
 from . import config
-from .errors import MissingDependencyError
+from .errors import CommunicatorAbortedError, MissingDependencyError
 
 try:
     from torchft import process_group as _torchft
@@ -48,7 +52,7 @@ except ImportError as exc:
                                  "(pip install torchft; checked with 0.2.0)") from exc
 from ._registration import group_shape
 from .config import BACKEND_NAME
-from .shell import group_fault
+from .shell import group_fault, shell_of
 
 
 class ProcessGroupCupycoll(_torchft.ProcessGroupWrapper):
@@ -88,7 +92,14 @@ class ProcessGroupCupycoll(_torchft.ProcessGroupWrapper):
 
     def errored(self) -> Optional[Exception]:
         pg = self._pg if self._pg is not None else self._aborted
-        return group_fault(pg) if pg is not None else None
+        fault = group_fault(pg) if pg is not None else None
+        if fault is None or isinstance(fault, CommunicatorAbortedError):
+            return fault
+        # A fault ended the group: said as its next call says it (torchft's groups say
+        # "aborted" for one to reconfigure), the fault itself its cause.
+        ended = CommunicatorAbortedError(f"process group {shell_of(pg).getGroupName()!r} was aborted: {fault}")
+        ended.__cause__ = fault
+        return ended
 
     def shutdown(self) -> None:
         pg, self._pg = self._pg, None

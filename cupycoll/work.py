@@ -40,13 +40,14 @@ class CudaWork(dist.Work):
     """The handle of one collective (or one coalesced batch) on a CUDA device."""
 
     __slots__ = ("op_name", "seq", "device", "_outputs", "_flush", "_blocking_wait", "_watch",
-                 "_slot", "_batch", "_stream", "_async", "_seen", "_error", "_future", "_join")
+                 "_slot", "_batch", "_stream", "_async", "_seen", "_error", "_future", "_join",
+                 "_unwatched")
 
     def __init__(self, op_name: str, device: torch.device, outputs: List[torch.Tensor], watch,
                  flush: Optional[Callable[[], None]] = None, blocking_wait: bool = False, seq: int = 0,
-                 slot=None, stream: int = 0, async_op: bool = True):
-        """``slot``, ``stream``, ``async_op``: where a Work made once its call is issued is
-        (see :meth:`_issued`); a queued call's Work learns it later."""
+                 slot=None, stream: int = 0, async_op: bool = True, unwatched: bool = False):
+        """``slot``, ``stream``, ``async_op``, ``unwatched``: where a Work made once its call
+        is issued is (see :meth:`_issued`); a queued call's Work learns it later."""
         super().__init__()
         self.op_name = op_name
         self.seq = seq
@@ -66,6 +67,7 @@ class CudaWork(dist.Work):
         # An asynchronous call captured into a CUDA graph: the event recorded after it on the
         # internal stream, which wait() joins back into the capture (None otherwise).
         self._join = None
+        self._unwatched = unwatched and slot is None  # issued with Options.watch_calls off: no slot
 
     @classmethod
     def covering(cls, works: List["CudaWork"], blocking_wait: bool = False) -> "CudaWork":
@@ -77,21 +79,24 @@ class CudaWork(dist.Work):
             if error is None:
                 error = part._error
         work = cls("coalesced", first.device, outputs, first._watch, seq=works[-1].seq, blocking_wait=blocking_wait)
-        work._issued(first._slot, first._stream, first._async, first._join)
+        work._issued(first._slot, first._stream, first._async, first._join, first._unwatched)
         work._error = error
         return work
 
     # -- called by the backend -------------------------------------------------------
-    def _issued(self, slot, stream: int, async_op: bool, join=None) -> None:
+    def _issued(self, slot, stream: int, async_op: bool, join=None, unwatched: bool = False) -> None:
         """The batch was enqueued on ``stream`` and is in flight in the watch as ``slot``
-        (None: not watched, as a call captured into a CUDA graph; ``join``: the event an
-        asynchronous one's capture is joined back by)."""
+        (None: not watched, as a call captured into a CUDA graph, or ``unwatched``: issued
+        with ``Options.watch_calls`` off, which fails once the watch closes, unless its caller
+        saw it complete before: nothing tells whether an abort ended its kernel; ``join``: the
+        event an asynchronous captured one's capture is joined back by)."""
         self._flush = None
         self._slot = slot
         self._batch = slot.seq if slot is not None else 0
         self._stream = stream
         self._async = async_op
         self._join = join
+        self._unwatched = unwatched and slot is None
 
     def _failed(self, error: BaseException) -> None:
         """Issuing the queue this Work was in raised: it will never run."""
@@ -119,7 +124,7 @@ class CudaWork(dist.Work):
         closed = watch.closed
         if closed is None:
             return None
-        if self._flush is not None:  # queued: the group ended before it was issued
+        if self._flush is not None or self._unwatched:  # queued, or never watched: the group ended first
             return closed
         return watch.failed(self._batch) if self._batch else None
 

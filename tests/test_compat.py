@@ -627,3 +627,77 @@ def test_gloos_rendezvous_keys_tell_which_ranks_never_came():
         dist.ProcessGroupGloo(dist.PrefixStore("g/", store), 1, 3, datetime.timedelta(seconds=0.5))
     assert compat.gloo_ranks_absent(dist.PrefixStore("g/", store), 1, 3) == [0, 2]
     assert compat.gloo_ranks_absent(dist.PrefixStore("other/", store), 1, 3) is None  # not its store
+
+
+# ------------------------------------------------------------------ store clones, lazy gloo
+
+
+def test_stores_can_be_cloned_from_2_8():
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    clone = compat.clone_store(master)
+    if not compat.STORE_CLONE:
+        assert clone is None and not hasattr(dist.Store, "clone")
+        return
+    assert clone is not master and clone.port == master.port
+    master.set("seen", "1")
+    assert clone.get("seen") == b"1"  # one server, a client of its own
+
+
+def test_the_root_store_is_beneath_every_prefix_and_many_keys_set_in_one_call():
+    root = dist.HashStore()
+    assert compat.root_store(dist.PrefixStore("a/", dist.PrefixStore("b/", root))) is root
+    prefixed = dist.PrefixStore("c", root)
+    compat.store_set_many(prefixed, ["x", "y"], [b"1", b"2"])
+    assert root.check(["c/x", "c/y"]) and prefixed.get("x") == b"1" and prefixed.get("y") == b"2"
+
+    class NoMultiSet:  # a store of Python's own that implements set alone
+        def __init__(self):
+            self.values = {}
+
+        def set(self, key, value):
+            self.values[key] = value
+    plain = NoMultiSet()
+    compat.store_set_many(plain, ["x"], [b"1"])
+    assert plain.values == {"x": b"1"}
+
+
+def _sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return count
+
+
+@pytest.mark.parametrize("lazy", ["1", None])
+def test_gloo_connects_lazily_from_2_8_where_the_job_asks_torch(monkeypatch, lazy):
+    # Two ranks of one gloo group in this process: made lazily where TORCH_GLOO_LAZY_INIT
+    # asks it, no pair connects before its first call (eagerly, every pair connects at
+    # creation and a call opens nothing).
+    import threading
+
+    if lazy is None:
+        monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", lazy)
+    store = dist.HashStore()
+    made = {}
+    threads = [threading.Thread(target=lambda r=r: made.setdefault(
+        r, compat.new_gloo(dist.PrefixStore("lazy/", store), r, 2, datetime.timedelta(seconds=30))))
+        for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    before = _sockets()
+    tensors = {r: torch.full((2,), float(r + 1)) for r in (0, 1)}
+    works = [made[r].allreduce([tensors[r]]) for r in (0, 1)]
+    for work in works:
+        work.wait()
+    assert tensors[0].tolist() == tensors[1].tolist() == [3.0, 3.0]
+    opened = _sockets() - before
+    assert (opened > 0) == (compat.GLOO_LAZY_INIT and lazy is not None), opened
+    has_lazy = "lazy_init" in (dist.ProcessGroupGloo.create_default_device.__doc__ or "")
+    assert has_lazy == compat.GLOO_LAZY_INIT

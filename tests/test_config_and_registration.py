@@ -215,7 +215,7 @@ def _documented_variables():
     names = set()
     for row in rows:
         name = row.split("`")[1]
-        if name.startswith(("CUPYCOLL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")):
+        if name.startswith(("CUPYCOLL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_GLOO_", "TORCHELASTIC_")):
             names.add(name)
     return names
 
@@ -225,7 +225,8 @@ def test_every_variable_is_documented_and_read():
     docstring = config.__doc__
     read = {f.env for f in config._FIELDS.values()} | {f.torch_env for f in config._FIELDS.values() if f.torch_env}
     read |= {config._TIMEOUT_ENV, config._LIBRARY_ENV, config._SHAPE_ENV, config._TRACE_DIR_ENV,
-             config._TORCH_DUMP_ENV, config._TORCH_DUMP_FILE_ENV, config._LOG_LEVEL_ENV}
+             config._TORCH_DUMP_ENV, config._TORCH_DUMP_FILE_ENV, config._LOG_LEVEL_ENV, config._ERROR_FILE_ENV,
+             config._GLOO_LAZY_ENV}
     assert read == set(config.ENVIRONMENT)  # what is read is listed, and nothing else
     for name in config.ENVIRONMENT:
         assert name in docstring, name

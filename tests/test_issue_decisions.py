@@ -829,12 +829,16 @@ def test_a_synchronous_cpu_all_reduce_raises_gloos_failure_from_the_call_explain
     assert raised.value.__cause__ is timeout
     entry = group._trace.recorder.entries[-1]
     assert explained == [entry] and entry[7] == "failed"
+    # (the timeout was the group's fault: it ended; this rank's own argument, on a group of its own)
+    group = cpu_group()
+    monkeypatch.setattr(group._trace, "explain_timeout",
+                        lambda entry, timeout_s, *args, **kwargs: explained.append(entry) or "rank 1 is behind")
     refused = RuntimeError("Invalid scalar type")  # this rank's own argument: gloo's error as it is
-    monkeypatch.setattr(group, "_cpu", FailingWaitHalf(gloo, refused))
+    monkeypatch.setattr(group, "_cpu", FailingWaitHalf(group._cpu, refused))
     with pytest.raises(RuntimeError) as raised:
         group.allreduce([torch.ones(4)], all_reduce_opts())
     assert raised.value is refused and explained == [entry]
-    assert group._trace.recorder.entries[-1][7] == "failed"
+    assert group._trace.recorder.entries[-1][7] == "failed" and group._cuda.state == "ok"
 
 
 class BlockingWaitHalf(FailingWaitHalf):

@@ -3,8 +3,8 @@
 threads of this process, then again after a reconfigure with one rank crashed) and its
 Manager integration tests (``torchft.manager_integ_test``: DDP under a Manager, healthy, with
 a replica failing mid-run and recovering, on 2 ranks per replica), with the group they build
-replaced by cupycoll's. Also what cupycoll adds: ``errored()`` is the group's fault, read from
-it, until the next quorum; ``shutdown()`` ends the group.
+replaced by cupycoll's. Also what cupycoll adds: ``errored()`` is the group's end (its fault
+the cause), read from it, until the next quorum; ``shutdown()`` ends the group.
 
 Skipped where torchft is not installed (CI installs the pinned torchft on one leg: the
 Makefile's TORCHFT_SPEC, set in .ci/run). The Manager run with replicas as processes killed
@@ -146,6 +146,22 @@ class CupycollGroupTest(_Shape, TestCase):
         self.assertIsNot(pg.parent, group)
         pg.shutdown()
         self.assertIsNone(pg.errored())
+
+    def test_errored_after_a_fault_says_aborted_with_the_fault_as_its_cause(self) -> None:
+        # torchft's own groups say "aborted" for a group to reconfigure; the fault is the cause
+        from cupycoll.errors import CollectiveTimeoutError
+        from cupycoll.shell import shell_of
+
+        store = _store()
+        pg = ProcessGroupCupycoll()
+        pg.configure(f"localhost:{store.port}/q1", "0", 0, 1, quorum_id=1)
+        fault = CollectiveTimeoutError("all_reduce #1 timed out after 1 s on rank 0; rank 1 is behind")
+        shell_of(pg.parent)._cuda.life.fault_once(fault)
+        error = pg.errored()
+        self.assertIsInstance(error, CommunicatorAbortedError)
+        self.assertIn("'torchft_quorum_1_rank_0' was aborted: all_reduce #1 timed out", str(error))
+        self.assertIs(error.__cause__, fault)
+        pg.shutdown()
 
 
 @BACKEND_SHAPE

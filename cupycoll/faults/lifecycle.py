@@ -15,7 +15,9 @@ own reason (:meth:`GroupLifetime.replace`).
    a Work asks the watch and never reports success for it (unless its caller saw it
    complete before), so a caller woken by a kernel the abort ends already sees the fault;
 2. *explain* (a timeout only, on the fault thread): which rank is behind, at most
-   :data:`cupycoll.bounds.DIAGNOSIS_WAIT_S`; the watch's reason becomes that message;
+   :data:`cupycoll.bounds.DIAGNOSIS_WAIT_S`; the watch's reason becomes that message; then
+   the fault is *published* to the group's other ranks (``publish``, beside the end, waited
+   for at most :data:`cupycoll.bounds.PUBLISH_WAIT_S`), unless a peer published it;
 3. *end*: ``ncclCommAbort`` of every communicator, never beside a call another thread has
    inside NCCL (the call runs it on its way out: :mod:`cupycoll.nccl.call_guard`); then,
    once every abort has returned, the Works' tensors and the algorithms' scratch are
@@ -23,7 +25,13 @@ own reason (:meth:`GroupLifetime.replace`).
    is shut down. Every step runs whatever an earlier one raised; nothing is retried.
 
 A fault the watchdog finds is claimed on its thread and explained and ended on one fault
-thread (with ``terminate``, the process then exits 70). A user's abort (``group.abort()``,
+thread (with ``terminate``, the process then exits 70). So is a fault a peer published
+(:meth:`GroupLifetime.peer_fault`: every Work in flight fails with that same error) and the
+CPU route's own (:meth:`GroupLifetime.caller_fault`: its caller raises it already, so it
+never ends the process). Once the end has run, a fault the watchdog found is written to the
+trace folder (``dump``, when one is set: a timeout's diagnosis and every exit 70 write it
+too) and logged, each on a thread waited for at most :data:`cupycoll.bounds.DUMP_WAIT_S`: a
+logging handler or a folder that blocks cannot hold back the abort, nor the exit. A user's abort (``group.abort()``,
 :func:`abort_all`, a shutdown that falls back to one) claims on the caller's thread and ends
 on a thread of its own, waited for at most :data:`cupycoll.bounds.ABORT_DEADLINE`; a second
 aborter waits for the first one's end as long. The watchdog keeps polling an ending group:
@@ -65,7 +73,7 @@ from typing import Callable, Optional
 
 from .. import bounds, hooks
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError
-from .watchdog import WATCHDOG, Finding, Watch, entries, terminate
+from .watchdog import WATCHDOG, Finding, Watch, bounded_call, entries, terminate
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
@@ -122,11 +130,17 @@ class GroupLifetime:
     ``name()``: the group's name for messages; ``watch`` and ``comms``: its calls in flight
     and its communicators; ``explain(entry, timeout_s)``: the message naming the rank behind
     a timed-out call (``entry``: its flight-recorder entry, None for the call being issued);
-    ``close_cpu()``: shut the group's CPU half down once its CUDA half has ended."""
+    ``close_cpu()``: shut the group's CPU half down once its CUDA half has ended;
+    ``publish(fault)``: tell the group's other ranks (bounded); ``dump(reason)``: write the
+    flight recorder into the trace folder, when one is set."""
 
     def __init__(self, name: Callable[[], str], watch: Watch, comms, interval: float, policy: str = "raise",
-                 explain: Optional[Callable] = None, close_cpu: Optional[Callable[[], None]] = None):
+                 explain: Optional[Callable] = None, close_cpu: Optional[Callable[[], None]] = None,
+                 publish: Optional[Callable[[BaseException], None]] = None,
+                 dump: Optional[Callable[[str], object]] = None):
         self._name = name
+        self._publish = publish
+        self._dump = dump
         self.watch = watch
         self.comms = comms
         self.interval = float(interval)
@@ -269,15 +283,43 @@ class GroupLifetime:
         ABORT_DEADLINE). Once a fault was claimed, the Works have failed already: nothing to do."""
         self.claim(Finding(error), here=True)
 
+    def peer_fault(self, error: BaseException) -> None:
+        """A peer published ``error`` as the group's fault: the group's too (its Works fail
+        with it at once), ended on the fault thread and never published again."""
+        self.claim(Finding(error, source=Finding.PEER))
+
+    def caller_fault(self, error: BaseException) -> None:
+        """The CPU route found ``error`` (explained already) and raises it to its caller: the
+        group's fault, ended and published on the fault thread; the policy does not end the
+        process for it (the caller has it)."""
+        self.claim(Finding(error, source=Finding.CALLER))
+
+    def dump(self, reason: str) -> None:
+        """Write the flight recorder for ``reason`` (``dump``, when given; bounded by the caller)."""
+        if self._dump is not None:
+            self._dump(reason)
+
     # -- step 2 and 3 ----------------------------------------------------------------------
     def _handle(self, finding: Finding, bounded: bool = False) -> None:
         fault = self._explained(finding)
-        logger.error("%s; aborting the group's NCCL communicators", fault)
+        telling = None
+        if self._publish is not None and finding.source is not Finding.PEER:
+            telling = bounded_call(self._publish, (fault,), "cupycoll-publish")
         if bounded:
             self._end_within(fault, threading.get_ident())
         else:
             self._end(fault)
-        if self.policy == "terminate":
+        if telling is not None:
+            telling.join(bounds.PUBLISH_WAIT_S)
+        # Ended first: what follows may block (a folder, a logging handler), never the abort.
+        terminating = self.policy == "terminate" and finding.source is not Finding.CALLER
+        # A timeout's diagnosis wrote the dump, and so did the CPU route's; an exit writes its own.
+        if finding.source is Finding.FOUND and not finding.is_timeout and not terminating:
+            bounded_call(self.dump, (f"{fault}",), "cupycoll-dump").join(bounds.DUMP_WAIT_S)
+        if finding.source is not Finding.CALLER:  # a CPU-route error raised to its caller is not logged, as gloo's
+            bounded_call(logger.error, ("%s; aborting the group's NCCL communicators", fault),
+                         "cupycoll-log").join(bounds.DUMP_WAIT_S)
+        if terminating:
             terminate(self, fault)
         if self.comms.blocked() and finding.stuck is not None:
             terminate(self, CollectiveTimeoutError(

@@ -41,15 +41,17 @@ while holding the GIL (its monitor needs the GIL too).
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
 import time
+import traceback
 import weakref
 from typing import List, Optional, Protocol, Tuple
 
 from . import heartbeat, watchdog_cuda
-from .. import _cuda, hooks
+from .. import _cuda, bounds, config, hooks
 from ..bounds import SEAL_S
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 
@@ -83,14 +85,19 @@ class InFlight:
 
 
 class Finding:
-    """What :meth:`Watch.check` found: the fault, and the batch or call behind it."""
+    """What :meth:`Watch.check` found: the fault, and the batch or call behind it; or a fault
+    found elsewhere (``source``): published by a peer, or raised to a caller of the CPU route."""
 
-    __slots__ = ("fault", "batch", "stuck")
+    __slots__ = ("fault", "batch", "stuck", "source")
 
-    def __init__(self, fault: CupycollError, batch: Optional[InFlight] = None, stuck: Optional[str] = None):
+    FOUND, PEER, CALLER = "found", "peer", "caller"
+
+    def __init__(self, fault: CupycollError, batch: Optional[InFlight] = None, stuck: Optional[str] = None,
+                 source: str = FOUND):
         self.fault = fault
         self.batch = batch  # the batch that timed out, if one did
         self.stuck = stuck  # what holds a call stuck inside NCCL, if one is
+        self.source = source
 
     @property
     def is_timeout(self) -> bool:
@@ -177,7 +184,11 @@ class Watch:
         free = self._free
         if not free and queue is not None and len(queue) >= RETIRE_ON_ISSUE:
             self._retire_stream(queue)  # the caller reclaims slots between the watchdog's passes
-        slot = free.pop() if free else self._new_slot()
+        slot = free.pop() if free else None
+        # release() swaps the pool for an empty one and destroys the old one's events (after an
+        # abort, while a call may still issue): a slot taken from the old pool may be among them.
+        if slot is None or self._free is not free:
+            slot = self._new_slot()
         if sparse:
             slot.sealed = False
         else:
@@ -527,12 +538,76 @@ class Watchdog:
         self._reset()
 
 
-def terminate(group, fault: BaseException) -> None:
-    """End the process (exit 70) after ``fault`` in ``group`` (anything with a ``name``)."""
-    message = (f"watchdog: terminating the process after a fault in process group "
-               f"{getattr(group, 'name', '?')!r}: {fault}")
+class _Ran:
+    """What :func:`bounded_call` hands back when no thread could start: the call ran."""
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        return None
+
+
+def bounded_call(function, args: tuple, name: str):
+    """``function(*args)`` on a daemon thread of its own, started now (its error logged, never
+    raised): the caller joins it for as long as it may wait. Runs inline at interpreter exit,
+    where no thread starts."""
+    def run() -> None:
+        try:
+            function(*args)
+        except Exception as exc:  # noqa: BLE001 - what follows must not depend on it
+            _write_line(f"cupycoll: {name} failed: {exc!r}")
+    thread = threading.Thread(target=run, name=name, daemon=True)
     try:
-        logger.critical(message)
+        thread.start()
+    except RuntimeError:  # Python 3.12+ at interpreter exit: no new threads
+        run()
+        return _Ran()
+    return thread
+
+
+def _write_line(text: str) -> None:
+    """One line to stderr in one ``os.write``: no logging handler, no Python buffer."""
+    try:
+        os.write(2, (text.replace("\n", "\\n") + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def write_error_file(path: str, fault: BaseException) -> None:
+    """torchrun's error file (``TORCHELASTIC_ERROR_FILE``): the fault in the JSON layout of
+    torch.distributed.elastic's ``ErrorHandler.record_exception``, so the agent's summary
+    names it rather than a bare exit status. Written to a temporary name and renamed."""
+    stack = "".join(traceback.format_exception(type(fault), fault, fault.__traceback__))
+    data = {"message": {"message": f"{type(fault).__name__}: {fault}",
+                        "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
+    os.replace(temporary, path)
+
+
+def _last_words(group, fault: BaseException) -> None:
+    dump = getattr(group, "dump", None)
+    if callable(dump):
+        try:
+            dump(f"exit {TERMINATE_EXIT_CODE}: {fault}")
+        except Exception as exc:  # noqa: BLE001 - the error file comes anyway
+            _write_line(f"cupycoll: writing the flight recorder failed: {exc!r}")
+    path = config.elastic_error_file()
+    if path:
+        write_error_file(path, fault)
+
+
+def terminate(group, fault: BaseException) -> None:
+    """End the process (exit 70) after ``fault`` in ``group`` (anything with a ``name``):
+    first the flight recorder (``group.dump``, when it has one) and torchrun's error file,
+    on a thread waited for at most :data:`cupycoll.bounds.DUMP_WAIT_S`, then one line on
+    stderr, then the exit, whatever happened before it."""
+    try:
+        try:
+            name = getattr(group, "name", "?")
+        except Exception:  # noqa: BLE001 - a name is not worth staying alive for
+            name = "?"
+        bounded_call(_last_words, (group, fault), "cupycoll-exit").join(bounds.DUMP_WAIT_S)
+        _write_line(f"watchdog: terminating the process after a fault in process group {name!r}: {fault}")
     finally:
         os._exit(TERMINATE_EXIT_CODE)
 

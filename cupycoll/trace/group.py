@@ -15,8 +15,18 @@ with ``check_collectives``, compares it across ranks first (:mod:`cupycoll.trace
   message ("rank 2 is behind: ..."). A synchronous all_reduce is waited on in the call
   instead (:meth:`GroupTrace.gloo_waited`), marked and explained alike.
 
-Every group also registers with the process's responder (:mod:`cupycoll.trace.diagnosis`), which
-answers the other ranks' diagnosis requests while this rank is busy elsewhere.
+Every group also registers with its rank's listener (:mod:`cupycoll.trace.diagnosis`), which
+answers the other ranks' diagnosis requests while this rank is busy elsewhere, and hands a
+fault a peer published to the group's lifetime (:meth:`GroupTrace.attach`).
+
+**One diagnosis per fault.** The group's first diagnosis (a CPU Work's failure, or the
+lifetime asking to explain a CUDA timeout) is the group's *verdict*: every later Work that
+fails with that fault, on either route, gets the same typed error at once, and so does the
+lifetime, without asking the other ranks again; a fault a peer published is the verdict
+too. The CPU route's own fault is then the lifetime's (``caller_fault``): it ends the group,
+and it reaches the other ranks. A CPU Work waited on waits in slices of
+:data:`cupycoll.bounds.CPU_WAIT_SLICE_S`, so a fault the group's lifetime claimed meanwhile
+(a peer's) fails it at once rather than at gloo's own timeout.
 
 Deliberately left out: gloo point-to-point calls are recorded but their Works are not
 wrapped (``recv_anysource``'s ``source_rank()`` must stay gloo's).
@@ -25,16 +35,20 @@ wrapped (``recv_anysource``'s ``source_rank()`` must stay gloo's).
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 from weakref import ref
 
 import torch
 import torch.distributed as dist
 
 from . import diagnosis, mismatch, recorder
+from .. import bounds
 from ..config import Settings
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, PeerFailedError
+
+logger = logging.getLogger(__name__)  # a child of "cupycoll"
 from .recorder import E_DTYPES, E_OP, E_ROOT, E_SEQ, E_SHAPES
 
 # Calls that every rank makes alike and that the mismatch check compares.
@@ -44,6 +58,13 @@ _P2P = frozenset({"send", "recv", "recv_anysource"})
 _OPEN_PRUNE_AT = 64
 # Held for a moment, by the first failure of a Work, to make that Work's lock.
 _MAKING_LOCKS = threading.Lock()
+# How a CPU Work waits in gloo: in slices, so that the group's end fails it meanwhile. What
+# c10d's Work.wait(timeout) raises when a slice runs out (every supported torch): gloo's own
+# errors, a timeout included, say otherwise ("Timed out waiting 5000ms for ...").
+_SLICE = datetime.timedelta(seconds=bounds.CPU_WAIT_SLICE_S)
+_SLICE_RAN_OUT = "Operation timed out!"
+# The fault kinds a verdict takes, by the name a peer publishes.
+_KINDS = {"CollectiveTimeoutError": CollectiveTimeoutError}
 
 
 class GroupTrace:
@@ -59,9 +80,24 @@ class GroupTrace:
         self._open: Dict[int, "ref[TracedWork]"] = {}
         self._prune_at = _OPEN_PRUNE_AT
         self._closed: Optional[str] = None  # how the group ended: "shut down", "aborted", "failed"
-        # A group of one has nobody to ask; the stand-ins of the tests have no store.
-        if store is not None and len(global_ranks) > 1:
-            diagnosis.serve(store, self.recorder, settings.trace_dir)
+        # The group's fault as first explained here, or as a peer published it: what every
+        # later failure of the group reuses (see the module). Set once.
+        self._verdict: Optional[BaseException] = None
+        self._explaining = threading.RLock()  # held by the one diagnosis under way
+        # The group's lifetime, told of the CPU route's own fault and of a peer's (attach).
+        self._caller_fault: Optional[Callable[[BaseException], None]] = None
+        self._peer_fault: Optional[Callable[[BaseException], None]] = None
+
+    def attach(self, caller_fault: Callable[[BaseException], None],
+               peer_fault: Callable[[BaseException], None]) -> None:
+        """The group's lifetime exists: tell it the faults this trace finds (``caller_fault``:
+        the CPU route's, raised to the caller too) and those a peer publishes
+        (``peer_fault``), and start answering the other ranks. A group of one has nobody to
+        ask; the stand-ins of the tests have no store."""
+        self._caller_fault, self._peer_fault = caller_fault, peer_fault
+        if self.store is not None and len(self.recorder.ranks) > 1:
+            diagnosis.serve(self.store, self.recorder, self.settings.trace_dir,
+                            on_fault=self._published if self.settings.publish_faults else None)
 
     def call(self, op: str, tensors, root=None, opts=None, route: str = "nccl", cpu_group=None) -> Optional[list]:
         """Record one call (``tensors``: a flat sequence, those every rank passes alike) and,
@@ -101,12 +137,14 @@ class GroupTrace:
         inside gloo's wait until gloo returns, as a :class:`TracedWork`'s ``wait()`` is."""
         try:
             work = call(*args)
-            work.wait()
+            self._wait_in_slices(work, self._closed_error, entry)
         except Exception as exc:  # noqa: BLE001 - explained, then raised again
             self.recorder.mark(entry, "failed")
-            ended = self._closed
-            if ended is not None:
-                raise self._ended_error(ended, _described(entry)) from exc
+            closed = self._closed_error(entry)
+            if closed is not None:
+                if exc is closed:
+                    raise
+                raise closed from exc
             error = self.failure(entry, exc)
             if error is exc:
                 raise
@@ -122,46 +160,125 @@ class GroupTrace:
                 self._open.pop(key, None)
         self._prune_at = max(_OPEN_PRUNE_AT, 2 * len(self._open))
 
+    def _wait_in_slices(self, work: dist.Work, failed: Callable[..., Optional[BaseException]], *args) -> bool:
+        """gloo's ``work.wait()``, in slices of CPU_WAIT_SLICE_S: between two, ``failed(*args)``
+        says whether the group's end (a peer's published fault, an abort) failed the call
+        meanwhile, and that error is raised."""
+        while True:
+            try:
+                return work.wait(_SLICE)
+            except RuntimeError as exc:
+                if _SLICE_RAN_OUT not in str(exc):
+                    raise  # gloo's own error
+            # the slice ran out, the call still under way
+            error = failed(*args)
+            if error is not None:
+                raise error
+
+    def _closed_error(self, entry: Optional[list]) -> Optional[BaseException]:
+        """What a call the group's end caught fails with: the group's verdict when a fault
+        ended it, else the close's; None while the group is open."""
+        ended = self._closed
+        if ended is None:
+            return None
+        if self._verdict is not None and ended == "aborted":
+            return _again(self._verdict)
+        return self._ended_error(ended, _described(entry))
+
     def failure(self, entry: Optional[list], error: BaseException):
         """What gloo raised from a wait, as cupycoll's error naming the rank behind when it
         happened between the ranks: a timeout (CollectiveTimeoutError) or a peer that died
         or closed its connection (PeerFailedError). Anything else is this rank's own
         argument, which gloo also reports only at wait() ("Invalid scalar type", an op it
-        lacks): ``error`` itself, as plain gloo raises it, asking no other rank."""
-        if diagnosis.looks_like_timeout(error):
-            # gloo's own words stay in the message: torch's tests and users match on them
-            return CollectiveTimeoutError(self.explain_timeout(entry, self.settings.timeout.total_seconds())
-                                          + f" (gloo: {_first_sentence(error)})")
-        if diagnosis.looks_like_peer_failure(error):
-            # gloo saw a connection close: a peer is gone, and it will not answer. Once every
-            # other rank has, the silent one is named at once rather than after the whole wait.
-            return PeerFailedError(self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})",
-                                                        one_gone=True))
-        return error
+        lacks): ``error`` itself, as plain gloo raises it, asking no other rank. The group's
+        first such fault is its verdict and its lifetime's (see the module); later ones reuse
+        it at once."""
+        timeout = diagnosis.looks_like_timeout(error)
+        if not timeout and not diagnosis.looks_like_peer_failure(error):
+            return error
+        verdict = self._verdict
+        if verdict is not None:
+            return _again(verdict)
+        with self._explaining:
+            mine = None
+            if self._verdict is None:
+                if timeout:
+                    # gloo's own words stay in the message: torch's tests and users match on them
+                    mine = CollectiveTimeoutError(self.explain_timeout(entry, self.settings.timeout.total_seconds())
+                                                  + f" (gloo: {_first_sentence(error)})")
+                else:
+                    # gloo saw a connection close: a peer is gone, and it will not answer. Once every
+                    # other rank has, the silent one is named at once rather than after the whole wait.
+                    mine = PeerFailedError(self.explain_timeout(entry, None, f"failed ({_first_sentence(error)})",
+                                                                one_gone=True))
+                self._set_verdict(mine)  # unless a peer's published fault came first
+        fault = self._verdict
+        if fault is mine and self._caller_fault is not None:
+            self._caller_fault(fault)
+        return _again(fault)
+
+    def _set_verdict(self, fault: BaseException) -> None:
+        if self._verdict is None:
+            self._verdict = fault
 
     def explain_timeout(self, entry: Optional[list], timeout_s: Optional[float],
                         what: str = "timed out", one_gone: bool = False) -> str:
-        """Diagnose a call that timed out (or failed: ``what``) across the ranks, waiting at
-        most ``diagnosis.DEFAULT_WAIT_S`` (with ``one_gone``, a peer is known to be gone:
-        only until every rank but one has answered); dumps the trace when a folder is set,
-        returns the message."""
+        """The message of a call that timed out (or failed: ``what``) across the ranks: the
+        group's verdict's when it has one (asking nobody), else diagnosed now, waiting at most
+        ``diagnosis.DEFAULT_WAIT_S`` (with ``one_gone``, a peer is known to be gone: only until
+        every rank but one has answered). Whoever makes the group's fault of it sets the
+        verdict (:meth:`failure`; the lifetime, through :meth:`publish_fault`)."""
+        verdict = self._verdict
+        if verdict is not None:
+            return str(verdict)
+        with self._explaining:
+            verdict = self._verdict
+            return str(verdict) if verdict is not None else self._diagnose(entry, timeout_s, what, one_gone)
+
+    def _diagnose(self, entry: Optional[list], timeout_s: Optional[float], what: str = "timed out",
+                  one_gone: bool = False) -> str:
+        """Ask the other ranks (dumping the trace when a folder is set); the message."""
         report = diagnosis.diagnose_timeout(self.store, self.recorder, entry, timeout_s,
                                             dump_dir=self.settings.trace_dir, what=what,
                                             one_gone=one_gone)
         return report.message
 
-    def close(self, state: str) -> None:
-        """The group is shut down, aborted or ``"failed"`` (its construction). A CPU Work
-        not finished yet fails now, with this as its reason: gloo cannot cancel it, and its
-        own timeout may be minutes away. Then this rank stops answering diagnoses for the
-        group and counts itself out of its store keys."""
+    def _published(self, kind: str, message: str, reporter: int) -> None:
+        """A peer published the group's fault (its listener read it): the verdict, unless the
+        group has one, and the lifetime's to claim."""
+        fault = _KINDS.get(kind, PeerFailedError)(f"{message} (rank {reporter} found it)")
+        self._set_verdict(fault)
+        if self._peer_fault is not None:
+            self._peer_fault(fault)
+
+    def publish_fault(self, fault: BaseException) -> None:
+        """Tell the other ranks the fault that ended the group here (bounded; see
+        :func:`cupycoll.trace.diagnosis.publish_fault`), unless publishing is off."""
+        self._set_verdict(fault)
+        if self.settings.publish_faults and self.store is not None:
+            diagnosis.publish_fault(self.store, self.recorder, fault)
+
+    def dump_fault(self, reason: str) -> Optional[str]:
+        """Write every recorder of the process into the trace folder, when one is set (the
+        file written, else None); never raises."""
+        return recorder.dump_on_timeout(self.settings.trace_dir, self.recorder.ranks[self.recorder.rank], reason)
+
+    def close(self, state: str, fault: Optional[BaseException] = None) -> None:
+        """The group is shut down, aborted or ``"failed"`` (its construction), ``fault``
+        being what ended it, if anything did. A CPU Work not finished yet fails now: with the
+        group's fault (the same typed error, naming the rank behind), else with the close as
+        its reason: gloo cannot cancel it, and its own timeout may be minutes away. Then this
+        rank stops answering diagnoses for the group and counts itself out of its store keys."""
         if self._closed is not None:
             return
+        if fault is not None and isinstance(fault, (CollectiveTimeoutError, PeerFailedError)):
+            self._set_verdict(fault)
         self._closed = state
         for work_ref in list(self._open.values()):
             work = work_ref()
             if work is not None:
-                work.fail_unfinished(self._ended_error(state, work.description))
+                work.fail_unfinished(_again(self._verdict) if fault is not None and self._verdict is not None
+                                     else self._ended_error(state, work.description))
         self._open.clear()
         diagnosis.unserve(self.recorder)
         self.recorder.mark_unfinished("aborted" if state == "aborted" else "failed")
@@ -173,6 +290,13 @@ class GroupTrace:
         return CommunicatorAbortedError(
             f"process group {self.recorder.group!r} was {state} before {description} finished on rank "
             f"{self.recorder.rank}; gloo may still write its output until its own timeout")
+
+
+def _again(fault: BaseException) -> BaseException:
+    """A fresh error of ``fault``'s type and message: each Work raises its own object."""
+    again = type(fault)(str(fault))
+    again.__cause__ = fault.__cause__
+    return again
 
 
 def _described(entry: Optional[list]) -> str:
@@ -225,6 +349,11 @@ class TracedWork(dist.Work):
             self._waited = [error]
             self._trace.recorder.mark(self._entry, "failed")
 
+    def _unfinished(self) -> Optional[BaseException]:
+        """What the group's close failed this Work with, while gloo still runs it."""
+        waited = self._waited
+        return waited[0] if waited is not None else None
+
     def _finished(self) -> None:
         """Seen finished: the group's close has nothing to fail here."""
         self._trace._open.pop(self._key, None)
@@ -234,8 +363,11 @@ class TracedWork(dist.Work):
         if waited is not None and waited[0] is not None:
             raise waited[0]
         try:
-            done = self._work.wait(timeout) if timeout else self._work.wait()
+            done = self._work.wait(timeout) if timeout else self._trace._wait_in_slices(self._work, self._unfinished)
         except Exception as exc:  # noqa: BLE001 - explained, then raised again
+            waited = self._waited
+            if waited is not None and exc is waited[0]:
+                raise
             error = self._fail(exc)
             if error is exc:
                 raise

@@ -34,6 +34,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
@@ -371,28 +372,41 @@ def dump_trace(path: str, rank: Optional[int] = None, reason: str = "on demand")
     """Write the process's recorders as JSON to ``path`` (a file; or an existing folder, in
     which it writes ``cupycoll_trace_rank<R>.json``). Returns the file written.
 
-    Written to a temporary name and renamed, so that a reader never sees half a dump."""
+    Written to a temporary file of its own (``tempfile.mkstemp``: created exclusively, mode
+    0600, never through a name another user planted) and renamed, so that a reader never sees
+    half a dump; a final path that is a symbolic link is refused (CupycollValueError)."""
     if not isinstance(path, (str, os.PathLike)):
         raise CupycollTypeError(f"path={path!r}: expected a file or folder path")
     payload = trace_payload(rank, reason)
     path = os.fspath(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not os.path.islink(path):
         path = os.path.join(path, dump_file_name(payload["rank"]))
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as fh:
-        json.dump(payload, fh)
-    os.replace(temporary, path)
+    if os.path.islink(path):
+        raise CupycollValueError(f"{path}: a symbolic link; the trace is not written through one")
+    folder = os.path.dirname(path) or "."
+    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh)
+        os.replace(temporary, path)  # a rename replaces a name, it never follows one
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
     return path
 
 
 def dump_on_timeout(directory: Optional[str], rank: Optional[int] = None,
                     reason: str = "timeout") -> Optional[str]:
-    """The timeout path's dump into ``directory`` (CUPYCOLL_TRACE_DIR); None when unset.
-    Never raises: a full disk must not hide the timeout being reported."""
+    """The fault path's dump into ``directory`` (CUPYCOLL_TRACE_DIR), made with mode 0700
+    when it does not exist; None when unset. Never raises: a full disk must not hide the
+    fault being reported."""
     if not directory:
         return None
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         return dump_trace(directory, rank, reason)
     except Exception as exc:  # noqa: BLE001
         import logging

@@ -427,3 +427,15 @@ def test_plot_with_an_unknown_extension_fails_at_once(tmp_path):
     proc = run_bench("--device", "cpu", "--ranks", "2", "--plot", str(tmp_path / "r.bmpx"))
     assert proc.returncode == 2 and "matplotlib cannot write .bmpx" in proc.stderr
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_store_scenario_runs_alone_on_the_host():
+    cfg = cli.parse(["--scenario", "store", "--store-ranks", "4,8", "--store-skew", "0.2"])
+    assert cfg.scenarios == ["store"] and cfg.collectives == []
+    assert (cfg.store_ranks, cfg.store_skew) == ([4, 8], 0.2)
+    assert "store" not in cli.parse(["--scenario", "all"]).scenarios  # the GPU scenarios only
+    for argv, words in ((["all_reduce", "--scenario", "store"], "runs alone"),
+                        (["--scenario", "store,overhead"], "runs alone"),
+                        (["--scenario", "store", "--store-ranks", "8"], "at least two world sizes")):
+        with pytest.raises(cli.UsageError, match=words):
+            cli.parse(argv)

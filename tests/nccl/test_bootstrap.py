@@ -5,6 +5,7 @@ CPU only; the real libnccl where it loads."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import gc
 import os
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 import cupycoll
 from cupycoll.nccl import bootstrap as bootstrap_module
-from cupycoll import config
+from cupycoll import bounds, config
 from cupycoll.backend import CudaBackend
 from cupycoll.nccl.bootstrap import ABANDONED, StoreBootstrap
 from cupycoll.nccl.communicator import Communicator
@@ -359,3 +360,60 @@ def test_a_creation_that_times_out_faults_the_group(monkeypatch):
         backend.comm_for(CUDA)
     assert backend.life.ended.wait(3)
     assert backend.state == "aborted" and time.monotonic() - start < 3
+
+
+class Counting:
+    """A store that counts its calls by name (one Counter per rank using it)."""
+
+    def __init__(self, inner, tally):
+        self.inner, self.tally = inner, tally
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.tally[name] += 1
+            return getattr(self.inner, name)(*args, **kwargs)
+        return call
+
+
+def _counted_creation(members, delays):
+    """Each rank (a thread) creates 'comm' after its delay; per rank, its store calls by name."""
+    store = dist.HashStore()
+    tallies = [collections.Counter() for _ in range(members)]
+    ids = {}
+
+    def one(rank):
+        time.sleep(delays[rank])
+        ids[rank] = StoreBootstrap(Counting(store, tallies[rank]), rank, 30).unique_id("comm", rank == 0, members)
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(members)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(set(ids.values())) == 1 and len(ids) == members
+    assert store.num_keys() == 0
+    return tallies
+
+
+@pytest.mark.parametrize("late", ["creator", "another rank"])
+def test_a_communicator_costs_each_rank_at_most_four_store_calls_whatever_the_skew(counted_ids, late):
+    # The waits are the store's (one call per slice), never a poll: a rank waiting 2.5 s for
+    # the last one makes a call per second it waits, and every rank makes at most 4 others
+    # (the last one out deletes the 3 keys besides).
+    members, slow = 16, 0 if late == "creator" else 11
+    tallies = _counted_creation(members, [2.5 if r == slow else 0.0 for r in range(members)])
+    for rank, tally in enumerate(tallies):
+        others = sum(n for name, n in tally.items() if name not in ("wait", "delete_key"))
+        assert others <= 4, (rank, tally)
+        assert tally["wait"] <= 2.5 / bounds.STORE_WAIT_S + 1, (rank, tally)
+    assert sum(t["delete_key"] for t in tallies) == 3
+    # Arriving within one slice of each other, no rank makes more than 4 calls in all.
+    tallies = _counted_creation(members, [0.05 * (r % 5) for r in range(members)])
+    assert max(sum(n for name, n in t.items() if name != "delete_key") for t in tallies) <= 4, tallies
+
+
+def test_a_generation_the_store_holds_as_junk_is_a_typed_error_naming_it():
+    store = dist.HashStore()
+    store.add("cupycoll/comm/0/arrived", 5)  # generation 0 was taken: the rank looks up the next
+    store.set("cupycoll/comm/generation", "x9")
+    with pytest.raises(cupycoll.CupycollValueError, match=r"'cupycoll/comm/generation' holds 'x9'"):
+        StoreBootstrap(store, 1, 1).unique_id("comm", False, 2)

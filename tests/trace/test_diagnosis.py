@@ -295,12 +295,12 @@ def test_looks_like_timeout():
     assert not diagnosis.looks_like_timeout(RuntimeError("Connection closed by peer"))
 
 
-# -- the responder: a rank's own record, and its answers for a peer -----------------------
+# -- the listener: a rank's own record, and its answers for a peer ------------------------
 
 
 def timed_out_in_the_first_collective(group):
-    # a group name of its own per test: the store keys (and the process' claims) are per
-    # group, incarnation and collective, and these recorders are all incarnation 0
+    # a group name of its own per test: the store keys are per group, incarnation and
+    # collective, and these recorders are all incarnation 0
     recorder = rec_mod.Recorder(group, [0, 1], 1)
     entry = recorder.record("all_reduce", ((4,),), (torch.float32,))
     mine = diagnosis.progress(recorder)  # it timed out in #1 and publishes that
@@ -314,45 +314,55 @@ def publish_own_record(store, recorder, mine):
                               incarnation=recorder.incarnation)
 
 
+def ask(store, prefix, seq, by=0):
+    """Rank ``by``'s request for #``seq`` in the group's news."""
+    store.append(f"{prefix}/news", json.dumps({"kind": "ask", "seq": seq, "from": by}) + "\n")
+
+
+def read_records(store, prefix, seq, size=2):
+    return diagnosis.parse_records(store.get(f"{prefix}/{seq}/records"), size)
+
+
 def test_the_responder_keeps_its_ranks_own_record():
     store = dist.HashStore()
     recorder, mine, prefix = timed_out_in_the_first_collective("own record kept")
-    publish_own_record(store, recorder, mine)  # with its own request, #1 of the group
-    diagnosis._Served(store, recorder, None, 0.01).poll()
-    assert json.loads(store.get(f"{prefix}/1/1")) == mine
+    publish_own_record(store, recorder, mine)
+    ask(store, prefix, 1)  # rank 0 asks for #1 too
+    diagnosis._Served(store, recorder, None, None).poll()
+    assert read_records(store, prefix, 1)[1] == diagnosis.valid_record(mine)
     assert store.add(f"{prefix}/1/count", 0) == 1
 
 
 def test_the_own_record_outlasts_an_answer_being_written_at_that_moment():
-    # Ranks 0 and 1 time out together: rank 0's request wakes rank 1's responder while rank 1
-    # publishes its own record. The responder's answer must not land on top of it.
+    # Ranks 0 and 1 time out together: rank 0's request wakes rank 1's listener while rank 1
+    # publishes its own record. Whatever order they land in, the own record is the one read,
+    # and the rank is counted once.
     store = dist.HashStore()
     recorder, mine, prefix = timed_out_in_the_first_collective("own record outlasts")
-    store.add(f"{prefix}/requests", 1)
-    store.set(f"{prefix}/request/1", "1")  # rank 0's request for #1
+    ask(store, prefix, 1)
     writing, release = threading.Event(), threading.Event()
 
-    class PausedAnswers:  # the responder's store: its write waits for the test
+    class PausedOnce:  # the rank's store: its first append (the listener's answer) waits for the test
         def __getattr__(self, name):
             return getattr(store, name)
 
-        def set(self, key, value):
-            writing.set()
-            release.wait(5)
-            store.set(key, value)
-    responder = threading.Thread(target=diagnosis._Served(PausedAnswers(), recorder, None, 0.01).poll)
-    responder.start()
-    assert writing.wait(5)  # the responder decided to answer and is writing
-    own = threading.Thread(target=publish_own_record, args=(store, recorder, mine))
+        def append(self, key, value):
+            if not writing.is_set():
+                writing.set()
+                release.wait(5)
+            store.append(key, value)
+    paused = PausedOnce()
+    answering = threading.Thread(target=diagnosis._Served(paused, recorder, None, None).poll)
+    answering.start()
+    assert writing.wait(5)  # the listener decided to answer and is writing
+    own = threading.Thread(target=publish_own_record, args=(paused, recorder, mine))
     own.start()
-    deadline = time.monotonic() + 0.5  # the own record waits for the answer, never lands under it
-    while not store.check([f"{prefix}/1/1"]) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    time.sleep(0.2)
     release.set()
-    responder.join(5)
+    answering.join(5)
     own.join(5)
-    # (the publishing thread may outlive the short diagnosis: wait for its write)
-    assert eventually(lambda: json.loads(store.get(f"{prefix}/1/1")) == mine)
+    assert eventually(lambda: read_records(store, prefix, 1).get(1) == diagnosis.valid_record(mine))
+    assert store.add(f"{prefix}/1/count", 0) == 1
 
 
 def test_a_peers_request_is_still_answered():
@@ -360,11 +370,178 @@ def test_a_peers_request_is_still_answered():
     recorder = rec_mod.Recorder("g", [0, 1], 1)
     recorder.record("broadcast", ((4,),), (torch.float32,))
     prefix = diagnosis.key_prefix("g", recorder.incarnation)
-    store.add(f"{prefix}/requests", 1)
-    store.set(f"{prefix}/request/1", "2")  # rank 0 timed out in #2
-    diagnosis._Served(store, recorder, None, 0.01).poll()
-    assert json.loads(store.get(f"{prefix}/2/1"))["last_issued"] == 1
+    ask(store, prefix, 2)  # rank 0 timed out in #2
+    diagnosis._Served(store, recorder, None, None).poll()
+    assert read_records(store, prefix, 2)[1]["last_issued"] == 1
     assert store.add(f"{prefix}/2/count", 0) == 1
+
+
+# -- the store is input, not trust ----------------------------------------------------------
+
+JUNK = [[1, 2], "rank 2", {"stuck": "x"}, {"last_issued": "abc"}, float("inf"),
+        {"last_issued": 41, "stuck": {"seq": "42", "op": "all_reduce"}}, {"last_issued_state": 7}]
+
+
+@pytest.mark.parametrize("junk", JUNK, ids=range(len(JUNK)))
+def test_a_malformed_record_counts_as_not_answering(junk):
+    text = message({0: at_42(), 1: junk, 2: rec(41, "broadcast"), 3: at_42()})
+    assert text.endswith("rank 2 is behind: its last collective was #41 (broadcast) — it never reached "
+                         "#42; rank 1 did not answer within 4 s (dead, or stuck outside cupycoll)"), text
+
+
+def test_diagnose_never_raises_on_what_peers_wrote():
+    store = dist.HashStore()
+    prefix = diagnosis.key_prefix("junk", 0)
+    for line in ["not json", "[1, 2]", '{"rank": "1"}', "Infinity", '{"rank": 9, "last_issued": 3}',
+                 json.dumps({"rank": 1, "last_issued": {"a": 1}})]:
+        store.append(f"{prefix}/42/records", line + "\n")
+    store.add(f"{prefix}/42/count", 5)  # a count that says more than the group has
+    store.set(f"{prefix}/42/verdict", "{not json")
+    mine = dict(at_42(), rank=0)
+    report = diagnosis.diagnose(store, "junk", 0, 2, mine, 30, wait_s=0.5)
+    assert report.message.endswith("rank 1 did not answer within 0.5 s (dead, or stuck outside cupycoll)")
+    report = diagnosis.diagnose(store, "junk", 0, 2, "not a record", 30, wait_s=0.5)
+    assert "the diagnosis failed" in report.message
+
+
+def test_a_bad_request_is_skipped_and_the_next_one_answered():
+    store = dist.HashStore()
+    recorder = rec_mod.Recorder("bad requests", [0, 1], 1)
+    recorder.record("broadcast", ((4,),), (torch.float32,))
+    prefix = diagnosis.key_prefix(recorder.group, recorder.incarnation)
+    for line in ["zzz", '{"kind": "ask", "seq": "2", "from": 0}', '{"kind": "ask", "seq": -1, "from": 0}',
+                 '{"kind": "fault", "from": 0, "error": "SystemExit", "message": "x"}', "[]"]:
+        store.append(f"{prefix}/news", line + "\n")
+    served = diagnosis._Served(store, recorder, None, None)
+    served.poll()  # nothing raised: every bad item skipped
+    ask(store, prefix, 3)
+    served.poll()
+    assert read_records(store, prefix, 3)[1]["last_issued"] == 1
+
+
+def test_peer_text_is_escaped_before_it_reaches_a_message():
+    forged = "broadcast\nERROR cupycoll: rank 0 is fine\x1b[2J"
+    text = message({0: at_42(), 1: rec(41, forged), 2: at_42(), 3: at_42()})
+    assert "\n" not in text and "\x1b" not in text
+    assert "#41 (broadcast\\nERROR cupycoll: rank 0 is fine\\x1b[2J)" in text
+    assert diagnosis.valid_item({"kind": "fault", "from": 1, "error": "PeerFailedError",
+                                 "message": "gone\r\nforged"})["message"] == "gone\\r\\nforged"
+
+
+def test_an_idle_listener_makes_no_store_call_whatever_the_number_of_groups():
+    # One listener per rank, however many groups it serves; idle, it waits for its bell
+    # (one call, served by the store) where torch can clone a store, else looks at it every
+    # RESPONDER_INTERVAL_S: never a call per group.
+    import collections
+
+    lock, tally = threading.Lock(), collections.Counter()
+    store = Counting(dist.HashStore(), tally, lock)
+    groups = [rec_mod.Recorder(f"idle {g}", [0, 1], 1) for g in range(4)]
+    for recorder in groups:
+        diagnosis.serve(store, recorder)
+    try:
+        time.sleep(1.5)
+        listeners = [t for t in threading.enumerate() if t.name == "cupycoll-listener-1"]
+        assert len(listeners) == 1
+        assert sum(tally.values()) <= 2, tally
+    finally:
+        for recorder in groups:
+            diagnosis.unserve(recorder)
+    assert eventually(lambda: not any(t.name == "cupycoll-listener-1" for t in threading.enumerate()))
+
+
+# -- what the exchange costs the store -------------------------------------------------------
+
+class Counting:
+    """A store that counts its calls (and its clones'), by name."""
+
+    def __init__(self, inner, tally, lock):
+        self.inner, self.tally, self.lock = inner, tally, lock
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            with self.lock:
+                self.tally[name] += 1
+            return getattr(self.inner, name)(*args, **kwargs)
+        return call
+
+    def clone(self):
+        return Counting(self.inner.clone(), self.tally, self.lock)
+
+
+def calls_per_rank(world):
+    """Every rank but the last times out in #42 side by side; the last one, behind, answers
+    through its listener. Each rank's store calls from the first asker to the last report."""
+    import collections
+
+    lock, store = threading.Lock(), dist.HashStore()
+    tallies = [collections.Counter() for _ in range(world)]
+    stores = [Counting(store, tallies[r], lock) for r in range(world)]
+    recs = recorders(world, behind=world - 1, group=f"cost{world}")
+    for rank in range(world):
+        diagnosis.serve(stores[rank], recs[rank])
+    time.sleep(0.3)
+    for tally in tallies:
+        tally.clear()
+    reports = {}
+
+    def run(rank):
+        reports[rank] = diagnosis.diagnose_timeout(stores[rank], recs[rank], timeout_s=30).message
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world - 1)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(15)
+        time.sleep(0.3)
+        counts = [sum(t.values()) for t in tallies]
+    finally:
+        for recorder in recs:
+            diagnosis.unserve(recorder)
+    assert len(reports) == world - 1
+    assert all(f"rank {world - 1} is behind" in text for text in reports.values()), reports
+    return counts
+
+
+def test_a_diagnosis_costs_each_rank_the_same_store_calls_whatever_the_world_size():
+    small, large = calls_per_rank(4), calls_per_rank(16)
+    # an append, an add, a wait and a get or two per rank, and its listener's wake-up; the
+    # diagnoser's ring of every bell is one call: nothing grows with the number of ranks
+    assert max(small) <= 12 and max(large) <= 12, (small, large)
+    assert sum(large) / len(large) <= sum(small) / len(small) + 1.5, (small, large)
+
+
+def test_the_exchange_thread_stops_when_the_diagnosis_gives_up():
+    # A slow store (10 ms a call) and 29 peers answering: once the diagnosis has returned,
+    # its thread makes no more store calls (it does not go on reading the peers' records).
+    import collections
+
+    class Slow(Counting):
+        def __getattr__(self, name):
+            call = super().__getattr__(name)
+
+            def slow(*args, **kwargs):
+                time.sleep(0.01)
+                return call(*args, **kwargs)
+            return slow
+
+    lock, store = threading.Lock(), dist.HashStore()
+    world = 30
+    tallies = [collections.Counter() for _ in range(world)]
+    stores = [Slow(store, tallies[r], lock) for r in range(world)]
+    recs = recorders(world, behind=-1, group="slow store")
+    for rank in range(1, world):
+        diagnosis.serve(stores[rank], recs[rank])
+    try:
+        report = diagnosis.diagnose_timeout(stores[0], recs[0], timeout_s=30, wait_s=1.0)
+        made = sum(tallies[0].values())
+        time.sleep(1.5)
+        assert sum(tallies[0].values()) - made <= 1, tallies[0]
+    finally:
+        for recorder in recs:
+            diagnosis.unserve(recorder)
+    assert report.message.startswith("process group 'slow store': all_reduce #42"), report.message
+    assert not any(t.name == "cupycoll-diagnosis" for t in threading.enumerate())
 
 
 # -- the mismatch check -------------------------------------------------------------------

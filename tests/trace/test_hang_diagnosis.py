@@ -141,7 +141,7 @@ def test_trace_settings_resolve_with_torch_fallbacks(tmp_path):
                                            "CUPYCOLL_CHECK_COLLECTIVES": "0"}).check_collectives
 
 
-@pytest.mark.parametrize("value", ["-1", "1.5", "many"])
+@pytest.mark.parametrize("value", ["-1", "1.5", "many", str(10 ** 12)])
 def test_a_bad_trace_buffer_names_the_value(value):
     with pytest.raises(CupycollValueError, match=f"CUPYCOLL_TRACE_BUFFER={value!r}"):
         config.resolve(None, None, {"CUPYCOLL_TRACE_BUFFER": value})
@@ -152,6 +152,8 @@ def test_a_bad_trace_dir_is_a_typed_error():
         config.Options(trace_dir=3)
     with pytest.raises(CupycollValueError, match="Options.trace_dir=' '"):
         config.Options(trace_dir=" ")
+    with pytest.raises(CupycollValueError, match="NUL"):
+        config.resolve(None, None, {"CUPYCOLL_TRACE_DIR": "/tmp/a\0b"})
 
 
 def test_calls_of_a_group_are_recorded_on_both_routes(tmp_path):
@@ -268,15 +270,21 @@ def test_which_backend_strings_give_cpu_calls_the_recorder_and_diagnosis_in_each
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("lazy", [None, "1"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_rank_that_never_joins_a_new_group_is_named(monkeypatch, shape):
+def test_a_rank_that_never_joins_a_new_group_is_named(monkeypatch, shape, lazy):
     # gloo's own error names a store key (".../cuda//cupycoll-cpu//0/1", a "cuda" key even in a
-    # CPU-only job); cupycoll's names the rank, with the group and the timeout
+    # CPU-only job); cupycoll's names the rank, with the group and the timeout. A lazy gloo
+    # (TORCH_GLOO_LAZY_INIT, torch 2.8+) waits for nobody: the shell's count of the ranks does.
     import datetime
 
     from cupycoll.errors import CollectiveTimeoutError
 
     monkeypatch.setenv("CUPYCOLL_SHAPE", shape)
+    if lazy is None:
+        monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", lazy)
     with pytest.raises(CollectiveTimeoutError) as raised:
         dist.init_process_group("cupycoll", store=dist.HashStore(), rank=0, world_size=3,
                                 timeout=datetime.timedelta(seconds=1))
@@ -286,3 +294,42 @@ def test_a_rank_that_never_joins_a_new_group_is_named(monkeypatch, shape):
     assert isinstance(raised.value.__cause__, dist.DistStoreError)
     assert not dist.is_initialized()
 
+
+
+@pytest.mark.parametrize("lazy", [None, "1"])
+def test_a_cpu_half_is_made_once_every_rank_made_it_and_leaves_no_key_of_its_own(monkeypatch, lazy):
+    # A lazy gloo (TORCH_GLOO_LAZY_INIT, torch 2.8+) waits for no peer at creation: the shell
+    # counts the ranks in (3 store calls each); a creation that succeeded, lazy or not, leaves
+    # only gloo's own keys.
+    import datetime
+    import threading
+    import time
+
+    import torch
+
+    from cupycoll import shell
+
+    if lazy is None:
+        monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", lazy)
+    store = dist.HashStore()
+    made, started = {}, time.monotonic()
+
+    def make(rank, delay):
+        time.sleep(delay)
+        made[rank] = shell.build_gloo_half(store, rank, 2, datetime.timedelta(seconds=30))
+    threads = [threading.Thread(target=make, args=(0, 0.0)), threading.Thread(target=make, args=(1, 0.5))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(made) == [0, 1]
+    assert time.monotonic() - started >= 0.5  # rank 0 waited for rank 1, in gloo or in the count
+    cpu = dist.PrefixStore(shell._CPU_PREFIX, store)
+    assert not any(cpu.check([key]) for key in (shell._MADE, shell._MADE_ALL, shell._MADE_LEFT))
+    tensors = {r: torch.full((2,), float(r + 1)) for r in (0, 1)}
+    works = [made[r][1].allreduce([tensors[r]]) for r in (0, 1)]
+    for work in works:
+        work.wait()
+    assert tensors[0].tolist() == tensors[1].tolist() == [3.0, 3.0]

@@ -37,7 +37,7 @@ TIMEOUT_S = 5.0  # the groups' timeout: faults must surface within TIMEOUT_S + 5
 # What a rank's error says when a peer never joins the creation of a communicator, one of
 # these by who gave up first (cupycoll.nccl.bootstrap's words; tests/nccl/test_bootstrap.py checks
 # them against the bootstrap's real errors, so the two cannot drift apart).
-NEVER_JOINED_WORDS = ("ranks to join communicator", "from its creator rank", "another rank gave up waiting")
+NEVER_JOINED_WORDS = ("ranks to join communicator", "ranks to arrive makes", "another rank gave up waiting")
 
 
 # The order of the "suite" scenario: the leak check first, on a clean process; "killed" last.
