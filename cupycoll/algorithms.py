@@ -16,7 +16,8 @@ communicator.
 
 Adding an algorithm: a module that defines ``ALGORITHM = Algorithm(...)`` and its entry in
 :data:`BUILT_IN` (cupycoll's own, loaded on first use), or :func:`register` (anyone's, before
-a group is built with its name).
+a group is built with its name). An algorithm with CUDA kernels of its own compiles them as
+the ring does, through :mod:`cupycoll.kernels`.
 
 Deliberately left out: algorithms for other collectives, and choosing by message size (NCCL
 tunes its own).

@@ -7,7 +7,7 @@ A :class:`CudaBackend` holds what a group's CUDA calls run on:
 * **the device**: chosen by the first CUDA call (or ``device_id``), checked for every tensor
   (:meth:`~CudaBackend.check_device`), and the CUDA runtime every CUDA call goes through
   (:mod:`cupycoll._cuda`);
-* **communicators** (:class:`~cupycoll.nccl.communicator.Communicators`, shared with the
+* **communicators** (:class:`~cupycoll.nccl.communicators.Communicators`, shared with the
   group's lifetime): one per group on one device, created lazily at the first CUDA call
   (or eagerly), from a unique id shared through the store (:mod:`cupycoll.nccl.bootstrap`),
   split from a bound parent's or shrunk from a parent's; two-rank pair communicators for
@@ -45,7 +45,8 @@ from .faults import lifecycle
 from .faults.lifecycle import GroupState
 from .faults.watchdog import Watch
 from .nccl.bootstrap import StoreBootstrap
-from .nccl.communicator import Communicator, Communicators
+from .nccl.communicator import Communicator
+from .nccl.communicators import Communicators
 
 
 def _nothing() -> None:
