@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import cupycoll
 from cupycoll import config as cupycoll_config
-from cupycoll.nccl import bindings as nccl_bindings
+from cupycoll.nccl import header as nccl_header
 from cupycoll.ring import schedule as ring_schedule
 
 from . import gpu_info, launch, output
@@ -107,7 +107,7 @@ def collect_meta(ctx) -> Dict:
     }
     if ctx.device.type == "cuda":
         try:
-            meta["torch_nccl"] = nccl_bindings.version_text(torch.cuda.nccl.version())
+            meta["torch_nccl"] = nccl_header.version_text(torch.cuda.nccl.version())
         except Exception:  # noqa: BLE001 - metadata is best effort
             pass
     try:
@@ -117,7 +117,7 @@ def collect_meta(ctx) -> Dict:
         if ctx.device.type == "cuda":
             from cupy.cuda import nccl
 
-            meta["cupy_nccl"] = nccl_bindings.version_text(nccl.get_version())
+            meta["cupy_nccl"] = nccl_header.version_text(nccl.get_version())
     except Exception:  # noqa: BLE001
         pass
     return meta

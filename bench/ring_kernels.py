@@ -47,7 +47,7 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, dtypes: Sequence[str] = DEFAULT_DT
     (dtype, size, kernel) with seconds, bytes moved, GB/s and the ratio to the copy."""
     from cupycoll import _cuda
     from cupycoll.ring import kernels as _kernels
-    from cupycoll.ring import algorithm as ring
+    from cupycoll.ring import programs
 
     if iterations < 1 or warmup < 0:
         raise ValueError("iterations must be >= 1 and warmup >= 0")
@@ -81,8 +81,8 @@ def run(sizes: Sequence[int] = DEFAULT_SIZES, dtypes: Sequence[str] = DEFAULT_DT
                     ("ring_reduce_final", final, n * element.itemsize),
                 ):
                     def step(kind=kind, out=out):
-                        ring.launch_kernel(_cuda.CUDA, kernels[kind], dtype, local.data.ptr, partial.data.ptr,
-                                           out.data.ptr, n, stream.ptr)
+                        programs.launch_kernel(_cuda.CUDA, kernels[kind], dtype, local.data.ptr,
+                                               partial.data.ptr, out.data.ptr, n, stream.ptr)
 
                     seconds = _median_seconds(cupy, stream, step, iterations, warmup)
                     moved = read_bytes + written

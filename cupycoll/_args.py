@@ -23,11 +23,11 @@ import torch
 from torch.distributed import ReduceOp
 
 from . import _cuda, compat
-from .nccl import bindings as nb
+from .nccl import header as nh
 from . import algorithms
 from .errors import CupycollTypeError, CupycollValueError
 
-NCCL_BYTE = nb.ncclUint8
+NCCL_BYTE = nh.ncclUint8
 
 
 # ------------------------------------------------------------------------------------------
@@ -181,35 +181,35 @@ def split_bytes(tensor: torch.Tensor, split_sizes, world: int, what: str) -> Lis
 RedOpType = ReduceOp.RedOpType
 
 _REDUCTION_DTYPES = {
-    torch.int8: nb.ncclInt8,
-    torch.uint8: nb.ncclUint8,
-    torch.int32: nb.ncclInt32,
-    torch.int64: nb.ncclInt64,
-    torch.float16: nb.ncclFloat16,
-    torch.float32: nb.ncclFloat32,
-    torch.float64: nb.ncclFloat64,
-    torch.bfloat16: nb.ncclBfloat16,
-    torch.bool: nb.ncclUint8,
+    torch.int8: nh.ncclInt8,
+    torch.uint8: nh.ncclUint8,
+    torch.int32: nh.ncclInt32,
+    torch.int64: nh.ncclInt64,
+    torch.float16: nh.ncclFloat16,
+    torch.float32: nh.ncclFloat32,
+    torch.float64: nh.ncclFloat64,
+    torch.bfloat16: nh.ncclBfloat16,
+    torch.bool: nh.ncclUint8,
     # complex reduces as pairs of reals: only element-wise-linear ops make sense.
-    torch.complex64: nb.ncclFloat32,
-    torch.complex128: nb.ncclFloat64,
-    torch.uint32: nb.ncclUint32,
-    torch.uint64: nb.ncclUint64,
+    torch.complex64: nh.ncclFloat32,
+    torch.complex128: nh.ncclFloat64,
+    torch.uint32: nh.ncclUint32,
+    torch.uint64: nh.ncclUint64,
 }
-_FP8_DTYPES = {torch.float8_e4m3fn: nb.ncclFloat8e4m3, torch.float8_e5m2: nb.ncclFloat8e5m2}
+_FP8_DTYPES = {torch.float8_e4m3fn: nh.ncclFloat8e4m3, torch.float8_e5m2: nh.ncclFloat8e5m2}
 _COMPLEX = (torch.complex64, torch.complex128)
 _FLOATING_FOR_PREMUL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _NCCL_OPS = {
-    RedOpType.SUM: nb.ncclSum,
-    RedOpType.PRODUCT: nb.ncclProd,
-    RedOpType.MAX: nb.ncclMax,
-    RedOpType.MIN: nb.ncclMin,
-    RedOpType.AVG: nb.ncclAvg,
+    RedOpType.SUM: nh.ncclSum,
+    RedOpType.PRODUCT: nh.ncclProd,
+    RedOpType.MAX: nh.ncclMax,
+    RedOpType.MIN: nh.ncclMin,
+    RedOpType.AVG: nh.ncclAvg,
 }
 # NCCL has no logical ops; on {0, 1} bytes MAX is OR and MIN is AND, as ProcessGroupNCCL does.
-_BOOL_OPS = {RedOpType.SUM: nb.ncclMax, RedOpType.PRODUCT: nb.ncclMin,
-             RedOpType.MAX: nb.ncclMax, RedOpType.MIN: nb.ncclMin}
+_BOOL_OPS = {RedOpType.SUM: nh.ncclMax, RedOpType.PRODUCT: nh.ncclMin,
+             RedOpType.MAX: nh.ncclMax, RedOpType.MIN: nh.ncclMin}
 _BITWISE = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
 BITWISE_VALUES = frozenset(kind.value for kind in _BITWISE)
 
@@ -284,8 +284,8 @@ def for_group_size(red: Reduction, dtype: torch.dtype, size: int) -> Reduction:
     """``red`` as a group of ``size`` ranks must issue it. NCCL (2.28 to at least 2.30) runs a
     one-rank reduction through a host function whose fp8 branches exist only in device code,
     so ncclAvg on fp8 returns ncclInvalidArgument there; on one rank AVG is SUM."""
-    if size == 1 and red.op == nb.ncclAvg and dtype in _FP8_DTYPES:
-        return dataclasses.replace(red, op=nb.ncclSum)
+    if size == 1 and red.op == nh.ncclAvg and dtype in _FP8_DTYPES:
+        return dataclasses.replace(red, op=nh.ncclSum)
     return red
 
 
@@ -330,7 +330,7 @@ class AlgorithmReduction:
 @functools.lru_cache(maxsize=None)
 def fp8_supported() -> bool:
     """Can the NCCL CuPy loaded reduce fp8 (NCCL >= 2.24)? Asked only for fp8 tensors."""
-    return nb.fp8_supported(_cuda.nccl_module().get_version())
+    return nh.fp8_supported(_cuda.nccl_module().get_version())
 
 
 # (dtype, RedOpType value, algorithm, one rank) -> the plan, for every op but PREMUL_SUM

@@ -1,7 +1,8 @@
 """The reduction algorithms besides NCCL's own, behind one seam.
 
 Each is an :class:`Algorithm`: which (dtype, op) pairs it runs, which ops it takes over under
-``auto`` (ops NCCL lacks), and the runner it makes for a communicator. A runner's
+``auto`` (ops NCCL lacks), and the runner it makes for a communicator (with the group's store,
+under a prefix of the algorithm's own, where it asks for one: ``needs_store``). A runner's
 ``prepare(method, count, dtype, op)`` does the fallible Python steps (scratch memory,
 kernels) before any NCCL group opens; its ``all_reduce`` and ``reduce_scatter(sendbuf,
 recvbuf, count, dtype, op, stream, premul=None, premul_ptr=None)`` launch on ``stream``
@@ -16,7 +17,8 @@ communicator.
 
 Adding an algorithm: a module that defines ``ALGORITHM = Algorithm(...)`` and its entry in
 :data:`BUILT_IN` (cupycoll's own, loaded on first use), or :func:`register` (anyone's, before
-a group is built with its name).
+a group is built with its name). An algorithm with CUDA kernels of its own compiles them as
+the ring does, through :mod:`cupycoll.kernels`.
 
 Deliberately left out: algorithms for other collectives, and choosing by message size (NCCL
 tunes its own).
@@ -46,8 +48,13 @@ class Algorithm:
     check: Callable[[str, str], None]
     # the ops ``auto`` sends here (NCCL has none of them)
     takes_over: FrozenSet[str]
-    # make_runner(communicator, settings): the object that runs its calls on that communicator
-    make_runner: Callable[[object, object], object]
+    # make_runner(communicator, settings): the object that runs its calls on that communicator;
+    # make_runner(communicator, settings, store) where needs_store is set
+    make_runner: Callable[..., object]
+    # Whether its runner is handed a store (torch's Store API) shared by the communicator's
+    # ranks, for what they agree on beside NCCL: the group's store, its keys under the prefix
+    # "cupycoll-algorithm/<name>", so that they meet no key of the group's own.
+    needs_store: bool = False
 
 
 _LOADED: Dict[str, Algorithm] = {}

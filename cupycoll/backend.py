@@ -7,14 +7,15 @@ A :class:`CudaBackend` holds what a group's CUDA calls run on:
 * **the device**: chosen by the first CUDA call (or ``device_id``), checked for every tensor
   (:meth:`~CudaBackend.check_device`), and the CUDA runtime every CUDA call goes through
   (:mod:`cupycoll._cuda`);
-* **communicators** (:class:`~cupycoll.nccl.communicator.Communicators`, shared with the
+* **communicators** (:class:`~cupycoll.nccl.communicators.Communicators`, shared with the
   group's lifetime): one per group on one device, created lazily at the first CUDA call
   (or eagerly), from a unique id shared through the store (:mod:`cupycoll.nccl.bootstrap`),
   split from a bound parent's or shrunk from a parent's; two-rank pair communicators for
   lone point-to-point calls (see :meth:`~CudaBackend.p2p_comm`);
 * **the plans** of its reductions (by dtype and op), and the **runners** of cupycoll's
   algorithms (:mod:`cupycoll.algorithms`, such as the ring), one per algorithm and
-  communicator, made on first use;
+  communicator, made on first use (with the group's store, under the algorithm's prefix,
+  for one that needs it);
 * **the watch and the lifetime** (:mod:`cupycoll.faults`): what is in flight, and how the
   group ends.
 
@@ -37,6 +38,7 @@ import zlib
 from typing import Callable, List, Optional, Sequence
 
 import torch
+from torch.distributed import PrefixStore
 
 from . import _cuda, algorithms, compat, config
 from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollTypeError, CupycollValueError,
@@ -45,7 +47,8 @@ from .faults import lifecycle
 from .faults.lifecycle import GroupState
 from .faults.watchdog import Watch
 from .nccl.bootstrap import StoreBootstrap
-from .nccl.communicator import Communicator, Communicators
+from .nccl.communicator import Communicator
+from .nccl.communicators import Communicators
 
 
 def _nothing() -> None:
@@ -103,6 +106,7 @@ class CudaBackend:
         recorder = trace.recorder if trace is not None else None
         self._recorder = recorder
         timeout = settings.timeout.total_seconds()
+        self._store = store  # the group's: its communicators' unique ids, the algorithms that need one
         self._bootstrap = StoreBootstrap(store, rank, timeout, self._name, _weak(self.check_usable))
         self.watch = Watch(group_id or "default", timeout, self.comms, recorder, runtime=self.runtime)
         self.life = lifecycle.GroupLifetime(
@@ -362,8 +366,11 @@ class CudaBackend:
         on first use."""
         runner = self.comms.runners.get((algorithm, id(comm)))
         if runner is None:
-            runner = self.comms.runners[algorithm, id(comm)] = algorithms.get(algorithm).make_runner(
-                comm, self.settings)
+            found = algorithms.get(algorithm)
+            made = (comm, self.settings)
+            if found.needs_store:
+                made += (PrefixStore(f"cupycoll-algorithm/{found.name}", self._store),)
+            runner = self.comms.runners[algorithm, id(comm)] = found.make_runner(*made)
         return runner
 
     # -- its end (the rules and their order: cupycoll.faults.lifecycle) ----------------------

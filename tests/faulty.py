@@ -26,7 +26,9 @@ from cupycoll.errors import NcclError
 from cupycoll.faults.watchdog import Finding, InFlight, Watch
 from cupycoll.issue import Call
 from cupycoll.nccl import bindings as nb
-from cupycoll.nccl.communicator import Communicator, Communicators
+from cupycoll.nccl import header as nh
+from cupycoll.nccl.communicator import Communicator
+from cupycoll.nccl.communicators import Communicators
 from cupycoll.work import CudaWork
 import warm_python
 from standins import CUDA, CpuAsCudaGroup, DeviceLedger, FakeEvent
@@ -344,8 +346,8 @@ def grouping_comm(at_group_end=None):
             events.append("abort")
             return 0
 
-    comm = polling_comm([nb.ncclSuccess])
-    comm._lib = GroupLibrary([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
+    comm._lib = GroupLibrary([nh.ncclSuccess])
     return comm, events
 
 
@@ -354,7 +356,7 @@ class RecordingLibrary(ScriptedLibrary):
     handles; ncclCommCount/UserRank answer ``child_size``/``child_rank``."""
 
     def __init__(self, shrink=True, abort_status=0, child_size=2, child_rank=1):
-        super().__init__([nb.ncclSuccess])
+        super().__init__([nh.ncclSuccess])
         self.calls = []
         self.configs = []
         self.abort_status = abort_status
@@ -367,7 +369,7 @@ class RecordingLibrary(ScriptedLibrary):
         ctypes.cast(ref, ctypes.POINTER(ctypes.c_void_p)).contents.value = self.made
 
     def _config(self, ref):
-        self.configs.append(ctypes.cast(ref, ctypes.POINTER(nb.ncclConfig_t)).contents.blocking)
+        self.configs.append(ctypes.cast(ref, ctypes.POINTER(nh.ncclConfig_t)).contents.blocking)
 
     unique_id_from_bytes = staticmethod(nb.NcclLibrary.unique_id_from_bytes)
 

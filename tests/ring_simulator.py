@@ -13,7 +13,7 @@ rank, checking that all ranks name the same one (:class:`ScheduleError` otherwis
 tests compare the ring's results with these bit for bit.
 
 Deliberately left out: timing and streams (all ranks run action ``i`` before any runs
-``i + 1``; the stream order is :func:`cupycoll.ring.schedule.issue`, tested on its own),
+``i + 1``; the stream order is :func:`cupycoll.ring.stream_order.issue`, tested on its own),
 pointers and CuPy. It reads the package's tables (:mod:`cupycoll.ring.kernels`,
 :mod:`cupycoll.ring.schedule`); the package never imports it.
 """

@@ -458,10 +458,11 @@ class LogicGroup(CpuAsCudaGroup):
     issuer_class = RecordingIssuer
 
 
-def logic_group() -> LogicGroup:
-    """Rank 0 of 2 on a :class:`LogicGroup`: ``group.submitted`` lists each call's
-    (op name, NCCL calls), ``group._cuda.prepared`` what its prepare step called."""
-    group = LogicGroup(None, 0, 2, datetime.timedelta(seconds=5))
+def logic_group(store=None) -> LogicGroup:
+    """Rank 0 of 2 on a :class:`LogicGroup` (on ``store``: none unless a test needs one):
+    ``group.submitted`` lists each call's (op name, NCCL calls), ``group._cuda.prepared``
+    what its prepare step called."""
+    group = LogicGroup(store, 0, 2, datetime.timedelta(seconds=5))
     group.submitted = group._cuda.submitted = []
     group._cuda.prepared, group._cuda.keepalives = [], []
     return group

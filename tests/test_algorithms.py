@@ -124,6 +124,31 @@ def test_auto_sends_the_ops_nccl_lacks_to_the_builtin_algorithm_taking_them_over
     assert algorithms.taking_over("sum") is None
 
 
+class StoringRunner(ReversingRunner):
+    """A runner that writes what its ranks would agree on into the store it was handed."""
+
+    def __init__(self, comm, settings, store, log):
+        super().__init__(comm, settings, log)
+        store.set("agreed", b"yes")
+
+
+def test_an_algorithm_that_needs_a_store_is_handed_the_groups_under_a_prefix_of_its_own():
+    store, log = dist.HashStore(), []
+    group = logic_group(store)
+    algorithms.register(algorithms.Algorithm(
+        "storing", check=_only_float32, takes_over=frozenset(), needs_store=True,
+        make_runner=lambda comm, settings, store: StoringRunner(comm, settings, store, log)))
+    try:
+        with cupycoll.algorithm("storing"):
+            group.allreduce([t(3)], ar_opts(R.SUM))
+    finally:
+        algorithms._LOADED.pop("storing", None)
+        _args._PLANS.clear()
+    assert [entry[0] for entry in log] == ["made", "prepare", "all_reduce"]
+    assert store.check(["cupycoll-algorithm/storing/agreed"])
+    assert store.get("cupycoll-algorithm/storing/agreed") == b"yes"
+
+
 def test_closing_the_group_closes_each_runner_it_made(group, reversing):
     with cupycoll.algorithm("reversing"):
         group.allreduce([t(3)], ar_opts(R.SUM))

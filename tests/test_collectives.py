@@ -19,6 +19,7 @@ from torch._C import _distributed_c10d as c10d
 import cupycoll
 from cupycoll import _args, _cuda, collectives
 from cupycoll.nccl import bindings as nb
+from cupycoll.nccl import header as nh
 from cupycoll.errors import (CommunicatorAbortedError, CupycollError, CupycollTypeError,
                              CupycollValueError, MissingDependencyError, NcclError, NoCudaDeviceError)
 from cupycoll.process_group import ProcessGroupCupycoll
@@ -57,20 +58,20 @@ def expect(group, exc_type, match, fn):
 def test_all_reduce_codes(group):
     x = t(10)
     calls = group.allreduce([x], ar_opts())
-    assert calls == [("all_reduce", x.data_ptr(), x.data_ptr(), 10, nb.ncclFloat32, nb.ncclSum)]
+    assert calls == [("all_reduce", x.data_ptr(), x.data_ptr(), 10, nh.ncclFloat32, nh.ncclSum)]
 
 
 @pytest.mark.parametrize("dtype,op,nccl_dtype,nccl_op,count", [
-    (torch.bool, R.SUM, nb.ncclUint8, nb.ncclMax, 6),
-    (torch.bool, R.PRODUCT, nb.ncclUint8, nb.ncclMin, 6),
-    (torch.complex64, R.SUM, nb.ncclFloat32, nb.ncclSum, 12),
-    (torch.complex128, R.AVG, nb.ncclFloat64, nb.ncclAvg, 12),
-    (torch.bfloat16, R.MIN, nb.ncclBfloat16, nb.ncclMin, 6),
-    (torch.float16, R.PRODUCT, nb.ncclFloat16, nb.ncclProd, 6),
-    (torch.int8, R.MAX, nb.ncclInt8, nb.ncclMax, 6),
-    (torch.uint8, R.AVG, nb.ncclUint8, nb.ncclAvg, 6),
-    (torch.float8_e4m3fn, R.SUM, nb.ncclFloat8e4m3, nb.ncclSum, 6),
-    (torch.float8_e5m2, R.MAX, nb.ncclFloat8e5m2, nb.ncclMax, 6),
+    (torch.bool, R.SUM, nh.ncclUint8, nh.ncclMax, 6),
+    (torch.bool, R.PRODUCT, nh.ncclUint8, nh.ncclMin, 6),
+    (torch.complex64, R.SUM, nh.ncclFloat32, nh.ncclSum, 12),
+    (torch.complex128, R.AVG, nh.ncclFloat64, nh.ncclAvg, 12),
+    (torch.bfloat16, R.MIN, nh.ncclBfloat16, nh.ncclMin, 6),
+    (torch.float16, R.PRODUCT, nh.ncclFloat16, nh.ncclProd, 6),
+    (torch.int8, R.MAX, nh.ncclInt8, nh.ncclMax, 6),
+    (torch.uint8, R.AVG, nh.ncclUint8, nh.ncclAvg, 6),
+    (torch.float8_e4m3fn, R.SUM, nh.ncclFloat8e4m3, nh.ncclSum, 6),
+    (torch.float8_e5m2, R.MAX, nh.ncclFloat8e5m2, nh.ncclMax, 6),
 ])
 def test_reduction_mapping(group, dtype, op, nccl_dtype, nccl_op, count):
     x = torch.zeros(6, dtype=dtype)
@@ -83,8 +84,8 @@ def test_premul_sum_creates_and_destroys_op(group):
     calls = group.allreduce([x], ar_opts(dist._make_nccl_premul_sum(0.5)))
     assert calls[0][0] == "create_premul_sum"
     assert calls[0][1] == torch.tensor([0.5], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
-    assert calls[0][2:] == (nb.ncclFloat16, False)
-    assert calls[1] == ("all_reduce", x.data_ptr(), x.data_ptr(), 4, nb.ncclFloat16, 99)
+    assert calls[0][2:] == (nh.ncclFloat16, False)
+    assert calls[1] == ("all_reduce", x.data_ptr(), x.data_ptr(), 4, nh.ncclFloat16, 99)
     assert calls[2] == ("destroy_op", 99)
 
 
@@ -114,7 +115,7 @@ def test_data_movers_send_bytes(group):
     x = torch.zeros(5, dtype=torch.int16)  # no NCCL reduction type, fine to move
     o = dist.BroadcastOptions()
     o.rootRank = 1
-    assert group.broadcast([x], o) == [("broadcast", x.data_ptr(), x.data_ptr(), 10, nb.ncclUint8, 1)]
+    assert group.broadcast([x], o) == [("broadcast", x.data_ptr(), x.data_ptr(), 10, nh.ncclUint8, 1)]
 
 
 def test_all_to_all_single_uneven_offsets(group):
@@ -122,14 +123,14 @@ def test_all_to_all_single_uneven_offsets(group):
     out = torch.zeros(4, 3)  # receive 1 row from rank 0, 3 rows from rank 1
     calls = group.all_to_all_single(out, inp, [1, 3], [2, 3], dist.AllToAllOptions())
     i, o = inp.data_ptr(), out.data_ptr()
-    assert calls == [("send", i, 24, nb.ncclUint8, 0), ("recv", o, 12, nb.ncclUint8, 0),
-                     ("send", i + 24, 36, nb.ncclUint8, 1), ("recv", o + 12, 36, nb.ncclUint8, 1)]
+    assert calls == [("send", i, 24, nh.ncclUint8, 0), ("recv", o, 12, nh.ncclUint8, 0),
+                     ("send", i + 24, 36, nh.ncclUint8, 1), ("recv", o + 12, 36, nh.ncclUint8, 1)]
 
 
 def test_all_gather_list_stages_and_copies_out(group):
     outs = [torch.zeros(3), torch.zeros(3)]
     calls = group.allgather([outs], [t(3)], c10d.AllgatherOptions())
-    assert calls[0][0] == "all_gather" and calls[0][3:] == (12, nb.ncclUint8)
+    assert calls[0][0] == "all_gather" and calls[0][3:] == (12, nh.ncclUint8)
     assert calls[0][2] not in (outs[0].data_ptr(), outs[1].data_ptr())  # staged
 
 

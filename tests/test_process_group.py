@@ -97,12 +97,12 @@ def test_a_split_is_one_nccl_comm_split_with_a_color_per_sub_list_and_the_parent
 
 
 def test_a_rank_in_none_of_the_sub_lists_takes_part_with_no_color_and_gets_no_group(bound_parent):
-    from cupycoll.nccl import bindings as nb
+    from cupycoll.nccl import header as nh
 
     parent, library = bound_parent
     assert parent.split_group([2, 3]) is None
     assert [call for call in library.calls if call[0] == "ncclCommSplit"] == [
-        ("ncclCommSplit", 0x5000, nb.NCCL_SPLIT_NOCOLOR, 0)]
+        ("ncclCommSplit", 0x5000, nh.NCCL_SPLIT_NOCOLOR, 0)]
 
 
 def test_a_split_timeout_given_beats_the_parents(bound_parent):

@@ -54,10 +54,10 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("issue", "coalescing"),
     ("backend",),
     ("faults.lifecycle", "nccl.bootstrap"),
-    ("nccl.communicator", "nccl.call_guard", "nccl.group"),
-    ("nccl.bindings", "_cuda", "compat", "config", "algorithms", "errors", "work", "faults.watchdog",
-     "faults.watchdog_cuda", "faults.heartbeat", "trace.group", "trace.recorder", "trace.diagnosis",
-     "trace.mismatch"),
+    ("nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group"),
+    ("nccl.bindings", "nccl.header", "_cuda", "compat", "config", "algorithms", "kernels", "errors", "work",
+     "faults.watchdog", "faults.watchdog_cuda", "faults.heartbeat", "trace.group", "trace.recorder",
+     "trace.diagnosis", "trace.mismatch"),
 )
 
 GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR

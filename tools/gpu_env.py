@@ -26,6 +26,7 @@ from typing import Dict, List
 
 from bench import gpu_info
 from cupycoll.nccl import bindings as nccl_bindings
+from cupycoll.nccl import header as nccl_header
 
 NO_GPU_EXIT = 3
 
@@ -97,7 +98,7 @@ def collect() -> (Dict, List[str], int):
     info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
     try:
         version = torch.cuda.nccl.version()  # (2, 28, 3); an int code in old releases
-        info["nccl_torch"] = nccl_bindings.version_text(version)
+        info["nccl_torch"] = nccl_header.version_text(version)
     except Exception as exc:  # noqa: BLE001 - torch may be built without NCCL
         info["nccl_torch"] = f"n/a ({exc})"
     try:
@@ -120,7 +121,7 @@ def collect() -> (Dict, List[str], int):
         if not getattr(nccl, "available", False):
             problems.append("CuPy found no NCCL library")
         else:
-            info["nccl_cupy"] = nccl_bindings.version_text(nccl.get_version())
+            info["nccl_cupy"] = nccl_header.version_text(nccl.get_version())
         y = cupy.arange(1024, dtype=cupy.float32)
         info["cupy_cuda_op"] = "ok" if float(y.sum()) == 1023 * 512 else "wrong result"
     except Exception as exc:  # noqa: BLE001
@@ -128,7 +129,7 @@ def collect() -> (Dict, List[str], int):
 
     try:
         library = nccl_bindings.load(os.environ.get("CUPYCOLL_NCCL_LIBRARY") or None)
-        info["nccl_bindings"] = nccl_bindings.version_text(library.version())
+        info["nccl_bindings"] = nccl_header.version_text(library.version())
         info["nccl_library"] = library.path
         if library.missing:
             info["nccl_bindings_missing"] = library.missing

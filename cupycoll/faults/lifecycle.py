@@ -1,7 +1,7 @@
 """How a CUDA group lives and ends: one :class:`GroupLifetime` per group decides, and is the
 only thing that does. It owns the group's state, its fault, its watch (what is in flight:
 :mod:`cupycoll.faults.watchdog`) and, with the backend, its communicators
-(:class:`cupycoll.nccl.communicator.Communicators`). Others find and report (the watchdog's
+(:class:`cupycoll.nccl.communicators.Communicators`). Others find and report (the watchdog's
 pass, a communicator that fails, a user's abort); the lifetime decides what follows, once.
 
 States (:class:`GroupState`): ``ok``; ``aborting`` (a fault was claimed and is being

@@ -14,7 +14,7 @@ and retires everything before it at once: O(streams), not O(calls).
 * a batch not done ``timeout`` after it was issued is a timeout;
 * a call (or NCCL group, or communicator creation) inside NCCL, in the host, for longer than
   ``timeout`` is a timeout too: a blocking communicator connects inside the first call that
-  needs a connection, before any event exists (:meth:`cupycoll.nccl.communicator.Communicators.stuck_call`);
+  needs a connection, before any event exists (:meth:`cupycoll.nccl.communicators.Communicators.stuck_call`);
 * ``ncclCommGetAsyncError`` reporting an error on a communicator is an async fault;
 * an exception from an event query or the async error (a sticky CUDA error) is a fault too,
   except a query refused because another thread captures a CUDA graph: not done yet.
@@ -133,7 +133,7 @@ class Watch:
                  runtime: Optional[_cuda.Runtime] = None):
         self.name = name
         self.timeout = float(timeout)
-        # The group's communicators (cupycoll.nccl.communicator.Communicators): its calls
+        # The group's communicators (cupycoll.nccl.communicators.Communicators): its calls
         # under way and async errors; None for a watch of Works alone.
         self.communicators = communicators
         # The group's flight recorder: retired batches are marked completed in it.

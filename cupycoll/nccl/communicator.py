@@ -7,9 +7,9 @@ the process-group adapter translates tensors into those.
 
 Every communicator is made the same way, through the ctypes bindings
 (:mod:`cupycoll.nccl.bindings`) with ``ncclCommInitRankConfig``, and so is every child of one
-(``ncclCommSplit``, ``ncclCommShrink``): one kind of object, whose every NCCL status is read,
-``ncclCommAbort``'s and ``ncclCommDestroy``'s included. Two modes, the config's ``blocking``
-field, invisible to the caller:
+(``ncclCommSplit``, ``ncclCommShrink``: :mod:`cupycoll.nccl.children`): one kind of object,
+whose every NCCL status is read, ``ncclCommAbort``'s and ``ncclCommDestroy``'s included. Two
+modes, the config's ``blocking`` field, invisible to the caller:
 
 * **blocking** (default): each call returns when NCCL has enqueued it (creation: when every
   peer has joined);
@@ -23,34 +23,30 @@ NCCL groups: :meth:`Communicator.group` is ncclGroupStart/End of the library the
 communicator already holds; the per-thread bookkeeping (which communicators a group used,
 polled or aborted at its end) is :mod:`cupycoll.nccl.group`.
 
-A group's communicators live in one :class:`Communicators` object, which its backend (to
-issue) and its lifetime (to watch and end them) both hold: the group's own, its pair
-communicators, those being created, and the algorithms' runners on them.
-
-Deliberately left out: validation of user input (done once, above, with names the user
-knows), scheduling policy (which stream, when to group), the watchdog (it lives above and
-only calls :meth:`async_error` and :meth:`abort`) and any teardown in ``__del__``:
-``shutdown()`` and ``abort()`` are explicit.
+Deliberately left out: a group's set of communicators (:mod:`cupycoll.nccl.communicators`),
+validation of user input (done once, above, with names the user knows), scheduling policy
+(which stream, when to group), the watchdog (it lives above and only calls
+:meth:`async_error` and :meth:`abort`) and any teardown in ``__del__``: ``shutdown()`` and
+``abort()`` are explicit.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
-import threading
 import time
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional
 
-from .. import _cuda, bounds
-from . import bindings as nccl_bindings, group as nccl_group
+from .. import _cuda
+from . import bindings as nccl_bindings, group as nccl_group, header as nccl_header
 from .call_guard import GuardedCalls
+from .children import ChildMaking
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
 
 
 # This thread's NCCL groups (cupycoll.nccl.group): a call inside one joins it.
 _OPEN_GROUPS = nccl_group.per_thread
-_IN_PROGRESS = nccl_bindings.ncclInProgress
+_IN_PROGRESS = nccl_header.ncclInProgress
 
 
 def _library(path: Optional[str] = None) -> nccl_bindings.NcclLibrary:
@@ -67,7 +63,7 @@ def new_unique_id() -> bytes:
 # -- the communicator ----------------------------------------------------------------------
 
 
-class Communicator(GuardedCalls):
+class Communicator(GuardedCalls, ChildMaking):
     """An NCCL communicator bound to one device, with the verbs the backend needs."""
 
     on_abort: Optional[Callable[[BaseException], None]] = None
@@ -135,8 +131,8 @@ class Communicator(GuardedCalls):
         runtime = runtime if runtime is not None else _cuda.current()
         cls.preflight(device, nccl_library, nonblocking, runtime)  # cheap; callers ran it before the gate
         lib = _library(nccl_library)
-        handle = nccl_bindings.ncclComm_t()
-        config = nccl_bindings.make_config(blocking=not nonblocking)
+        handle = nccl_header.ncclComm_t()
+        config = nccl_header.make_config(blocking=not nonblocking)
         with runtime.on_device(device):
             lib.ncclCommInitRankConfig(ctypes.byref(handle), size, lib.unique_id_from_bytes(unique_id),
                                        rank, ctypes.byref(config))
@@ -154,62 +150,6 @@ class Communicator(GuardedCalls):
         """An NCCL group (ncclGroupStart/End) on this communicator's library: NCCL calls in
         the body, on this or any other communicator, are launched together at the end."""
         return nccl_group.nccl_group(self._lib)
-
-    def can_split(self) -> bool:
-        return self._lib.has("ncclCommSplit")
-
-    def can_shrink(self) -> bool:
-        return self._lib.has("ncclCommShrink")
-
-    def split(self, color: int, key: int, on_abort: Optional[Callable[[BaseException], None]] = None,
-              child: object = None, timeout: Optional[float] = None) -> Optional["Communicator"]:
-        """ncclCommSplit: collective over this communicator. ``color < 0`` takes no part.
-        ``on_abort``, ``child`` and ``timeout``: the child group's (its timeout bounds the
-        split, and a split that times out is the child's fault, not this parent's)."""
-        color = color if color >= 0 else nccl_bindings.NCCL_SPLIT_NOCOLOR
-        return self._child("ncclCommSplit", lambda parent, handle, config: self._lib.ncclCommSplit(
-            parent, color, key, handle, config), on_abort, child, timeout)
-
-    def shrink(self, exclude: Sequence[int], abort_first: bool,
-               on_abort: Optional[Callable[[BaseException], None]] = None, child: object = None,
-               timeout: Optional[float] = None) -> "Communicator":
-        """ncclCommShrink: a communicator of this one's ranks but ``exclude``, collective over
-        those. ``abort_first`` (NCCL_SHRINK_ABORT): what is in flight on this communicator
-        is aborted before NCCL shrinks it. This communicator stays, to be destroyed or
-        aborted by its owner."""
-        if not self.can_shrink():
-            raise CupycollValueError(
-                f"shrinking a communicator needs NCCL >= 2.27 (ncclCommShrink); this process "
-                f"loaded NCCL {nccl_bindings.version_text(self._lib.version())}")
-        excluded = (ctypes.c_int * len(exclude))(*exclude)
-        flags = nccl_bindings.NCCL_SHRINK_ABORT if abort_first else nccl_bindings.NCCL_SHRINK_DEFAULT
-        return self._child("ncclCommShrink", lambda parent, handle, config: self._lib.ncclCommShrink(
-            parent, excluded, len(exclude), handle, config, flags), on_abort, child, timeout)
-
-    def _child(self, function: str, make, on_abort, child_name: object,
-               timeout: Optional[float]) -> Optional["Communicator"]:
-        """A communicator made from this one by ``make(parent, newcomm_ref, config_ref)`` (a
-        collective over this one), in this one's mode; None when NCCL gives this rank none.
-        The call is noted on this communicator as the child's: the child's watch times a
-        blocking one out; a nonblocking one is polled for at most the child's ``timeout``."""
-        timeout = self.timeout if timeout is None else timeout
-        handle = nccl_bindings.ncclComm_t()
-        config = nccl_bindings.make_config(blocking=not self.nonblocking)
-        with self.runtime.on_device(self.device):
-            self._guarded(function, lambda parent: make(parent, ctypes.byref(handle), ctypes.byref(config)),
-                          for_child=child_name)
-            self._poll(function, timeout)
-        if not handle.value:
-            return None
-        child = Communicator(self.device, 0, 0, self._nccl_library, handle=handle.value,
-                             nonblocking=self.nonblocking, timeout=timeout, on_abort=on_abort,
-                             runtime=self.runtime)
-        child.wait_ready()
-        count, rank = ctypes.c_int(), ctypes.c_int()
-        self._lib.ncclCommCount(handle, ctypes.byref(count))
-        self._lib.ncclCommUserRank(handle, ctypes.byref(rank))
-        child.size, child.rank = count.value, rank.value
-        return child
 
     # -- collectives (pointers, counts and codes are plain ints) --------------------
     def launch(self, calls, stream) -> None:
@@ -278,11 +218,11 @@ class Communicator(GuardedCalls):
         op = ctypes.c_int()
         if on_device:
             scalar_ptr = ctypes.c_void_p(scalar)
-            residence = nccl_bindings.ncclScalarDevice
+            residence = nccl_header.ncclScalarDevice
         else:
             host = ctypes.create_string_buffer(bytes(scalar), len(scalar))
             scalar_ptr = ctypes.cast(host, ctypes.c_void_p)
-            residence = nccl_bindings.ncclScalarHostImmediate
+            residence = nccl_header.ncclScalarHostImmediate
         # Guarded: an aborted communicator has no comm_ptr (NCCL: ncclInvalidArgument).
         status = self._guarded("ncclRedOpCreatePreMulSum", lambda handle: self._lib.ncclRedOpCreatePreMulSum(
             ctypes.byref(op), scalar_ptr, dtype, residence, handle))
@@ -303,7 +243,7 @@ class Communicator(GuardedCalls):
         # raises aborts what it joined).
         if nccl_group.join(self):
             return
-        if status == nccl_bindings.ncclInProgress:
+        if status == nccl_header.ncclInProgress:
             self._poll(function)
 
     def _poll(self, function: str, timeout: Optional[float] = None) -> None:
@@ -318,9 +258,9 @@ class Communicator(GuardedCalls):
                 if self.ended:  # the call was still settling
                     raise self.cut_short(function)
                 self._lib.ncclCommGetAsyncError(self._handle, ctypes.byref(status))
-            if status.value == nccl_bindings.ncclSuccess:
+            if status.value == nccl_header.ncclSuccess:
                 return
-            if status.value != nccl_bindings.ncclInProgress:
+            if status.value != nccl_header.ncclInProgress:
                 error = NcclError(status.value, function, self._lib.error_string(status.value),
                                   self._lib.last_error())
                 self._abort_for(error)
@@ -350,7 +290,7 @@ class Communicator(GuardedCalls):
                 self._lib.ncclCommGetAsyncError(ctypes.c_void_p(ptr), ctypes.byref(status))
             except NcclError as exc:
                 return exc
-        if status.value in (nccl_bindings.ncclSuccess, nccl_bindings.ncclInProgress):
+        if status.value in (nccl_header.ncclSuccess, nccl_header.ncclInProgress):
             return None
         return NcclError(status.value, "ncclCommGetAsyncError", self._lib.error_string(status.value),
                          self._lib.last_error())
@@ -430,122 +370,3 @@ class Communicator(GuardedCalls):
                 return self._lib.ncclCommAbort(handle)
         finally:
             self.abort_done.set()
-
-
-class Communicators:
-    """The communicators of one group, which its backend issues on and its lifetime watches
-    and ends: the group's own (``group``), its two-rank pair communicators by peer
-    (``pairs``), those being created (``pending``: an abort must reach them), the blocking
-    creations under way that no communicator holds yet (``creating``), and the algorithms'
-    runners on them (``runners``, each with ``close()``)."""
-
-    def __init__(self):
-        self.group: Optional[Communicator] = None
-        self.pairs: dict = {}
-        self.pending: list = []
-        self.creating: list = []  # [thread, when it entered, the NCCL function] per creation
-        self.runners: dict = {}  # (algorithm, id(communicator)) -> its runner
-        # While the group's communicator is split, or shrunk, from a parent's: that parent
-        # (its calls made for this group are noted under this object, and are this group's).
-        self.parent: Optional[Communicator] = None
-
-    def all(self) -> list:
-        """The communicators made (the pair ones, then the group's)."""
-        comms = list(self.pairs.values())
-        if self.group is not None:
-            comms.append(self.group)
-        return comms
-
-    def reachable(self) -> list:
-        """Those being created too: what an abort must reach."""
-        return list(self.pending) + self.all()
-
-    @contextlib.contextmanager
-    def creation(self, function: str):
-        """A blocking creation under way on this thread: no communicator holds it yet, but
-        the watchdog must see it (it waits for every peer inside NCCL)."""
-        note = [threading.get_ident(), time.monotonic(), function]
-        self.creating.append(note)
-        try:
-            yield
-        finally:
-            self.creating.remove(note)
-
-    def stuck_call(self, after_s: float, now: Optional[float] = None,
-                   ended: bool = False) -> Optional[Tuple[str, float]]:
-        """(NCCL function, seconds inside) of the oldest call of this group inside NCCL for
-        more than ``after_s``: on its communicators, its blocking creations, and the calls
-        its parent makes for it (a split, a shrink); None when there is none. ``ended``: on
-        aborted communicators too (their calls are the group's end's, not a new fault)."""
-        now = time.monotonic() if now is None else now
-        found = [comm.stuck_call(after_s, now) for comm in self.reachable() if ended or not comm.ended]
-        found += [(note[2], now - note[1]) for note in list(self.creating) if now - note[1] > after_s]
-        if self.parent is not None:
-            found.append(self.parent.stuck_call(after_s, now, child=self))
-        found = [item for item in found if item is not None]
-        return max(found, key=lambda item: item[1], default=None)
-
-    def fenced(self) -> bool:
-        """Is a multi-communicator ncclGroupEnd under way on them (cupycoll.nccl.group)?"""
-        return any(comm.fences for comm in self.all())
-
-    def blocked(self) -> bool:
-        """Is a call inside NCCL on an aborted communicator that NCCL's abort could not be run
-        beside (a blocking call that never returns), or a creation still under way?"""
-        return bool(self.creating) or any(comm.abort_deferred() for comm in self.reachable())
-
-    def abort(self, asker: Optional[int] = None) -> list:
-        """Abort every communicator, each whatever the others did; the errors met. With more
-        than one, their aborts run side by side, one thread each (on behalf of ``asker``, the
-        thread that asked: see :meth:`Communicator.abort`), waited for at most
-        ``bounds.ABORT_DEADLINE`` in all: an abort frees the communicator's memory, and where
-        that free synchronises the device (``NCCL_CUMEM_ENABLE=0``: ``cudaFree``) it waits for
-        every kernel on it, a stuck kernel of a communicator not aborted yet included, which
-        only that communicator's own abort ends."""
-        errors: list = []
-
-        def run(comm) -> None:
-            try:
-                comm.abort(asker)
-            except BaseException as exc:  # noqa: BLE001 - every communicator is attempted
-                errors.append((comm, exc))
-        comms = self.reachable()
-        if len(comms) <= 1:
-            for comm in comms:
-                run(comm)
-            return errors
-        if asker is None:
-            asker = threading.get_ident()  # this thread, which is not inside NCCL
-        threads = [threading.Thread(target=run, args=(comm,), name="cupycoll-abort-communicator", daemon=True)
-                   for comm in comms]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + bounds.ABORT_DEADLINE
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return list(errors)
-
-    def settled(self, timeout: float, blocked_after: float) -> bool:
-        """Wait at most ``timeout`` seconds for every aborted communicator's ncclCommAbort to
-        have returned; False if one has not (a hung abort), at once if one is left to a call
-        inside NCCL for longer than ``blocked_after`` (blocked: it may never come out)."""
-        deadline = time.monotonic() + timeout
-        for comm in self.reachable():
-            if not comm.ended or comm.abort_done.is_set():
-                continue
-            if comm.abort_deferred() and comm.blocked(blocked_after):
-                return False
-            if not comm.abort_done.wait(max(0.0, deadline - time.monotonic())):
-                return False
-        return True
-
-    def close_runners(self) -> list:
-        """Close the algorithms' runners (their scratch and streams); the errors met."""
-        runners, self.runners = list(self.runners.items()), {}
-        errors = []
-        for (algorithm, _), runner in runners:
-            try:
-                runner.close()
-            except BaseException as exc:  # noqa: BLE001 - teardown goes on
-                errors.append((algorithm, exc))
-        return errors

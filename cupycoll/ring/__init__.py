@@ -2,9 +2,11 @@
 fp16/bf16, bitwise ops and results independent of timing.
 
 * :mod:`.algorithm`: the ring on a communicator (NCCL send/recv plus CuPy RawKernels);
+* :mod:`.programs`: its calls compiled, once each, into flat programs of launches;
 * :mod:`.schedule`: its schedule as plain data (chunks, slices, per-rank plans);
+* :mod:`.stream_order`: those plans on two streams, ordered by events, and their launches;
 * :mod:`.kernels`: which (dtype, op) pairs exist and the CUDA source each compiles from
-  (``cuda/``, package data).
+  (``cuda/``, package data; compiled as every algorithm's is, :mod:`cupycoll.kernels`).
 
 :data:`ALGORITHM` is what the seam (:mod:`cupycoll.algorithms`) knows of it: under ``auto``
 it takes over the bitwise ops, which NCCL lacks. Importing this package imports neither

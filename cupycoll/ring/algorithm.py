@@ -44,9 +44,10 @@ given. Every rank must use the same ``scratch_bytes``: it decides the slicing, w
 ranks must agree on.
 
 Host cost: each (kind, count, dtype, op) is planned once per process (rank and world are
-the communicator's) into a flat program of prepared launches with relative addresses; a
-call adds its buffers' addresses and launches them in order, O(rounds x world) of them,
-rounds bounded independently of the message (:mod:`cupycoll.ring.schedule`).
+the communicator's) into a flat program of prepared launches with relative addresses
+(:mod:`cupycoll.ring.programs`); a call adds its buffers' addresses and launches them in
+order, O(rounds x world) of them, rounds bounded independently of the message
+(:mod:`cupycoll.ring.schedule`).
 
 Deliberately left out: choosing between NCCL and the ring (:mod:`cupycoll.collectives`),
 torch tensors, replaying plans as CUDA graphs, and teardown in ``__del__``
@@ -56,35 +57,16 @@ torch tensors, replaying plans as CUDA graphs, and teardown in ``__del__``
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import numpy
 
-from ..nccl import bindings as nccl_bindings
+from ..nccl import header as nccl_header
 from .kernels import ELEMENTS, OPS, check, compile_module, supports
 from ..config import DEFAULT_RING_SCRATCH_BYTES
 from ..errors import CommunicatorAbortedError, CupycollError, CupycollTypeError, CupycollValueError
-from .schedule import (
-    CALLER,
-    KINDS,
-    LANES,
-    SIDE,
-    SLOTS,
-    Alone,
-    Exchange,
-    Gather,
-    Plan,
-    Record,
-    Reduce,
-    Run,
-    Stage,
-    build_plan,
-    issue,
-    left_of,
-    right_of,
-)
+from .programs import BLOCK, COPY, EXCHANGE, GATHER, KERNEL, RECORD, SCRATCH, WAIT, Program, program
+from .schedule import KINDS, LANES, SLOTS, Plan, left_of, right_of
 
 __all__ = ["Ring", "check", "supports", "plan_for", "OPS", "DTYPES", "MIN_SCRATCH_BYTES"]
 
@@ -94,117 +76,16 @@ MIN_SCRATCH_BYTES = LANES * SLOTS * 16 * 8
 # The scratch grows in whole MiB (at most to scratch_bytes), so that nearby sizes share one.
 SCRATCH_GRANULE = 1 << 20
 
-THREADS_PER_BLOCK = 256
-MAX_BLOCKS = 4096  # the kernels stride over the rest; more blocks only cost scheduling
-_BLOCK = (THREADS_PER_BLOCK,)
-_NCCL_BYTES = nccl_bindings.ncclUint8
-
-
-def grid_for(dtype: str, n: int) -> Tuple[int]:
-    """The grid of a ring kernel over ``n`` elements: one 16-byte pack of accumulators per
-    thread, at most MAX_BLOCKS blocks."""
-    threads_needed = -(-n // (16 // ELEMENTS[dtype].acc_itemsize))
-    return (min(MAX_BLOCKS, max(1, -(-threads_needed // THREADS_PER_BLOCK))),)
-
-
-def launch_kernel(runtime, kernel, dtype: str, local: int, incoming: int, out: int, n: int, stream: int,
-                  factor=None, factor_ptr=None, divisor=None) -> None:
-    """Launch one ring kernel (any kind: they share one parameter list) over ``n`` elements
-    on ``stream`` (a raw pointer; its device current) through ``runtime``.
-    ``factor``/``factor_ptr``/``divisor`` default to "unused"."""
-    acc = numpy.dtype(ELEMENTS[dtype].acc).type
-    runtime.launch(kernel, grid_for(dtype, n), _BLOCK,
-                   (numpy.uint64(local), numpy.uint64(incoming), numpy.uint64(out), numpy.uint64(n),
-                    numpy.uint64(0) if factor_ptr is None else factor_ptr,
-                    acc(0) if factor is None else factor,
-                    numpy.int64(1) if divisor is None else divisor), stream)
-
-
-# ------------------------------------------------------------------------------ programs
-
-# A program step is a tuple whose first item says what it launches. Addresses are a base
-# (one of the call's buffers, or the scratch) plus a byte offset known when planning.
-_KERNEL, _EXCHANGE, _GATHER, _COPY, _RECORD, _WAIT = range(6)
-_SEND, _RECV, _SCRATCH, _NOWHERE = range(4)
-_STREAM_INDEX = {CALLER: 0, SIDE: 1}
+_NCCL_BYTES = nccl_header.ncclUint8  # NCCL moves partials as bytes: their type is the kernels' business
 _ACC_TYPES = {dtype: numpy.dtype(element.acc).type for dtype, element in ELEMENTS.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """A plan turned into launches: ``steps`` in issue order, the number of distinct events
-    they record and wait on, and what the call needs before it starts."""
-
-    plan: Plan
-    commands: Tuple
-    steps: Tuple[tuple, ...]
-    events: int
-    needs_kernels: bool
-    scratch_bytes: int
-
-
-@functools.lru_cache(maxsize=256)
-def program(kind: str, rank: int, world: int, count: int, dtype: str, op: str,
-            scratch_bytes: int) -> Program:
-    """The :class:`Program` of one call; cached, so a repeated collective (the usual
-    training step) costs no planning."""
-    plan = build_plan(kind, rank, world, count, dtype, op, scratch_bytes)
-    commands = tuple(issue(plan))
-    element = ELEMENTS[dtype]
-    itemsize, acc_itemsize = element.itemsize, element.acc_itemsize
-    cut = plan.geometry
-    events: dict = {}
-    steps = []
-
-    def kernel(name, local, in_base, in_off, out_base, out_off, n):
-        steps.append((_KERNEL, name, local * itemsize, in_base, in_off, out_base, out_off,
-                      numpy.uint64(n), grid_for(dtype, n)))
-
-    for command in commands:
-        if not isinstance(command, Run):
-            event = events.setdefault(command.event, len(events))
-            steps.append((_RECORD if isinstance(command, Record) else _WAIT, event,
-                          _STREAM_INDEX[command.stream]))
-            continue
-        action, stream = command.action, _STREAM_INDEX[command.stream]
-        if isinstance(action, Stage):
-            kernel("ring_stage", action.start, _NOWHERE, 0, _SCRATCH,
-                   cut.slot_offset(action.lane, action.slot), action.stop - action.start)
-        elif isinstance(action, Reduce):
-            slot = cut.slot_offset(action.lane, action.slot)
-            if action.final:
-                kernel("ring_reduce_final", action.start, _SCRATCH, slot, _RECV,
-                       action.out_start * itemsize, action.stop - action.start)
-            else:
-                kernel("ring_reduce", action.start, _SCRATCH, slot, _SCRATCH, slot,
-                       action.stop - action.start)
-        elif isinstance(action, Exchange):
-            if action.send_slot is None:  # unstaged: the input elements are the partials
-                send = (_SEND, action.send_start * itemsize)
-            else:
-                send = (_SCRATCH, cut.slot_offset(action.lane, action.send_slot))
-            steps.append((_EXCHANGE, stream, *send, (action.send_stop - action.send_start) * acc_itemsize,
-                          cut.slot_offset(action.lane, action.recv_slot),
-                          (action.recv_stop - action.recv_start) * acc_itemsize))
-        elif isinstance(action, Gather):
-            steps.append((_GATHER, stream, rank * action.share * itemsize, action.share * itemsize,
-                          action.tail_start * itemsize, (action.tail_stop - action.tail_start) * itemsize,
-                          action.root))
-        elif isinstance(action, Alone):
-            if action.transform:
-                kernel("ring_final", action.start, _NOWHERE, 0, _RECV, action.start * itemsize,
-                       action.stop - action.start)
-            else:
-                steps.append((_COPY, action.start * itemsize, (action.stop - action.start) * itemsize))
-    return Program(plan, commands, tuple(steps), len(events),
-                   any(step[0] == _KERNEL for step in steps), plan.scratch_bytes)
 
 
 def plan_for(kind: str, rank: int, world: int, count: int, dtype: str, op: str,
              scratch_bytes: int = DEFAULT_RING_SCRATCH_BYTES) -> Plan:
     """The plan :class:`Ring` runs for ``kind`` (``"all_reduce"`` or ``"reduce_scatter"``,
     whose ``count`` is the per-rank recvcount) with at most ``scratch_bytes`` of scratch;
-    ``issue(plan)`` gives its commands. For tests and debugging, without a GPU."""
+    ``cupycoll.ring.stream_order.issue(plan)`` gives its commands. For tests and debugging,
+    without a GPU."""
     return program(kind, rank, world, count, dtype, op, scratch_bytes).plan
 
 
@@ -387,15 +268,15 @@ class Ring:
                 self._last_use.wait_on(stream)  # the scratch is shared by every call
             for step in found.steps:
                 code = step[0]
-                if code == _KERNEL:
+                if code == KERNEL:
                     _, name, local, in_base, in_off, out_base, out_off, n, grid = step
-                    launch(kernels[name], grid, _BLOCK,
+                    launch(kernels[name], grid, BLOCK,
                            (u64(sendbuf + local), u64(bases[in_base] + in_off),
                             u64(bases[out_base] + out_off), n, factor_ptr, factor, divisor), stream)
-                elif code == _EXCHANGE:
+                elif code == EXCHANGE:
                     _, s, send_base, send_off, send_bytes, recv_off, recv_bytes = step
                     ptr = streams[s]
-                    send_ptr, recv_ptr = bases[send_base] + send_off, bases[_SCRATCH] + recv_off
+                    send_ptr, recv_ptr = bases[send_base] + send_off, bases[SCRATCH] + recv_off
                     if send_bytes and recv_bytes:
                         with comm.group():
                             comm.send(send_ptr, send_bytes, _NCCL_BYTES, right, ptr)
@@ -404,11 +285,11 @@ class Ring:
                         comm.send(send_ptr, send_bytes, _NCCL_BYTES, right, ptr)
                     else:
                         comm.recv(recv_ptr, recv_bytes, _NCCL_BYTES, left, ptr)
-                elif code == _RECORD:
+                elif code == RECORD:
                     events[step[1]].record(streams[step[2]])
-                elif code == _WAIT:
+                elif code == WAIT:
                     events[step[1]].wait_on(streams[step[2]])
-                elif code == _GATHER:
+                elif code == GATHER:
                     _, s, own_off, share_bytes, tail_off, tail_bytes, root = step
                     ptr, tail = streams[s], recvbuf + tail_off
                     if share_bytes and tail_bytes:
@@ -419,7 +300,7 @@ class Ring:
                         comm.all_gather(recvbuf + own_off, recvbuf, share_bytes, _NCCL_BYTES, ptr)
                     else:
                         comm.broadcast(tail, tail, tail_bytes, _NCCL_BYTES, root, ptr)
-                elif code == _COPY and sendbuf != recvbuf:
+                elif code == COPY and sendbuf != recvbuf:
                     _, offset, nbytes = step
                     runtime.copy(recvbuf + offset, sendbuf + offset, nbytes, stream)
             if self._last_use is None:

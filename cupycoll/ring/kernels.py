@@ -1,28 +1,28 @@
 """The ring kernels' catalogue: which (dtype, op) pairs exist, and the exact CUDA source,
 compiler options and template instantiations each pair compiles to.
 
-Both the runtime (:mod:`cupycoll.ring.algorithm`, through ``cupy.RawModule``) and the CPU tests
-(straight through NVRTC, no GPU needed) build from :func:`module_spec`, so the tests
-compile exactly what runs. The tests' numpy model of the kernels (tests/ring_simulator.py)
-reads the same tables, so it computes what the kernels compute.
+Both the runtime (:mod:`cupycoll.ring.algorithm`, through :func:`compile_module`) and the CPU
+tests (:func:`cupycoll.kernels.compile_ptx`: NVRTC, no GPU needed) build from
+:func:`module_spec`, so the tests compile exactly what runs. The tests' numpy model of the
+kernels (tests/ring_simulator.py) reads the same tables, so it computes what the kernels
+compute.
 
 dtypes and ops are torch-style lower-case names (``"bfloat16"``, ``"premul_sum"``).
 bool is reduced as bytes 0/1 with the byte kernels: SUM and MAX are OR (``max``),
 PRODUCT and MIN are AND (``min``), BAND/BOR/BXOR are bitwise on 0/1.
 
-Deliberately left out: CuPy at import time (only :func:`compile_ptx` imports it, lazily;
-:func:`compile_module` compiles through the group's CUDA runtime), launching, and any notion
-of torch.
+Deliberately left out: reading, inlining and compiling CUDA C++, which every algorithm does
+the same way (:mod:`cupycoll.kernels`), CuPy at import time, launching, and any notion of
+torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.resources
-import re
 from typing import Dict, Tuple
 
+from .. import kernels as shared
 from ..errors import CupycollValueError
 
 KERNEL_DIR = "cuda"  # the CUDA C++ sources: a data folder of this package
@@ -108,53 +108,9 @@ def stages_first_contribution(dtype: str, op: str) -> bool:
 
 # ----------------------------------------------------------------------------- sources
 
-def _kernel_dir_files() -> Dict[str, str]:
-    """name -> text of every .cu/.cuh in the package's cuda/ folder.
-
-    One place, read through importlib.resources: the folder is package data beside this
-    module, in a checkout, an editable install and a wheel (zipped or not) alike."""
-    root = importlib.resources.files(__package__).joinpath(KERNEL_DIR)
-    if not root.is_dir():
-        return {}
-    return {entry.name: entry.read_text(encoding="utf-8")
-            for entry in root.iterdir() if entry.name.endswith((".cu", ".cuh"))}
-
-
-_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
-
-
-@functools.lru_cache(maxsize=None)
 def source() -> str:
-    """ring_reduce.cu with its local ``#include "x.cuh"`` lines replaced by the headers'
-    text: NVRTC then needs no include path, which a zipped install could not offer."""
-    files = _kernel_dir_files()
-    if KERNEL_SOURCE not in files:
-        raise FileNotFoundError(
-            f"{KERNEL_SOURCE} not found in {__package__.replace('.', '/')}/{KERNEL_DIR}/; the installation is "
-            "incomplete")
-
-    def inline(match, seen=()):
-        name = match.group(1)
-        if name not in files:
-            raise FileNotFoundError(f"{name} (included by the ring kernels) is missing")
-        if name in seen:
-            return ""
-        return _LOCAL_INCLUDE.sub(lambda m: inline(m, seen + (name,)), files[name])
-
-    return _LOCAL_INCLUDE.sub(inline, files[KERNEL_SOURCE])
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleSpec:
-    """Everything needed to compile one (dtype, op) pair's kernels."""
-
-    source: str
-    options: Tuple[str, ...]
-    names: Dict[str, str]  # kind -> template name expression
-
-    @property
-    def name_expressions(self) -> Tuple[str, ...]:
-        return tuple(self.names[kind] for kind in KINDS)
+    """ring_reduce.cu with its local headers inlined (:func:`cupycoll.kernels.source`)."""
+    return shared.source(__package__, KERNEL_DIR, KERNEL_SOURCE)
 
 
 def name_expression(kind: str, dtype: str, op: str) -> str:
@@ -162,11 +118,12 @@ def name_expression(kind: str, dtype: str, op: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def module_spec(dtype: str, op: str) -> ModuleSpec:
-    """The source, options and name expressions of the (dtype, op) pair's kernels."""
+def module_spec(dtype: str, op: str) -> shared.ModuleSpec:
+    """The source, options and name expressions (in :data:`KINDS` order) of the (dtype, op)
+    pair's kernels."""
     check(dtype, op)
-    return ModuleSpec(source(), COMPILE_OPTIONS,
-                      {kind: name_expression(kind, dtype, op) for kind in KINDS})
+    return shared.ModuleSpec(source(), COMPILE_OPTIONS,
+                             {kind: name_expression(kind, dtype, op) for kind in KINDS}, KERNEL_SOURCE)
 
 
 def all_pairs():
@@ -174,36 +131,7 @@ def all_pairs():
     return [(dtype, op) for dtype in ELEMENTS for op in OPS if supports(dtype, op)]
 
 
-# ----------------------------------------------------------------------------- compiling
-
 def compile_module(runtime, device: int, dtype: str, op: str) -> Dict[str, object]:
     """kind -> kernel for the pair on ``device`` (current), through ``runtime``
-    (:class:`cupycoll._cuda.Runtime`, which compiles once per process and device; CuPy's
-    on-disk kernel cache serves later processes)."""
-    spec = module_spec(dtype, op)
-    return runtime.compile(device, spec.source, spec.options, spec.names)
-
-
-def compile_ptx(spec: ModuleSpec, arch: str) -> Tuple[str, Dict[str, str]]:
-    """Compile ``spec`` to PTX for ``arch`` (``"compute_80"``) with NVRTC alone: no GPU,
-    no driver. Returns the PTX and each name expression's mangled name. For the tests."""
-    from .. import _cuda
-
-    nvrtc = _cuda.nvrtc_module()
-    program = nvrtc.createProgram(spec.source, KERNEL_SOURCE, [], [])
-    try:
-        for expression in spec.name_expressions:
-            nvrtc.addNameExpression(program, expression)
-        # CuPy adds --device-as-default-execution-space to every NVRTC compile; match it.
-        options = [*spec.options, f"--gpu-architecture={arch}",
-                   "--device-as-default-execution-space"]
-        try:
-            nvrtc.compileProgram(program, options)
-        except nvrtc.NVRTCError as exc:
-            log = nvrtc.getProgramLog(program)
-            raise RuntimeError(f"NVRTC failed for {arch}: {exc}\n{log}") from exc
-        lowered = {e: nvrtc.getLoweredName(program, e) for e in spec.name_expressions}
-        ptx = nvrtc.getPTX(program)
-        return (ptx.decode() if isinstance(ptx, bytes) else ptx), lowered
-    finally:
-        nvrtc.destroyProgram(program)
+    (:func:`cupycoll.kernels.compile_spec`: once per process and device)."""
+    return shared.compile_spec(runtime, device, module_spec(dtype, op))

@@ -21,7 +21,7 @@ from torch._C import _distributed_c10d as c10d
 
 import cupycoll
 from cupycoll import bounds, config
-from cupycoll.nccl import bindings as nb
+from cupycoll.nccl import header as nh
 from cupycoll.backend import CudaBackend
 from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
@@ -335,7 +335,7 @@ def test_a_communicator_that_aborts_itself_faults_its_group(monkeypatch, no_devi
     made = []
 
     def begin(cls, unique_id, rank, size, device, library, nonblocking, timeout, on_abort, runtime=None):
-        comm = polling_comm([nb.ncclInProgress], timeout=0.05)
+        comm = polling_comm([nh.ncclInProgress], timeout=0.05)
         comm.on_abort = on_abort
         made.append(comm)
         return comm
@@ -371,8 +371,8 @@ def test_a_communicator_that_aborts_itself_fails_the_works_before_ncclcommabort(
         def ncclGroupEnd(self):
             return 0
 
-    comm = polling_comm([nb.ncclInProgress], timeout=0.05)
-    comm._lib = Recording([nb.ncclInProgress])
+    comm = polling_comm([nh.ncclInProgress], timeout=0.05)
+    comm._lib = Recording([nh.ncclInProgress])
     comm.on_abort = group._cuda.life.fault_once
     group._cuda.comm = comm
     with pytest.raises((CollectiveTimeoutError, MemoryError)):
@@ -380,7 +380,7 @@ def test_a_communicator_that_aborts_itself_fails_the_works_before_ncclcommabort(
             comm._poll("ncclAllReduce")
         else:
             with comm.group():
-                comm._settle("ncclSend", nb.ncclSuccess)
+                comm._settle("ncclSend", nh.ncclSuccess)
                 raise MemoryError("staging")
     assert group._cuda.life.ended.wait(5)
     assert len(seen_at_abort) == 1, seen_at_abort  # aborted once, by the group
@@ -392,15 +392,15 @@ def test_a_communicator_that_aborts_itself_fails_the_works_before_ncclcommabort(
 
 def test_a_batch_that_raises_mid_group_faults_the_group(monkeypatch, no_device):
     group = make_group()
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     comm._lib = type("Lib", (ScriptedLibrary,), {"ncclGroupStart": lambda self: 0,
-                                                  "ncclGroupEnd": lambda self: 0})([nb.ncclSuccess])
+                                                  "ncclGroupEnd": lambda self: 0})([nh.ncclSuccess])
     comm.on_abort = group._cuda.life.fault_once
     group._cuda.comm = comm
     group._cuda.device = CUDA
 
     def first(c, stream, peer):
-        c._settle("ncclSend", nb.ncclSuccess)
+        c._settle("ncclSend", nh.ncclSuccess)
 
     def second(c, stream, peer):
         raise torch.OutOfMemoryError("staging")
@@ -455,7 +455,7 @@ class StuckConnectLibrary(ScriptedLibrary):
     recorded with what was inside NCCL then."""
 
     def __init__(self):
-        super().__init__([nb.ncclSuccess])
+        super().__init__([nh.ncclSuccess])
         self.inside, self.release = threading.Event(), threading.Event()
         self.aborted_while_inside = []
         self.in_call = 0
@@ -467,7 +467,7 @@ class StuckConnectLibrary(ScriptedLibrary):
             assert self.release.wait(30), "never released"
         finally:
             self.in_call -= 1
-        return nb.ncclSuccess
+        return nh.ncclSuccess
 
     def ncclAllReduce(self, *args):
         return self._block()
@@ -495,7 +495,7 @@ def test_a_blocking_call_stuck_inside_nccl_is_timed_out_never_aborted_beside_and
     # call safely, the process ends with the timeout; ncclCommAbort never runs beside it.
     group = make_group(timeout=0.3)
     cuda = group._cuda
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     comm.nonblocking, comm.stream = False, 0
     lib = comm._lib = StuckConnectLibrary()
     cuda.comm = comm
@@ -547,7 +547,7 @@ def test_a_stuck_nccl_group_over_two_communicators_frees_neither_while_its_threa
 
     shared = StuckGroupLibrary()
     for peer in (1, 2):
-        comm = polling_comm([nb.ncclSuccess])
+        comm = polling_comm([nh.ncclSuccess])
         comm.nonblocking, comm.stream = False, 0
         comm._lib = shared
         comm.on_abort = cuda.life.fault_once
@@ -723,15 +723,15 @@ def test_a_failed_group_end_over_two_communicators_fails_earlier_work_before_it_
 
     comms = []
     for peer in (1, 2):
-        comm = polling_comm([nb.ncclSuccess])
-        comm.nonblocking, comm._lib = False, FailingEnd([nb.ncclSuccess])
+        comm = polling_comm([nh.ncclSuccess])
+        comm.nonblocking, comm._lib = False, FailingEnd([nh.ncclSuccess])
         comm.on_abort = cuda.life.fault_once
         cuda.comms.pairs[peer] = comm
         comms.append(comm)
     with pytest.raises(NcclError):
         with comms[0].group():
             for comm in comms:
-                comm._settle("ncclSend", nb.ncclSuccess)
+                comm._settle("ncclSend", nh.ncclSuccess)
     assert seen_in_group_end == [None]  # the pass found nothing, and retired nothing while fenced
     assert not earlier.is_success() and isinstance(earlier.exception(), NcclError)
     assert cuda.life.ended.wait(5) and all(comm.state == "aborted" for comm in comms)

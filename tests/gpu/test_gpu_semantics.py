@@ -101,9 +101,9 @@ def test_bitwise_ops_run_on_the_ring_by_default(group):
 def test_fp8_avg_on_one_rank(group, dtype):
     # NCCL's one-rank path rejects fp8 AVG (no host-side fp8 pre-multiply); cupycoll issues SUM
     from cupycoll import _cuda
-    from cupycoll.nccl import bindings as nccl_bindings
+    from cupycoll.nccl import header as nccl_header
 
-    if not nccl_bindings.fp8_supported(_cuda.nccl_module().get_version()):
+    if not nccl_header.fp8_supported(_cuda.nccl_module().get_version()):
         pytest.skip("fp8 needs NCCL >= 2.24")
     values = torch.tensor([1.0, 2.0, 3.5, -4.0, 0.25], device="cuda").to(dtype)
     for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from cupycoll import bounds
-from cupycoll.nccl import bindings as nb
-from cupycoll.nccl.communicator import Communicators
+from cupycoll.nccl import header as nh
+from cupycoll.nccl.communicators import Communicators
 from cupycoll.errors import CommunicatorAbortedError, NcclError
 from faulty import ScriptedLibrary, grouping_comm, polling_comm
 
@@ -25,7 +25,7 @@ class SlowCallLibrary(ScriptedLibrary):
     """ncclAllReduce blocks until released; the order of events is recorded."""
 
     def __init__(self):
-        super().__init__([nb.ncclSuccess])
+        super().__init__([nh.ncclSuccess])
         self.inside, self.release, self.events = threading.Event(), threading.Event(), []
         self.fail_with = None
 
@@ -36,7 +36,7 @@ class SlowCallLibrary(ScriptedLibrary):
         self.events.append("call returned")
         if self.fail_with is not None:
             raise self.fail_with
-        return nb.ncclSuccess
+        return nh.ncclSuccess
 
     def ncclCommAbort(self, comm):
         self.events.append("ncclCommAbort")
@@ -46,7 +46,7 @@ class SlowCallLibrary(ScriptedLibrary):
 def send_in_a_group(comm) -> None:
     """One send in an NCCL group on ``comm``: the group's ncclGroupEnd is its library's."""
     with comm.group():
-        comm._settle("ncclSend", nb.ncclSuccess)
+        comm._settle("ncclSend", nh.ncclSuccess)
 
 
 def comm_with_a_slow_group_end():
@@ -77,7 +77,7 @@ def all_reduce_under_way(comm, lib):
 
 def test_an_abort_beside_a_call_never_enters_nccl_and_the_call_runs_it_on_its_way_out(no_device):
     # NCCL forbids a call on a communicator while another thread is inside one on it.
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
     caller = threading.Thread(target=comm.all_reduce, args=(1, 1, 4, 7, 0, 0))
     caller.start()
@@ -95,7 +95,7 @@ def test_an_abort_beside_a_call_never_enters_nccl_and_the_call_runs_it_on_its_wa
 
 
 def test_a_call_that_fails_once_its_communicator_was_aborted_says_aborted(no_device):
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
     lib.fail_with = NcclError(4, "ncclAllReduce", "invalid argument")
     errors = []
@@ -117,7 +117,7 @@ def test_a_call_that_fails_once_its_communicator_was_aborted_says_aborted(no_dev
 
 
 def test_an_abort_on_the_calling_thread_itself_does_not_wait(no_device):
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     started = []
 
     class Reentrant(ScriptedLibrary):
@@ -125,9 +125,9 @@ def test_an_abort_on_the_calling_thread_itself_does_not_wait(no_device):
             start = time.monotonic()
             comm.abort()  # abort_all from a signal handler, on this thread
             started.append(time.monotonic() - start)
-            return nb.ncclSuccess
+            return nh.ncclSuccess
 
-    comm._lib = Reentrant([nb.ncclSuccess])
+    comm._lib = Reentrant([nh.ncclSuccess])
     comm.all_reduce(1, 1, 4, 7, 0, 0)
     assert started[0] < 0.5 and comm.state == "aborted"
 
@@ -135,7 +135,7 @@ def test_an_abort_on_the_calling_thread_itself_does_not_wait(no_device):
 def test_an_abort_on_a_thread_holding_the_communicator_lock_does_not_hang(no_device):
     # A signal handler (abort_all) runs between bytecodes, also inside one of the lock's
     # blocks on the issuing thread: the abort must get through on that same thread.
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     done = threading.Event()
 
     def interrupted_inside_the_lock():
@@ -189,7 +189,7 @@ class RecordedQueryLibrary(SlowCallLibrary):
 
 def test_the_async_error_query_skips_a_communicator_with_a_call_under_way(no_device, monkeypatch):
     monkeypatch.setattr(bounds, "CALL_BLOCKED_S", 30)  # the call is an enqueue, not blocked
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     lib = comm._lib = RecordedQueryLibrary()
     with all_reduce_under_way(comm, lib):
         assert comm.async_error() is None and "query" not in lib.events  # asked again next pass
@@ -200,7 +200,7 @@ def test_a_call_blocked_inside_nccl_does_not_hide_the_async_error(no_device, mon
     # past CALL_BLOCKED_S a call is blocked (a connect, a full launch queue): NCCL's error
     # may be the only news of the fault behind it, so the watchdog asks beside it
     monkeypatch.setattr(bounds, "CALL_BLOCKED_S", 0.05)
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     lib = comm._lib = RecordedQueryLibrary()
     lib.states = [REMOTE_ERROR]
     with all_reduce_under_way(comm, lib):
@@ -249,7 +249,7 @@ def test_a_group_does_not_end_beside_an_async_error_query_under_way(no_device):
 
 
 def test_a_call_inside_nccl_longer_than_asked_is_named_with_its_seconds(no_device):
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
     assert comm.stuck_call(0.0) is None  # nothing under way
     with all_reduce_under_way(comm, lib):
@@ -263,7 +263,7 @@ def test_a_call_inside_nccl_longer_than_asked_is_named_with_its_seconds(no_devic
 def test_an_aborted_communicators_stuck_call_is_left_to_its_groups_end(no_device):
     # The group's fault aborted it: while the group is healthy a communicator's end is not a
     # new fault; once the group ended, a call the abort could not end is what ends the process.
-    comm = polling_comm([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
     lib = comm._lib = SlowCallLibrary()
     held = Communicators()
     held.group = comm

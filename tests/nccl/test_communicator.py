@@ -19,6 +19,7 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from cupycoll.nccl import bindings as nb
+from cupycoll.nccl import header as nh
 from cupycoll.nccl import communicator as communicator_module
 from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError, NcclError
@@ -33,8 +34,8 @@ def test_create_premul_sum_on_an_aborted_communicator_says_aborted(no_device):
         def ncclRedOpCreatePreMulSum(self, op, scalar, dtype, residence, comm):
             raise NcclError(4, "ncclRedOpCreatePreMulSum", "invalid argument")  # a NULL comm
 
-    comm = polling_comm([nb.ncclSuccess])
-    comm._lib = PremulLibrary([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
+    comm._lib = PremulLibrary([nh.ncclSuccess])
     comm.abort()
     with pytest.raises(CommunicatorAbortedError, match="was aborted"):
         comm.create_premul_sum(b"\0\0\0\0", 7, on_device=False)
@@ -63,7 +64,7 @@ def test_a_blocking_communicators_failing_abort_is_seen(made):
 def test_shrink_makes_a_child_of_the_same_kind_without_the_excluded_ranks(made, nonblocking, abort_first):
     parent = made(nonblocking, child_size=2, child_rank=1)
     child = parent.shrink([1], abort_first)
-    flag = nb.NCCL_SHRINK_ABORT if abort_first else nb.NCCL_SHRINK_DEFAULT
+    flag = nh.NCCL_SHRINK_ABORT if abort_first else nh.NCCL_SHRINK_DEFAULT
     assert parent._lib.calls[1] == ("ncclCommShrink", 0x5000, [1], flag)
     assert parent._lib.configs[1] == int(not nonblocking)
     assert (child.rank, child.size, child.nonblocking, child.state) == (1, 2, nonblocking, "ok")
@@ -94,20 +95,20 @@ def test_shrink_of_an_aborted_communicator_says_aborted(made):
 
 
 def test_in_progress_is_polled_until_success():
-    comm = polling_comm([nb.ncclInProgress] * 5 + [nb.ncclSuccess])
+    comm = polling_comm([nh.ncclInProgress] * 5 + [nh.ncclSuccess])
     comm._poll("ncclAllReduce")
-    assert comm._lib.states == [nb.ncclSuccess] and comm.state == "ok"
+    assert comm._lib.states == [nh.ncclSuccess] and comm.state == "ok"
 
 
 def test_an_error_while_polling_raises_with_the_function_and_aborts(no_device):
-    comm = polling_comm([nb.ncclInProgress, 6])
+    comm = polling_comm([nh.ncclInProgress, 6])
     with pytest.raises(NcclError, match="ncclAllReduce failed: ncclRemoteError") as info:
         comm._poll("ncclAllReduce")
     assert info.value.last_error == "socket closed" and comm._lib.aborts == 1 and comm.state == "aborted"
 
 
 def test_polling_past_the_timeout_aborts(no_device):
-    comm = polling_comm([nb.ncclInProgress], timeout=0.1)
+    comm = polling_comm([nh.ncclInProgress], timeout=0.1)
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="ncclCommInitRankConfig .* within 0.1 s"):
         comm._poll("ncclCommInitRankConfig")
@@ -115,7 +116,7 @@ def test_polling_past_the_timeout_aborts(no_device):
 
 
 def test_abort_from_another_thread_ends_polling(no_device):
-    comm = polling_comm([nb.ncclInProgress], timeout=60)
+    comm = polling_comm([nh.ncclInProgress], timeout=60)
     errors = []
     thread = threading.Thread(target=lambda: errors.append(pytest.raises(
         CommunicatorAbortedError, comm._poll, "ncclCommInitRankConfig")))
@@ -138,22 +139,22 @@ def test_calls_inside_a_group_are_polled_when_the_outermost_group_ends(monkeypat
 
         def ncclGroupEnd(self):
             events.append("end")
-            return nb.ncclInProgress
+            return nh.ncclInProgress
 
-    first, second = polling_comm([nb.ncclSuccess]), polling_comm([nb.ncclSuccess])
+    first, second = polling_comm([nh.ncclSuccess]), polling_comm([nh.ncclSuccess])
     for comm in (first, second):
         comm._lib = GroupLibrary()
         comm._poll = lambda function, timeout=None, comm=comm: events.append(("poll", comm, function))
     with first.group():
-        first._settle("ncclSend", nb.ncclSuccess)
+        first._settle("ncclSend", nh.ncclSuccess)
         with second.group():
-            second._settle("ncclRecv", nb.ncclSuccess)
-            first._settle("ncclRecv", nb.ncclSuccess)
+            second._settle("ncclRecv", nh.ncclSuccess)
+            first._settle("ncclRecv", nh.ncclSuccess)
         assert events == ["start", "start", "end"]  # the inner end settles nothing
     assert events == ["start", "start", "end", "end",
                       ("poll", first, "ncclGroupEnd"), ("poll", second, "ncclGroupEnd")]
     # outside a group, a call that returned ncclInProgress is polled at once
-    first._settle("ncclAllReduce", nb.ncclInProgress)
+    first._settle("ncclAllReduce", nh.ncclInProgress)
     assert events[-1] == ("poll", first, "ncclAllReduce")
 
 
@@ -196,7 +197,7 @@ def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device)
     staging = torch.ones(4)
     with pytest.raises(MemoryError):
         with comm.group():
-            comm._settle("ncclSend", nb.ncclSuccess)
+            comm._settle("ncclSend", nh.ncclSuccess)
             with comm.group():
                 raise MemoryError("staging")
     assert events == ["start", "start", "end", "end", "abort"]
@@ -204,7 +205,7 @@ def test_a_python_error_inside_an_nccl_group_aborts_its_communicators(no_device)
     # a healthy group afterwards polls, aborts nothing
     other, other_events = grouping_comm()
     with other.group():
-        other._settle("ncclSend", nb.ncclSuccess)
+        other._settle("ncclSend", nh.ncclSuccess)
     assert other.state == "ok" and other_events == ["start", "end"]
 
 
@@ -214,8 +215,8 @@ def test_calls_after_an_abort_name_the_abort(no_device):
     class Library(ScriptedLibrary):
         def ncclAllReduce(self, *args):
             raise AssertionError("reached NCCL")
-    comm = polling_comm([nb.ncclSuccess])
-    comm._lib, comm.nonblocking = Library([nb.ncclSuccess]), False
+    comm = polling_comm([nh.ncclSuccess])
+    comm._lib, comm.nonblocking = Library([nh.ncclSuccess]), False
     comm.abort()
     assert comm.state == "aborted" and comm._lib.aborts == 1
     with pytest.raises(CommunicatorAbortedError, match="was aborted"):
@@ -239,8 +240,8 @@ def test_a_hung_abort_does_not_stall_async_error(no_device):
             release.wait(10)
             return 0
 
-    comm = polling_comm([nb.ncclSuccess])
-    comm._lib = HangingAbort([nb.ncclSuccess])
+    comm = polling_comm([nh.ncclSuccess])
+    comm._lib = HangingAbort([nh.ncclSuccess])
     aborter = threading.Thread(target=comm.abort, daemon=True)
     aborter.start()
     try:

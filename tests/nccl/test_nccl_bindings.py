@@ -1,4 +1,5 @@
-"""cupycoll.nccl.bindings against the real libnccl and nccl.h of the nvidia-nccl pip package.
+"""cupycoll.nccl.bindings and the declarations they bind (cupycoll.nccl.header) against the
+real libnccl and nccl.h of the nvidia-nccl pip package.
 
 No GPU needed: only calls that fail or succeed before NCCL touches a device are made.
 The struct layout and the enum values are checked against the installed header by
@@ -19,6 +20,7 @@ import pytest
 
 from cupycoll import errors
 from cupycoll.nccl import bindings as nb
+from cupycoll.nccl import header as nh
 from cupycoll.errors import MissingDependencyError, NcclError
 
 PIP_LIBRARY = nb._pip_library()
@@ -131,9 +133,9 @@ def test_version_matches_cupy(lib):
 
 def test_version_text():
     # one decoder for every version code cupycoll prints (bench metadata, verify-gpu)
-    assert nb.version_text(22809) == "2.28.9"
-    assert nb.version_text(2708) == "2.7.8"  # NCCL <= 2.8 encoded X*1000 + Y*100 + Z
-    assert nb.version_text((2, 28, 9)) == "2.28.9"  # torch.cuda.nccl.version()
+    assert nh.version_text(22809) == "2.28.9"
+    assert nh.version_text(2708) == "2.7.8"  # NCCL <= 2.8 encoded X*1000 + Y*100 + Z
+    assert nh.version_text((2, 28, 9)) == "2.28.9"  # torch.cuda.nccl.version()
 
 
 def test_version_tuple(lib):
@@ -143,41 +145,41 @@ def test_version_tuple(lib):
 
 
 def test_fp8_supported():
-    assert nb.fp8_supported(22400)
-    assert nb.fp8_supported(23203)
-    assert not nb.fp8_supported(22399)
-    assert not nb.fp8_supported(2804)  # 2.8.4, old encoding
+    assert nh.fp8_supported(22400)
+    assert nh.fp8_supported(23203)
+    assert not nh.fp8_supported(22399)
+    assert not nh.fp8_supported(2804)  # 2.8.4, old encoding
 
 
 def test_fp8_supported_matches_header(header, lib):
     assert header["macro"]["NCCL_VERSION(2,24,0)"] == 22400
-    assert nb.fp8_supported(lib.version()) == ("ncclFloat8e4m3" in header["enum"])
+    assert nh.fp8_supported(lib.version()) == ("ncclFloat8e4m3" in header["enum"])
 
 
 # ---------------------------------------------------------------------- the table
 
 
 def test_every_table_function_resolved(lib):
-    for entry in nb.FUNCTIONS:
+    for entry in nh.FUNCTIONS:
         if not entry.optional:
             assert callable(getattr(lib, entry.name)), entry.name
             assert lib.has(entry.name)
     # Each optional entry exists from the release its table entry names.
     if lib.version_tuple() >= (2, 18, 1):
-        newer = [entry.name for entry in nb.FUNCTIONS if entry.since > lib.version_tuple()]
+        newer = [entry.name for entry in nh.FUNCTIONS if entry.since > lib.version_tuple()]
         assert lib.missing == newer
-        assert all(lib.has(entry.name) for entry in nb.FUNCTIONS if entry.name not in newer)
+        assert all(lib.has(entry.name) for entry in nh.FUNCTIONS if entry.name not in newer)
     assert not lib.has("version")  # a helper, not a table function
     assert not lib.has("ncclNoSuchFunction")
-    assert len({entry.name for entry in nb.FUNCTIONS}) == len(nb.FUNCTIONS)
+    assert len({entry.name for entry in nh.FUNCTIONS}) == len(nh.FUNCTIONS)
 
 
 def test_missing_required_symbol_is_reported(monkeypatch, lib):
-    bogus = nb.Function("ncclNoSuchFunction", nb.ncclResult_t, ())
-    monkeypatch.setattr(nb, "FUNCTIONS", nb.FUNCTIONS + (bogus,))
+    bogus = nh.Function("ncclNoSuchFunction", nh.ncclResult_t, ())
+    monkeypatch.setattr(nb, "FUNCTIONS", nh.FUNCTIONS + (bogus,))
     with pytest.raises(MissingDependencyError, match="ncclNoSuchFunction"):
         nb.NcclLibrary(PIP_LIBRARY)
-    monkeypatch.setattr(nb, "FUNCTIONS", nb.FUNCTIONS[:-1] + (bogus._replace(optional=True),))
+    monkeypatch.setattr(nb, "FUNCTIONS", nh.FUNCTIONS[:-1] + (bogus._replace(optional=True),))
     partial = nb.NcclLibrary(PIP_LIBRARY)
     assert partial.missing[-1:] == ["ncclNoSuchFunction"]
     assert partial.ncclNoSuchFunction is None and not partial.has("ncclNoSuchFunction")
@@ -225,7 +227,7 @@ def test_checked_wrapper_status_handling(lib):
     def fake(status):
         return ctypes.CFUNCTYPE(ctypes.c_int)(lambda: status)
 
-    assert nb._checked(lib, "ncclGroupEnd", fake(7))() == nb.ncclInProgress
+    assert nb._checked(lib, "ncclGroupEnd", fake(7))() == nh.ncclInProgress
     assert nb._checked(lib, "ncclGroupEnd", fake(0))() == 0
     with pytest.raises(NcclError) as info:
         nb._checked(lib, "ncclGroupEnd", fake(8))()
@@ -240,9 +242,9 @@ def test_unique_id(lib):
     assert isinstance(first, bytes) and len(first) == 128 == len(second)
     assert first != second
     uid = lib.unique_id_from_bytes(first)
-    assert isinstance(uid, nb.ncclUniqueId)
+    assert isinstance(uid, nh.ncclUniqueId)
     assert bytes(uid) == first
-    assert ctypes.sizeof(nb.ncclUniqueId) == 128
+    assert ctypes.sizeof(nh.ncclUniqueId) == 128
     with pytest.raises(errors.CupycollValueError):
         lib.unique_id_from_bytes(first[:-1])
     with pytest.raises(errors.CupycollTypeError):
@@ -253,32 +255,32 @@ def test_unique_id(lib):
 
 
 def test_config_layout_matches_header(header):
-    ours = [name for name, _ in nb.ncclConfig_t._fields_]
+    ours = [name for name, _ in nh.ncclConfig_t._fields_]
     theirs = header["field_order"]
     # One struct is a prefix of the other, field by field at the same offsets: NCCL copies
     # min(config.size, its own sizeof) bytes, so both sides read the fields they share.
     common = min(len(ours), len(theirs))
     assert common >= 9 and theirs[:common] == ours[:common]  # up to splitShare (2.18)
     for name in ours[:common]:
-        assert getattr(nb.ncclConfig_t, name).offset == header["fields"][name], name
-        assert getattr(nb.ncclConfig_t, name).size == header["fieldsize"][name], name
+        assert getattr(nh.ncclConfig_t, name).offset == header["fields"][name], name
+        assert getattr(nh.ncclConfig_t, name).size == header["fieldsize"][name], name
     if theirs == ours:
-        assert ctypes.sizeof(nb.ncclConfig_t) == header["sizeof"]
+        assert ctypes.sizeof(nh.ncclConfig_t) == header["sizeof"]
     elif len(theirs) > len(ours):  # a newer NCCL
-        assert ctypes.sizeof(nb.ncclConfig_t) <= header["sizeof"]
+        assert ctypes.sizeof(nh.ncclConfig_t) <= header["sizeof"]
         # A newer field may sit in our tail padding; NCCL_CONFIG_VERSION makes NCCL ignore it.
-        assert nb.NCCL_CONFIG_VERSION < header["macro"]["NCCL_VERSION_CODE"]
+        assert nh.NCCL_CONFIG_VERSION < header["macro"]["NCCL_VERSION_CODE"]
     else:  # an older NCCL (2.20, 2.28) knows a prefix of our fields and reads only that
-        assert header["sizeof"] < ctypes.sizeof(nb.ncclConfig_t)
-        assert header["macro"]["NCCL_VERSION_CODE"] < nb.NCCL_CONFIG_VERSION
-    assert ctypes.sizeof(nb.ncclConfig_t) == 96  # x86-64, NCCL 2.30.0 layout
+        assert header["sizeof"] < ctypes.sizeof(nh.ncclConfig_t)
+        assert header["macro"]["NCCL_VERSION_CODE"] < nh.NCCL_CONFIG_VERSION
+    assert ctypes.sizeof(nh.ncclConfig_t) == 96  # x86-64, NCCL 2.30.0 layout
 
 
 def test_config_constants_match_header(header):
-    assert nb.NCCL_CONFIG_VERSION == header["macro"]["NCCL_VERSION(2,30,0)"] == 23000
-    assert nb.NCCL_API_MAGIC == header["initializer"]["magic"]
-    assert nb.NCCL_CONFIG_UNDEF_INT == header["macro"]["NCCL_CONFIG_UNDEF_INT"]
-    assert nb.NCCL_SPLIT_NOCOLOR == header["macro"]["NCCL_SPLIT_NOCOLOR"]
+    assert nh.NCCL_CONFIG_VERSION == header["macro"]["NCCL_VERSION(2,30,0)"] == 23000
+    assert nh.NCCL_API_MAGIC == header["initializer"]["magic"]
+    assert nh.NCCL_CONFIG_UNDEF_INT == header["macro"]["NCCL_CONFIG_UNDEF_INT"]
+    assert nh.NCCL_SPLIT_NOCOLOR == header["macro"]["NCCL_SPLIT_NOCOLOR"]
 
 
 OUR_ENUM_NAMES = {
@@ -294,11 +296,11 @@ OUR_ENUM_NAMES = {
 def test_enum_constants_match_header(header):
     for enum, names in OUR_ENUM_NAMES.items():
         for name in names:
-            if name.startswith("ncclFloat8") and not nb.fp8_supported(header["macro"]["NCCL_VERSION_CODE"]):
+            if name.startswith("ncclFloat8") and not nh.fp8_supported(header["macro"]["NCCL_VERSION_CODE"]):
                 assert name not in header["enum_names"][enum]  # 2.24 added them
                 continue
             assert name in header["enum_names"][enum], f"{name} not in the header's {enum}"
-            assert getattr(nb, name) == header["enum"][name], name
+            assert getattr(nh, name) == header["enum"][name], name
 
 
 def test_status_names_match_header(header):
@@ -311,18 +313,18 @@ def test_status_names_match_header(header):
 
 def test_make_config():
     for blocking in (False, True):
-        config = nb.make_config(blocking)
-        assert config.size == ctypes.sizeof(nb.ncclConfig_t) == 96
+        config = nh.make_config(blocking)
+        assert config.size == ctypes.sizeof(nh.ncclConfig_t) == 96
         assert config.magic == 0xCAFEBEEF
         assert config.version == 23000
         assert config.blocking == int(blocking)
-        ints = [name for name, ctype in nb.ncclConfig_t._fields_[3:] if ctype is ctypes.c_int]
+        ints = [name for name, ctype in nh.ncclConfig_t._fields_[3:] if ctype is ctypes.c_int]
         assert len(ints) == 15
         assert all(getattr(config, name) == -(2**31) for name in ints if name != "blocking")
         assert config.netName is None and config.commName is None
-    assert nb.make_config(False, split_share=True).splitShare == 1
-    assert nb.make_config(False, split_share=False).splitShare == 0
-    raw = bytes(nb.make_config(False))
+    assert nh.make_config(False, split_share=True).splitShare == 1
+    assert nh.make_config(False, split_share=False).splitShare == 0
+    raw = bytes(nh.make_config(False))
     assert raw[92:96] == b"\0\0\0\0"  # tail padding: where 2.30.5+ puts graphStreamOrdering
 
 
@@ -404,8 +406,9 @@ def test_missing_nccl_names_the_extra_and_the_checkout_install(tmp_path):
     assert "CUPYCOLL_NCCL_LIBRARY" in text
 
 
-def test_module_imports_neither_torch_nor_cupy():
-    with open(nb.__file__) as f:
+@pytest.mark.parametrize("module", [nb, nh], ids=["bindings", "header"])
+def test_module_imports_neither_torch_nor_cupy(module):
+    with open(module.__file__) as f:
         tree = ast.parse(f.read())
     imported = set()
     for node in ast.walk(tree):

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 import ring_simulator as sim
-from cupycoll.nccl import bindings as nccl_bindings
-from cupycoll.ring import algorithm as ring
+from cupycoll.nccl import header as nccl_header
+from cupycoll.ring import algorithm as ring, programs
 from cupycoll.ring import schedule as rs
+from cupycoll.ring import stream_order as so
 from cupycoll.ring.kernels import ELEMENTS, KINDS, all_pairs
 from cupycoll.errors import CommunicatorAbortedError, CupycollError, CupycollTypeError, CupycollValueError
 
@@ -198,17 +199,17 @@ class FakeComm:
         return data
 
     def send(self, buf, count, dtype, peer, stream):
-        assert dtype == nccl_bindings.ncclUint8 and count > 0 and peer == (self.rank + 1) % self.size
+        assert dtype == nccl_header.ncclUint8 and count > 0 and peer == (self.rank + 1) % self.size
         self.log.append(("send", count))
         self._put(peer, "send", buf, count)
 
     def recv(self, buf, count, dtype, peer, stream):
-        assert dtype == nccl_bindings.ncclUint8 and count > 0 and peer == (self.rank - 1) % self.size
+        assert dtype == nccl_header.ncclUint8 and count > 0 and peer == (self.rank - 1) % self.size
         self.log.append(("recv", count))
         _local.heap.view(buf, count)[:] = self._get(peer, "send", count)
 
     def all_gather(self, sendbuf, recvbuf, count, dtype, stream):
-        assert dtype == nccl_bindings.ncclUint8 and count > 0
+        assert dtype == nccl_header.ncclUint8 and count > 0
         self.log.append(("all_gather", count))
         mine = _local.heap.view(sendbuf, count).copy()
         for peer in range(self.size):
@@ -221,7 +222,7 @@ class FakeComm:
                 out[peer * count:(peer + 1) * count] = self._get(peer, "all_gather", count)
 
     def broadcast(self, sendbuf, recvbuf, count, dtype, root, stream):
-        assert dtype == nccl_bindings.ncclUint8 and count > 0 and 0 <= root < self.size
+        assert dtype == nccl_header.ncclUint8 and count > 0 and 0 <= root < self.size
         self.log.append(("broadcast", count))
         if self.rank == root:
             for peer in range(self.size):
@@ -536,7 +537,7 @@ def test_scratch_that_cannot_be_had_is_a_clear_error_and_the_ring_stays_usable(f
 
 def _counted(log):
     names = [entry[0] for entry in log]
-    return rs.Launches(nccl_groups=names.count("group"),
+    return so.Launches(nccl_groups=names.count("group"),
                        nccl_calls=sum(names.count(n) for n in ("send", "recv", "all_gather", "broadcast")),
                        kernels=names.count("kernel"), copies=0,
                        events=names.count("record") + names.count("wait"))
@@ -547,23 +548,23 @@ def _counted(log):
 @pytest.mark.parametrize("kind", ("all_reduce", "reduce_scatter"))
 def test_one_call_launches_what_its_schedule_counts(fake_gpu, world, dtype, kind):
     """The executor adds nothing per round to the schedule's commands: one call launches
-    exactly :func:`schedule.launches` of its commands, plus one record of its end."""
+    exactly :func:`stream_order.launches` of its commands, plus one record of its end."""
     count = 1003 if kind == "all_reduce" else 301
     n = count if kind == "all_reduce" else count * world
     for scratch in (SCRATCH, ring.DEFAULT_RING_SCRATCH_BYTES):  # many rounds; one
         ran = run_calls([Call(kind, _inputs(world, n, dtype), dtype, "sum")], scratch)[0]
         for rank, got in enumerate(ran):
             plan = ring.plan_for(kind, rank, world, count, dtype, "sum", scratch_bytes=scratch)
-            expected = rs.launches(rs.issue(plan))
+            expected = so.launches(so.issue(plan))
             assert _counted(got.log) == dataclasses.replace(expected, events=expected.events + 1), \
                 (scratch, rank, plan.geometry)
 
 
 def test_a_repeated_call_is_planned_once(fake_gpu, monkeypatch):
-    ring.program.cache_clear()
+    programs.program.cache_clear()
     built = []
-    plan = ring.build_plan
-    monkeypatch.setattr(ring, "build_plan", lambda *args: built.append(args) or plan(*args))
+    plan = programs.build_plan
+    monkeypatch.setattr(programs, "build_plan", lambda *args: built.append(args) or plan(*args))
     call = Call("all_reduce", _inputs(2, 777, "float16"), "float16", "sum")
     ran = run_calls([call, call, call], SCRATCH)
     assert sorted(args[1] for args in built) == [0, 1]  # once per rank

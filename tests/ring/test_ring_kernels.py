@@ -2,8 +2,8 @@
 
 The tests compile exactly what :mod:`cupycoll.ring.algorithm` compiles at run time (same source,
 options and name expressions, from :func:`cupycoll.ring.kernels.module_spec`), to PTX for
-compute_80 and compute_90. NVRTC needs no driver, so this runs on any CI machine that has
-the cuda12 extra installed.
+compute_80 and compute_90 (:func:`cupycoll.kernels.compile_ptx`). NVRTC needs no driver, so
+this runs on any CI machine that has the cuda12 extra installed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cupycoll import kernels
 from cupycoll.ring import kernels as _kernels
 from cupycoll.ring import algorithm as ring
 from cupycoll.errors import CupycollValueError
@@ -56,7 +57,7 @@ def test_every_documented_pair_is_in_the_catalogue():
 def test_pair_compiles_to_ptx(dtype, op, arch):
     spec = _kernels.module_spec(dtype, op)
     assert set(spec.names) == set(_kernels.KINDS)
-    ptx, lowered = _kernels.compile_ptx(spec, arch)
+    ptx, lowered = kernels.compile_ptx(spec, arch)
     target = arch.split("_")[1]
     assert re.search(rf"\.target\s+sm_{target}\b", ptx)
     for expression in spec.name_expressions:
@@ -67,7 +68,7 @@ def test_pair_compiles_to_ptx(dtype, op, arch):
 
 @needs_nvrtc
 def test_wide_accesses_are_generated():
-    ptx, lowered = _kernels.compile_ptx(_kernels.module_spec("float16", "sum"), "compute_80")
+    ptx, lowered = kernels.compile_ptx(_kernels.module_spec("float16", "sum"), "compute_80")
     body = ptx.split(f".entry {lowered[_kernels.name_expression('ring_reduce', 'float16', 'sum')]}(")[1]
     body = body.split(".entry")[0]
     assert "ld.global.v4.f32" in body and "ld.global.v4.u16" in body and "st.global.v4.f32" in body
@@ -75,9 +76,9 @@ def test_wide_accesses_are_generated():
 
 @needs_nvrtc
 def test_compile_errors_carry_the_log():
-    spec = _kernels.ModuleSpec("this is not C++", _kernels.COMPILE_OPTIONS, {k: "nothing" for k in _kernels.KINDS})
+    spec = kernels.ModuleSpec("this is not C++", _kernels.COMPILE_OPTIONS, {k: "nothing" for k in _kernels.KINDS})
     with pytest.raises(RuntimeError, match="NVRTC failed"):
-        _kernels.compile_ptx(spec, "compute_80")
+        kernels.compile_ptx(spec, "compute_80")
 
 
 @pytest.mark.parametrize("dtype,op", [
@@ -131,13 +132,9 @@ def test_source_is_self_contained():
 
 
 def test_a_missing_kernel_folder_names_the_incomplete_installation(monkeypatch):
-    _kernels.source.cache_clear()
     monkeypatch.setattr(_kernels, "KERNEL_DIR", "no_such_folder")
-    try:
-        with pytest.raises(FileNotFoundError, match=r"cupycoll/ring/no_such_folder/.*incomplete"):
-            _kernels.source()
-    finally:
-        _kernels.source.cache_clear()
+    with pytest.raises(FileNotFoundError, match=r"cupycoll/ring/no_such_folder/.*incomplete"):
+        _kernels.source()
 
 
 def test_import_cupycoll_ring_does_not_import_cupy():

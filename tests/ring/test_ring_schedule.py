@@ -1,8 +1,8 @@
-"""CPU tier: the ring schedule (cupycoll.ring.schedule), run by its numpy simulator
-(tests/ring_simulator.py).
+"""CPU tier: the ring schedule (cupycoll.ring.schedule) and its stream order
+(cupycoll.ring.stream_order), run by its numpy simulator (tests/ring_simulator.py).
 
 The GPU executes the same plans (:func:`cupycoll.ring.algorithm.plan_for` builds them through the
-same functions) and the same stream commands (:func:`issue`), so what is proven here about
+same functions) and the same stream commands (:func:`cupycoll.ring.stream_order.issue`), so what is proven here about
 coverage, step order, reduction order, in-place safety and stream ordering holds there.
 """
 
@@ -18,6 +18,7 @@ import torch
 import ring_simulator as sim
 from cupycoll.ring import algorithm as ring
 from cupycoll.ring import schedule as rs
+from cupycoll.ring import stream_order as so
 from cupycoll.ring.kernels import ELEMENTS, all_pairs
 from cupycoll.errors import CupycollValueError
 
@@ -152,13 +153,14 @@ def test_geometry_cuts_few_rounds_whatever_the_size_and_fits_the_scratch(world, 
         rs.geometry([(0, 1 << 20)] * 2, 2, 8, True, 100)
 
 
-def test_the_schedule_is_plain_data():
-    """ring_schedule imports the standard library and cupycoll only: numpy is the
-    simulator's (ring_simulator), not the schedule's."""
+@pytest.mark.parametrize("module", [rs, so], ids=["schedule", "stream_order"])
+def test_the_schedule_is_plain_data(module):
+    """The schedule and its stream order import the standard library and cupycoll only:
+    numpy is the simulator's (ring_simulator), not the schedule's."""
     import ast
     import pathlib
 
-    tree = ast.parse(pathlib.Path(rs.__file__).read_text(encoding="utf-8"))
+    tree = ast.parse(pathlib.Path(module.__file__).read_text(encoding="utf-8"))
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
@@ -437,22 +439,22 @@ def _check_stream_order(commands, accesses_of):
     """Every two accesses to overlapping memory, one a write, from different streams, must
     be ordered by the records and waits (vector clocks). A pseudo-op on the caller's stream
     touching everything stands for the caller's work before and after."""
-    streams = (rs.CALLER, rs.SIDE)
+    streams = (so.CALLER, so.SIDE)
     everything = [(("send",), 0, 1 << 30, True), (("recv",), 0, 1 << 30, True), (("slot",), 0, 1 << 30, True)]
     clock = {s: [0, 0] for s in streams}
     events = {}
     ops = []
-    sequence = [("run", rs.CALLER, None)] + [("cmd", c) for c in commands] + [("run", rs.CALLER, None)]
+    sequence = [("run", so.CALLER, None)] + [("cmd", c) for c in commands] + [("run", so.CALLER, None)]
     for item in sequence:
-        if item[0] == "run" or isinstance(item[1], rs.Run):
+        if item[0] == "run" or isinstance(item[1], so.Run):
             stream, action = (item[1], None) if item[0] == "run" else (item[1].stream, item[1].action)
             i = streams.index(stream)
             clock[stream][i] += 1
             acc = everything if action is None else accesses_of(action)
             ops.append((i, clock[stream][i], tuple(clock[stream]), acc))
-        elif isinstance(item[1], rs.Record):
+        elif isinstance(item[1], so.Record):
             events[item[1].event] = tuple(clock[item[1].stream])
-        elif isinstance(item[1], rs.Wait):
+        elif isinstance(item[1], so.Wait):
             if item[1].event in events:
                 seen = events[item[1].event]
                 clock[item[1].stream] = [max(a, b) for a, b in zip(clock[item[1].stream], seen)]
@@ -481,9 +483,9 @@ def test_stream_commands_order_every_conflicting_access(world, kind, dtype, in_p
     for scratch in (TINY, rs.LANES * 2 * 48 * 4, ring.DEFAULT_RING_SCRATCH_BYTES):
         for count in (1, 7, 100, 2 ** 9 + 3):
             plan = ring.plan_for(kind, world - 1, world, count, dtype, "sum", scratch_bytes=scratch)
-            commands = rs.issue(plan)
+            commands = so.issue(plan)
             _check_stream_order(commands, lambda a: _accesses(a, world - 1, count, in_place, kind))
-            side = any(isinstance(c, (rs.Run, rs.Record, rs.Wait)) and c.stream == rs.SIDE for c in commands)
+            side = any(isinstance(c, (so.Run, so.Record, so.Wait)) and c.stream == so.SIDE for c in commands)
             assert side == (plan.geometry.rounds > 1), (scratch, count, plan.geometry)
 
 
@@ -493,24 +495,24 @@ def test_a_plan_of_one_round_runs_on_the_callers_stream_alone():
         for kind in rs.KINDS:
             plan = ring.plan_for(kind, 0, world, 1 << 20, "bfloat16", "sum")
             assert plan.geometry.rounds <= 1
-            commands = rs.issue(plan)
-            assert commands and all(isinstance(c, rs.Run) and c.stream == rs.CALLER for c in commands)
+            commands = so.issue(plan)
+            assert commands and all(isinstance(c, so.Run) and c.stream == so.CALLER for c in commands)
 
 
 def test_pruning_drops_only_orderings_already_implied():
-    record = rs.Record(rs.CALLER, ("a",))
-    commands = [record, rs.Wait(rs.SIDE, ("a",)), rs.Run(rs.SIDE, None),
-                rs.Wait(rs.SIDE, ("a",)),  # the side stream has seen this record already
-                rs.Record(rs.CALLER, ("b",)),  # no wait reads it
-                rs.Record(rs.SIDE, ("c",)), rs.Wait(rs.CALLER, ("c",)),
-                rs.Wait(rs.CALLER, ("never recorded",))]
-    assert rs._prune(commands) == [record, rs.Wait(rs.SIDE, ("a",)), rs.Run(rs.SIDE, None),
-                                   rs.Record(rs.SIDE, ("c",)), rs.Wait(rs.CALLER, ("c",))]
+    record = so.Record(so.CALLER, ("a",))
+    commands = [record, so.Wait(so.SIDE, ("a",)), so.Run(so.SIDE, None),
+                so.Wait(so.SIDE, ("a",)),  # the side stream has seen this record already
+                so.Record(so.CALLER, ("b",)),  # no wait reads it
+                so.Record(so.SIDE, ("c",)), so.Wait(so.CALLER, ("c",)),
+                so.Wait(so.CALLER, ("never recorded",))]
+    assert so._prune(commands) == [record, so.Wait(so.SIDE, ("a",)), so.Run(so.SIDE, None),
+                                   so.Record(so.SIDE, ("c",)), so.Wait(so.CALLER, ("c",))]
 
 
 def test_the_stream_checker_catches_a_missing_wait():
     plan = ring.plan_for("all_reduce", 0, 3, 200, "float16", "sum", scratch_bytes=TINY)
-    commands = [c for c in rs.issue(plan) if not (isinstance(c, rs.Wait) and c.event[0] == "received")]
+    commands = [c for c in so.issue(plan) if not (isinstance(c, so.Wait) and c.event[0] == "received")]
     with pytest.raises(AssertionError, match="unordered"):
         _check_stream_order(commands, lambda a: _accesses(a, 0, 200, False, "all_reduce"))
 
@@ -522,10 +524,10 @@ def test_stages_must_wait_for_the_lanes_last_transfer():
     for world, count in ((7, 100), (9, 515)):
         for rank in range(world):
             plan = ring.plan_for("all_reduce", rank, world, count, "float16", "sum", scratch_bytes=TINY)
-            commands = rs.issue(plan)
+            commands = so.issue(plan)
             without = [c for i, c in enumerate(commands)
-                       if not (isinstance(c, rs.Wait) and i + 1 < len(commands)
-                               and isinstance(commands[i + 1], rs.Run)
+                       if not (isinstance(c, so.Wait) and i + 1 < len(commands)
+                               and isinstance(commands[i + 1], so.Run)
                                and isinstance(commands[i + 1].action, rs.Stage))]
             try:
                 _check_stream_order(without, lambda a: _accesses(a, rank, count, False, "all_reduce"))
@@ -557,7 +559,7 @@ def _launch_table(world, scratch_bytes):
             for size in MEASURED_SIZES:
                 count = size // itemsize if kind == "all_reduce" else size // itemsize // world
                 plan = ring.plan_for(kind, 0, world, count, dtype, "sum", scratch_bytes=scratch_bytes)
-                counted = rs.launches(rs.issue(plan))
+                counted = so.launches(so.issue(plan))
                 rows.append((kind, dtype, size, plan.geometry, counted))
     return rows
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import mp
 from cupycoll import _args
 from cupycoll.nccl import bootstrap as bootstrap_module
-from cupycoll.nccl import bindings as nb
+from cupycoll.nccl import header as nh
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
 from gpu import tier
 from gpu.tier import (COMMAND_LIMIT_S, GPU_TIER, GPU_TIER_BUDGETS_S, GPU_TIER_ESTIMATES_S, PART_START_S,
@@ -289,13 +289,13 @@ def test_comparison_leaves_out_cases_the_reference_got_wrong():
 def test_fp8_avg_on_one_rank_is_issued_as_sum(dtype, monkeypatch):
     # NCCL's one-rank path has no fp8 pre-multiply on the host: ncclInvalidArgument
     red = _args.reduction(dtype, R.AVG, True)
-    assert red.op == nb.ncclAvg
-    assert _args.for_group_size(red, dtype, 1).op == nb.ncclSum
-    assert _args.for_group_size(red, dtype, 2).op == nb.ncclAvg
+    assert red.op == nh.ncclAvg
+    assert _args.for_group_size(red, dtype, 1).op == nh.ncclSum
+    assert _args.for_group_size(red, dtype, 2).op == nh.ncclAvg
     other = _args.reduction(torch.float16, R.AVG, True)
     assert _args.for_group_size(other, torch.float16, 1) is other
     monkeypatch.setattr(_args, "fp8_supported", lambda: True)
-    for size, op in ((1, nb.ncclSum), (3, nb.ncclAvg)):
+    for size, op in ((1, nh.ncclSum), (3, nh.ncclAvg)):
         assert _args.reduction_plan(torch.ones(2, dtype=dtype), R.AVG, "auto", size).op == op
 
 

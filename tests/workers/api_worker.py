@@ -594,9 +594,9 @@ def coverage(args, device: torch.device) -> Coverage:
         dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                   torch.uint8, torch.int32, torch.int64, torch.bool]
         if not cpu:
-            from cupycoll.nccl import bindings as nccl_bindings
+            from cupycoll.nccl import header as nccl_header
             import cupy.cuda.nccl as cnccl  # noqa: F401
-            if nccl_bindings.fp8_supported(cnccl.get_version()) and "cupycoll" in args.backend:
+            if nccl_header.fp8_supported(cnccl.get_version()) and "cupycoll" in args.backend:
                 dtypes += [torch.float8_e4m3fn, torch.float8_e5m2]
             dtypes += [torch.complex64, torch.complex128]
     ops = [R.SUM, R.PRODUCT, R.MIN, R.MAX] + ([] if gloo_like else [R.AVG])
