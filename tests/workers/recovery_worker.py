@@ -9,7 +9,8 @@ usage: recovery_worker.py OUT_DIR SCENARIO TIMEOUT_S
   see the connection close at once; the others only at their timeout, unless the fault is
   published (CUPYCOLL_PUBLISH_FAULTS).
 * ``shrink``: as ``death``, then each survivor calls ``cupycoll.shrink_group([last])`` on its
-  error and runs one all_reduce on the shrunk group, recording when it finished.
+  error (rank 1 ``RECOVERY_LATE_S`` seconds later) and runs one all_reduce on the shrunk
+  group, recording when it began and finished.
 * ``hung``: 2 ranks; rank 1 stops itself (SIGSTOP: neither its main thread nor its listener
   answers) after a barrier; rank 0 issues 4 asynchronous all_reduces and waits on each,
   recording each error and when, then ends rank 1 (SIGKILL).
@@ -96,6 +97,12 @@ def main() -> int:
             report["error"] = _error(exc)
             break
     if scenario == "shrink":
+        # RECOVERY_LATE_S: rank 1 acts on its error that much later, as a rank that learns of
+        # the death last would (whether gloo shows a rank the closed connection at once
+        # depends on its pair order and release).
+        if rank == 1:
+            time.sleep(float(os.environ.get("RECOVERY_LATE_S", "0")))
+        report["shrink_at"] = time.time()
         try:
             group = cupycoll.shrink_group([last])
             x = torch.ones(4)
