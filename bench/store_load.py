@@ -2,7 +2,8 @@
 
 Every cupycoll rank reaches rank 0's TCPStore, one server thread that torch's rendezvous and
 heartbeats share: communicator creation (:mod:`cupycoll.nccl.bootstrap`), the timeout
-diagnosis and its per-process listener (:mod:`cupycoll.trace.diagnosis`) all go through it.
+diagnosis and its per-process listener (:mod:`cupycoll.trace.exchange`,
+:mod:`cupycoll.trace.listener`) all go through it.
 This scenario runs N simulated ranks as threads of one process, each with a TCPStore client
 of its own (its own connection, as a rank has), against one real server in a child process,
 and counts the store calls each rank makes:
@@ -178,12 +179,12 @@ def _settle(tallies, limit: float = 30.0) -> None:
 def diagnosis(server: Server, n: int, tag: str) -> List[int]:
     """Calls per rank while every rank but the last diagnoses a timeout in #42 (the last one
     behind, answering through its listener), from the first asker to the last report."""
-    from cupycoll.trace import diagnosis as diag
+    from cupycoll.trace import exchange, listener
 
     stores, tallies = _ranks(server, n, f"{tag}/")
     recorders = _recorders(n, "g", behind=n - 1)
     for rank in range(n):
-        diag.serve(stores[rank], recorders[rank])
+        listener.serve(stores[rank], recorders[rank])
     _settle(tallies)
     for tally in tallies:
         tally.clear()
@@ -193,14 +194,14 @@ def diagnosis(server: Server, n: int, tag: str) -> List[int]:
         if r == n - 1:
             return
         time.sleep(random.Random(r).uniform(0, DIAGNOSIS_SPREAD_S))
-        reports[r] = diag.diagnose_timeout(stores[r], recorders[r], timeout_s=30).message
+        reports[r] = exchange.diagnose_timeout(stores[r], recorders[r], timeout_s=30).message
     try:
         _run_threads(rank, n)
         time.sleep(1.0)  # what the exchange's threads still do after the reports
         counts = [sum(t.values()) for t in tallies]
     finally:
         for recorder in recorders:
-            diag.unserve(recorder)
+            listener.unserve(recorder)
     behind = f"rank {n - 1} is behind"
     assert all(behind in message for message in reports.values()), next(iter(reports.values()))
     return counts
@@ -208,19 +209,19 @@ def diagnosis(server: Server, n: int, tag: str) -> List[int]:
 
 def idle(server: Server, n: int, seconds: float, tag: str) -> List[float]:
     """Calls per rank per minute with IDLE_GROUPS groups served and nothing wrong."""
-    from cupycoll.trace import diagnosis as diag
+    from cupycoll.trace import listener
 
     stores, tallies = _ranks(server, n, f"{tag}/")
     served = [rec for g in range(IDLE_GROUPS) for rec in _recorders(n, f"idle{g}", behind=-1)]
     for recorder in served:
-        diag.serve(stores[recorder.rank], recorder)
+        listener.serve(stores[recorder.rank], recorder)
     _settle(tallies)
     for tally in tallies:
         tally.clear()
     time.sleep(seconds)
     counts = [sum(t.values()) * 60.0 / seconds for t in tallies]
     for recorder in served:
-        diag.unserve(recorder)
+        listener.unserve(recorder)
     return counts
 
 

@@ -29,7 +29,7 @@ from .errors import (
     NoCudaDeviceError,
     PeerFailedError,
 )
-from .trace.recorder import dump_trace
+from .trace.dumps import dump_trace
 from .work import CudaWork
 
 _LAZY = {"ProcessGroupCupycoll": "process_group", "abort_all": "process_group",

@@ -56,8 +56,9 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("faults.lifecycle", "nccl.bootstrap"),
     ("nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group"),
     ("nccl.bindings", "nccl.header", "_cuda", "compat", "config", "algorithms", "kernels", "errors", "work",
-     "faults.watchdog", "faults.watchdog_cuda", "faults.heartbeat", "trace.group", "trace.recorder",
-     "trace.diagnosis", "trace.mismatch"),
+     "faults.watchdog", "faults.watchdog_cuda", "faults.heartbeat", "trace.group", "trace.gloo_work",
+     "trace.listener", "trace.exchange", "trace.news", "trace.diagnosis", "trace.records", "trace.recorder",
+     "trace.dumps", "trace.mismatch"),
 )
 
 GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR

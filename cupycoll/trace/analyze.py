@@ -33,9 +33,10 @@ import timeit
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .diagnosis import ranks_text
+from .dumps import load_dump
 from ..errors import CupycollValueError
 from .mismatch import compare, signature
-from .recorder import Recorder, describe_entry, load_dump
+from .recorder import Recorder, describe_entry
 
 EXIT_AGREE, EXIT_DISAGREE, EXIT_ERROR = 0, 1, 2
 

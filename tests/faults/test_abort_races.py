@@ -189,7 +189,7 @@ def test_a_second_abort_from_the_aborting_thread_itself_returns_at_once():
 _FORK_SCRIPT = """
     import datetime, os, sys, threading
     import torch.distributed as dist
-    from cupycoll.trace import diagnosis
+    from cupycoll.trace import listener
     from cupycoll.faults import lifecycle
     from cupycoll.trace import recorder
     from standins import CpuAsCudaGroup
@@ -210,11 +210,11 @@ _FORK_SCRIPT = """
         return group
 
     parent = make("parent")
-    diagnosis.serve(dist.HashStore(), recorder.Recorder("g", [0, 1], 0), interval=0.01)
+    listener.serve(dist.HashStore(), recorder.Recorder("g", [0, 1], 0), interval=0.01)
     held, forked = threading.Event(), threading.Event()
 
     def hold():  # a thread of the parent holds the module locks when it forks
-        with recorder._lock, parent._cuda.life._lock, diagnosis.RESPONDER._lock:
+        with recorder._lock, parent._cuda.life._lock, listener.RESPONDER._lock:
             held.set()
             forked.wait(5)
 
@@ -223,8 +223,8 @@ _FORK_SCRIPT = """
     pid = os.fork()
     if pid == 0:
         free = [not lock.locked() for lock in
-                (recorder._lock, parent._cuda.life._lock, diagnosis.RESPONDER._lock)]
-        print("child locks free", free, "responder", diagnosis.RESPONDER.running, flush=True)
+                (recorder._lock, parent._cuda.life._lock, listener.RESPONDER._lock)]
+        print("child locks free", free, "responder", listener.RESPONDER.running, flush=True)
         child = make("child")
         sys.exit(0)  # a normal exit: atexit runs in the child
     forked.set()

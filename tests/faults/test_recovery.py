@@ -26,7 +26,7 @@ from cupycoll import bounds, compat, config
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollTypeError, NcclError, \
     PeerFailedError
 from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Finding
-from cupycoll.trace import diagnosis
+from cupycoll.trace import news
 from cupycoll.trace.group import GroupTrace, TracedWork
 from faulty import FakeComm, eventually, fault_group, issued_work, make_group, run_script, stuck_work, undiagnosed
 from mp import run_ranks
@@ -87,7 +87,7 @@ def test_a_fault_published_with_publishing_off_is_left_alone():
         fault_group(found, CollectiveTimeoutError("all_reduce #1 did not complete"))
         time.sleep(0.5)
         assert told._cuda.state == "ok" and waiting.exception() is None
-        assert not store.check([f"{diagnosis.key_prefix('pair', 0)}/news"])  # nothing was published
+        assert not store.check([f"{news.key_prefix('pair', 0)}/news"])  # nothing was published
     finally:
         for group in (found, told):
             group.shutdown()
@@ -274,22 +274,22 @@ def test_a_slot_taken_while_release_empties_the_pool_is_never_a_destroyed_event(
 
 
 def test_a_dump_never_follows_a_planted_symlink(tmp_path):
-    from cupycoll.trace import recorder
+    from cupycoll.trace import dumps
 
     folder = tmp_path / "shared"
     victim = tmp_path / "victim"
     victim.write_text("mine")
-    assert recorder.dump_on_timeout(str(folder), 0, "test") == str(folder / "cupycoll_trace_rank0.json")
+    assert dumps.dump_on_timeout(str(folder), 0, "test") == str(folder / "cupycoll_trace_rank0.json")
     assert (os.stat(folder).st_mode & 0o777) == 0o700
     assert (os.stat(folder / "cupycoll_trace_rank0.json").st_mode & 0o777) == 0o600
     # another user plants the temporary name a dump once used, and the final name
     os.symlink(victim, folder / f"cupycoll_trace_rank0.json.{os.getpid()}.tmp")
     os.remove(folder / "cupycoll_trace_rank0.json")
     os.symlink(victim, folder / "cupycoll_trace_rank0.json")
-    assert recorder.dump_on_timeout(str(folder), 0, "test") is None  # refused, warned
+    assert dumps.dump_on_timeout(str(folder), 0, "test") is None  # refused, warned
     assert victim.read_text() == "mine"
     with pytest.raises(cupycoll.CupycollValueError, match="symbolic link"):
-        recorder.dump_trace(str(folder / "cupycoll_trace_rank0.json"))
+        dumps.dump_trace(str(folder / "cupycoll_trace_rank0.json"))
 
 
 # -- every exit 70 leaves its dump and torchrun's error file ---------------------------------

@@ -52,10 +52,10 @@ LAYERS = (
     {"faults.lifecycle", "nccl.bootstrap", "ring", "ring.algorithm"},
     {"_args", "call_forms", "cpu_average", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda",
      "nccl", "nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group", "trace",
-     "trace.group", "trace.diagnosis", "trace.mismatch", "ring.programs", "ring.stream_order", "ring.schedule",
-     "ring.kernels"},
+     "trace.group", "trace.gloo_work", "trace.listener", "trace.exchange", "trace.news", "trace.diagnosis",
+     "trace.mismatch", "ring.programs", "ring.stream_order", "ring.schedule", "ring.kernels"},
     {"work", "_cuda", "compat", "config", "_parsers", "bounds", "errors", "hooks", "algorithms", "kernels",
-     "nccl.bindings", "nccl.header", "trace.recorder", "_version"},
+     "nccl.bindings", "nccl.header", "trace.recorder", "trace.dumps", "trace.records", "_version"},
 )
 # Subpackages that never import each other, whatever their layers: the NCCL layer knows no
 # policy, fault handling no flight recorder (the diagnosis is handed in), and back.

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cupycoll.trace import diagnosis
+from cupycoll.trace import diagnosis, exchange, gloo_work, listener, news, records
 from cupycoll.trace import mismatch
 from cupycoll.trace import analyze as trace
 from cupycoll.trace import recorder as rec_mod
@@ -105,7 +105,7 @@ def test_progress_of_a_recorder():
     done = recorder.record("broadcast", ((8,),), (torch.float32,), root=0)
     recorder.mark(done, "completed")
     stuck = recorder.record("all_reduce", ((4,),), (torch.float32,))
-    mine = diagnosis.progress(recorder)
+    mine = records.progress(recorder)
     assert mine["stuck"] == {"seq": 2, "op": "all_reduce", "desc": "all_reduce #2 (float32[4])"}
     assert (mine["last_issued"], mine["last_completed"], mine["global_rank"]) == (2, 1, 6)
     assert mine["last_issued_state"] == "issued" and stuck is recorder.last_issued_entry
@@ -137,12 +137,12 @@ def recorders(world, behind=2, group="0"):
 def ranks_0_and_1_time_out_while_rank_2_answers(stores, recs, dump_dir=None) -> dict:
     """Ranks 0 and 1 diagnose their timeout side by side; rank 2's responder answers for it.
     Their reports, by rank."""
-    diagnosis.serve(stores[2], recs[2], dump_dir, interval=0.05)
+    listener.serve(stores[2], recs[2], dump_dir, interval=0.05)
     reports = {}
 
     def run(rank):
-        reports[rank] = diagnosis.diagnose_timeout(stores[rank], recs[rank], timeout_s=30,
-                                                   wait_s=5.0)
+        reports[rank] = exchange.diagnose_timeout(stores[rank], recs[rank], timeout_s=30,
+                                                  wait_s=5.0)
     try:
         threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
         for thread in threads:
@@ -150,7 +150,7 @@ def ranks_0_and_1_time_out_while_rank_2_answers(stores, recs, dump_dir=None) -> 
         for thread in threads:
             thread.join(10)
     finally:
-        diagnosis.unserve(recs[2])
+        listener.unserve(recs[2])
     return reports
 
 
@@ -175,8 +175,8 @@ def test_diagnose_through_a_real_store(stores, tmp_path):
     # A later timeout in the same group never reads the records of the first one.
     recs[0].record("all_reduce", ((4,),), (torch.float32,))
     started = time.monotonic()
-    later = diagnosis.diagnose(stores[0], "0", 0, 3, diagnosis.progress(recs[0], recs[0].find(43)),
-                               30, wait_s=1.0)
+    later = exchange.diagnose(stores[0], "0", 0, 3, records.progress(recs[0], recs[0].find(43)),
+                              30, wait_s=1.0)
     assert 0.9 < time.monotonic() - started < 1 + 3
     assert sorted(later.records) == [0] and later.store_error is None
     assert later.message.endswith("ranks 1,2 did not answer within 1 s (dead, or stuck "
@@ -188,21 +188,21 @@ def test_a_known_gone_peer_is_named_as_soon_as_every_other_rank_answered(stores)
     # rank 0 names rank 2 at once instead of waiting out the 4 s
     # (a group name of its own: this process claimed group '0''s record keys in other tests)
     recs = recorders(3, group="gone")
-    diagnosis.serve(stores[1], recs[1], interval=0.05)
+    listener.serve(stores[1], recs[1], interval=0.05)
     try:
         started = time.monotonic()
-        report = diagnosis.diagnose(stores[0], "gone", 0, 3, diagnosis.progress(recs[0], recs[0].find(42)),
-                                    None, what="failed (Connection closed by peer)", one_gone=True)
+        report = exchange.diagnose(stores[0], "gone", 0, 3, records.progress(recs[0], recs[0].find(42)),
+                                   None, what="failed (Connection closed by peer)", one_gone=True)
     finally:
-        diagnosis.unserve(recs[1])
+        listener.unserve(recs[1])
     assert time.monotonic() - started < 3 and sorted(report.records) == [0, 1]
     assert report.message.endswith("rank 2 did not answer and every other rank did: it is the peer "
                                    "whose connection closed (dead, or it ended the group)"), report.message
     # a group of two: nobody else to ask
     two = recorders(2, group="two")
     started = time.monotonic()
-    report = diagnosis.diagnose(stores[0], "two", 0, 2, diagnosis.progress(two[0], two[0].find(42)),
-                                None, what="failed", one_gone=True)
+    report = exchange.diagnose(stores[0], "two", 0, 2, records.progress(two[0], two[0].find(42)),
+                               None, what="failed", one_gone=True)
     assert time.monotonic() - started < 1 and "rank 1 did not answer and every other rank did" in report.message
 
 
@@ -212,9 +212,9 @@ def test_the_last_rank_out_deletes_the_groups_diagnosis_keys(stores):
     ranks_0_and_1_time_out_while_rank_2_answers(stores, recs)
     assert stores[0].num_keys() > baseline  # the records, the requests and their counters
     for rank in (0, 1):
-        diagnosis.forget(stores[rank], recs[rank])
+        news.forget(stores[rank], recs[rank])
         assert stores[0].num_keys() > baseline  # a rank still in the group may read them
-    diagnosis.forget(stores[2], recs[2])
+    news.forget(stores[2], recs[2])
     assert stores[0].num_keys() == baseline
 
 
@@ -222,20 +222,20 @@ def test_a_group_that_never_diagnosed_leaves_no_key(stores):
     recs = recorders(2)
     baseline = stores[0].num_keys()
     for rank in (0, 1):
-        diagnosis.serve(stores[rank], recs[rank], interval=0.01)
+        listener.serve(stores[rank], recs[rank], interval=0.01)
     time.sleep(0.2)  # the responder polls the group several times
     for rank in (0, 1):
-        diagnosis.unserve(recs[rank])
+        listener.unserve(recs[rank])
     assert stores[0].num_keys() == baseline
     for rank in (0, 1):
-        diagnosis.forget(stores[rank], recs[rank])
+        news.forget(stores[rank], recs[rank])
     assert stores[0].num_keys() == baseline
 
 
 def test_forgetting_a_group_returns_within_its_wait_on_a_dead_store():
     store = BlockingStore()
     started = time.monotonic()
-    diagnosis.forget(store, recorders(2)[0], wait_s=0.3)
+    news.forget(store, recorders(2)[0], wait_s=0.3)
     assert time.monotonic() - started < 0.3 + 2
     store.release.set()
 
@@ -261,18 +261,18 @@ def test_a_dead_store_cannot_hang_the_diagnosis():
     recorder = recorders(2)[0]
     store = BlockingStore()
     started = time.monotonic()
-    report = diagnosis.diagnose_timeout(store, recorder, timeout_s=30, wait_s=0.5)
+    report = exchange.diagnose_timeout(store, recorder, timeout_s=30, wait_s=0.5)
     assert time.monotonic() - started < 0.5 + 3  # not the blocked store's (endless) wait
     assert report.store_error == "no reply"
     assert "the store did not answer within 0.5 s (no reply)" in report.message
     store.release.set()
-    report = diagnosis.diagnose_timeout(RaisingStore(), recorder, timeout_s=30, wait_s=20)
+    report = exchange.diagnose_timeout(RaisingStore(), recorder, timeout_s=30, wait_s=20)
     assert report.elapsed_s < 10  # the first error ends it, not the 20 s wait
     assert "(RuntimeError: Connection reset by peer)" in report.message
 
 
 def test_the_responder_drops_a_dead_store_and_ends():
-    responder = diagnosis.Responder()
+    responder = listener.Responder()
     responder.serve(RaisingStore(), recorders(2)[1], interval=0.01)
     deadline = time.monotonic() + 5
     while responder.running and time.monotonic() < deadline:
@@ -281,7 +281,7 @@ def test_the_responder_drops_a_dead_store_and_ends():
 
 
 def test_a_store_error_that_ends_serving_a_group_is_a_warning(caplog):
-    responder = diagnosis.Responder()
+    responder = listener.Responder()
     with caplog.at_level(logging.WARNING, logger="cupycoll"):
         responder.serve(RaisingStore(), recorders(2)[1], interval=0.01)
         assert eventually(lambda: not responder.running)
@@ -290,9 +290,9 @@ def test_a_store_error_that_ends_serving_a_group_is_a_warning(caplog):
 
 
 def test_looks_like_timeout():
-    assert diagnosis.looks_like_timeout(RuntimeError("[gloo] Timed out waiting 1000ms for recv"))
-    assert diagnosis.looks_like_timeout(TimeoutError())
-    assert not diagnosis.looks_like_timeout(RuntimeError("Connection closed by peer"))
+    assert gloo_work.looks_like_timeout(RuntimeError("[gloo] Timed out waiting 1000ms for recv"))
+    assert gloo_work.looks_like_timeout(TimeoutError())
+    assert not gloo_work.looks_like_timeout(RuntimeError("Connection closed by peer"))
 
 
 # -- the listener: a rank's own record, and its answers for a peer ------------------------
@@ -303,15 +303,15 @@ def timed_out_in_the_first_collective(group):
     # collective, and these recorders are all incarnation 0
     recorder = rec_mod.Recorder(group, [0, 1], 1)
     entry = recorder.record("all_reduce", ((4,),), (torch.float32,))
-    mine = diagnosis.progress(recorder)  # it timed out in #1 and publishes that
+    mine = records.progress(recorder)  # it timed out in #1 and publishes that
     recorder.mark(entry, "failed")  # the gloo route then marks the entry failed
-    return recorder, mine, diagnosis.key_prefix(group, recorder.incarnation)
+    return recorder, mine, news.key_prefix(group, recorder.incarnation)
 
 
 def publish_own_record(store, recorder, mine):
     # the rank's own diagnosis (rank 0 stays silent: it returns after its short wait)
-    return diagnosis.diagnose(store, recorder.group, 1, 2, mine, 30, wait_s=0.3,
-                              incarnation=recorder.incarnation)
+    return exchange.diagnose(store, recorder.group, 1, 2, mine, 30, wait_s=0.3,
+                             incarnation=recorder.incarnation)
 
 
 def ask(store, prefix, seq, by=0):
@@ -320,7 +320,7 @@ def ask(store, prefix, seq, by=0):
 
 
 def read_records(store, prefix, seq, size=2):
-    return diagnosis.parse_records(store.get(f"{prefix}/{seq}/records"), size)
+    return records.parse_records(store.get(f"{prefix}/{seq}/records"), size)
 
 
 def test_the_responder_keeps_its_ranks_own_record():
@@ -328,8 +328,8 @@ def test_the_responder_keeps_its_ranks_own_record():
     recorder, mine, prefix = timed_out_in_the_first_collective("own record kept")
     publish_own_record(store, recorder, mine)
     ask(store, prefix, 1)  # rank 0 asks for #1 too
-    diagnosis._Served(store, recorder, None, None).poll()
-    assert read_records(store, prefix, 1)[1] == diagnosis.valid_record(mine)
+    listener._Served(store, recorder, None, None).poll()
+    assert read_records(store, prefix, 1)[1] == records.valid_record(mine)
     assert store.add(f"{prefix}/1/count", 0) == 1
 
 
@@ -352,7 +352,7 @@ def test_the_own_record_outlasts_an_answer_being_written_at_that_moment():
                 release.wait(5)
             store.append(key, value)
     paused = PausedOnce()
-    answering = threading.Thread(target=diagnosis._Served(paused, recorder, None, None).poll)
+    answering = threading.Thread(target=listener._Served(paused, recorder, None, None).poll)
     answering.start()
     assert writing.wait(5)  # the listener decided to answer and is writing
     own = threading.Thread(target=publish_own_record, args=(paused, recorder, mine))
@@ -361,7 +361,7 @@ def test_the_own_record_outlasts_an_answer_being_written_at_that_moment():
     release.set()
     answering.join(5)
     own.join(5)
-    assert eventually(lambda: read_records(store, prefix, 1).get(1) == diagnosis.valid_record(mine))
+    assert eventually(lambda: read_records(store, prefix, 1).get(1) == records.valid_record(mine))
     assert store.add(f"{prefix}/1/count", 0) == 1
 
 
@@ -369,9 +369,9 @@ def test_a_peers_request_is_still_answered():
     store = dist.HashStore()
     recorder = rec_mod.Recorder("g", [0, 1], 1)
     recorder.record("broadcast", ((4,),), (torch.float32,))
-    prefix = diagnosis.key_prefix("g", recorder.incarnation)
+    prefix = news.key_prefix("g", recorder.incarnation)
     ask(store, prefix, 2)  # rank 0 timed out in #2
-    diagnosis._Served(store, recorder, None, None).poll()
+    listener._Served(store, recorder, None, None).poll()
     assert read_records(store, prefix, 2)[1]["last_issued"] == 1
     assert store.add(f"{prefix}/2/count", 0) == 1
 
@@ -391,16 +391,16 @@ def test_a_malformed_record_counts_as_not_answering(junk):
 
 def test_diagnose_never_raises_on_what_peers_wrote():
     store = dist.HashStore()
-    prefix = diagnosis.key_prefix("junk", 0)
+    prefix = news.key_prefix("junk", 0)
     for line in ["not json", "[1, 2]", '{"rank": "1"}', "Infinity", '{"rank": 9, "last_issued": 3}',
                  json.dumps({"rank": 1, "last_issued": {"a": 1}})]:
         store.append(f"{prefix}/42/records", line + "\n")
     store.add(f"{prefix}/42/count", 5)  # a count that says more than the group has
     store.set(f"{prefix}/42/verdict", "{not json")
     mine = dict(at_42(), rank=0)
-    report = diagnosis.diagnose(store, "junk", 0, 2, mine, 30, wait_s=0.5)
+    report = exchange.diagnose(store, "junk", 0, 2, mine, 30, wait_s=0.5)
     assert report.message.endswith("rank 1 did not answer within 0.5 s (dead, or stuck outside cupycoll)")
-    report = diagnosis.diagnose(store, "junk", 0, 2, "not a record", 30, wait_s=0.5)
+    report = exchange.diagnose(store, "junk", 0, 2, "not a record", 30, wait_s=0.5)
     assert "the diagnosis failed" in report.message
 
 
@@ -408,11 +408,11 @@ def test_a_bad_request_is_skipped_and_the_next_one_answered():
     store = dist.HashStore()
     recorder = rec_mod.Recorder("bad requests", [0, 1], 1)
     recorder.record("broadcast", ((4,),), (torch.float32,))
-    prefix = diagnosis.key_prefix(recorder.group, recorder.incarnation)
+    prefix = news.key_prefix(recorder.group, recorder.incarnation)
     for line in ["zzz", '{"kind": "ask", "seq": "2", "from": 0}', '{"kind": "ask", "seq": -1, "from": 0}',
                  '{"kind": "fault", "from": 0, "error": "SystemExit", "message": "x"}', "[]"]:
         store.append(f"{prefix}/news", line + "\n")
-    served = diagnosis._Served(store, recorder, None, None)
+    served = listener._Served(store, recorder, None, None)
     served.poll()  # nothing raised: every bad item skipped
     ask(store, prefix, 3)
     served.poll()
@@ -424,8 +424,8 @@ def test_peer_text_is_escaped_before_it_reaches_a_message():
     text = message({0: at_42(), 1: rec(41, forged), 2: at_42(), 3: at_42()})
     assert "\n" not in text and "\x1b" not in text
     assert "#41 (broadcast\\nERROR cupycoll: rank 0 is fine\\x1b[2J)" in text
-    assert diagnosis.valid_item({"kind": "fault", "from": 1, "error": "PeerFailedError",
-                                 "message": "gone\r\nforged"})["message"] == "gone\\r\\nforged"
+    assert records.valid_item({"kind": "fault", "from": 1, "error": "PeerFailedError",
+                               "message": "gone\r\nforged"})["message"] == "gone\\r\\nforged"
 
 
 def test_an_idle_listener_makes_no_store_call_whatever_the_number_of_groups():
@@ -438,7 +438,7 @@ def test_an_idle_listener_makes_no_store_call_whatever_the_number_of_groups():
     store = Counting(dist.HashStore(), tally, lock)
     groups = [rec_mod.Recorder(f"idle {g}", [0, 1], 1) for g in range(4)]
     for recorder in groups:
-        diagnosis.serve(store, recorder)
+        listener.serve(store, recorder)
     try:
         time.sleep(1.5)
         listeners = [t for t in threading.enumerate() if t.name == "cupycoll-listener-1"]
@@ -446,7 +446,7 @@ def test_an_idle_listener_makes_no_store_call_whatever_the_number_of_groups():
         assert sum(tally.values()) <= 2, tally
     finally:
         for recorder in groups:
-            diagnosis.unserve(recorder)
+            listener.unserve(recorder)
     assert eventually(lambda: not any(t.name == "cupycoll-listener-1" for t in threading.enumerate()))
 
 
@@ -479,14 +479,14 @@ def calls_per_rank(world):
     stores = [Counting(store, tallies[r], lock) for r in range(world)]
     recs = recorders(world, behind=world - 1, group=f"cost{world}")
     for rank in range(world):
-        diagnosis.serve(stores[rank], recs[rank])
+        listener.serve(stores[rank], recs[rank])
     time.sleep(0.3)
     for tally in tallies:
         tally.clear()
     reports = {}
 
     def run(rank):
-        reports[rank] = diagnosis.diagnose_timeout(stores[rank], recs[rank], timeout_s=30).message
+        reports[rank] = exchange.diagnose_timeout(stores[rank], recs[rank], timeout_s=30).message
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world - 1)]
     try:
         for thread in threads:
@@ -497,7 +497,7 @@ def calls_per_rank(world):
         counts = [sum(t.values()) for t in tallies]
     finally:
         for recorder in recs:
-            diagnosis.unserve(recorder)
+            listener.unserve(recorder)
     assert len(reports) == world - 1
     assert all(f"rank {world - 1} is behind" in text for text in reports.values()), reports
     return counts
@@ -531,15 +531,15 @@ def test_the_exchange_thread_stops_when_the_diagnosis_gives_up():
     stores = [Slow(store, tallies[r], lock) for r in range(world)]
     recs = recorders(world, behind=-1, group="slow store")
     for rank in range(1, world):
-        diagnosis.serve(stores[rank], recs[rank])
+        listener.serve(stores[rank], recs[rank])
     try:
-        report = diagnosis.diagnose_timeout(stores[0], recs[0], timeout_s=30, wait_s=1.0)
+        report = exchange.diagnose_timeout(stores[0], recs[0], timeout_s=30, wait_s=1.0)
         made = sum(tallies[0].values())
         time.sleep(1.5)
         assert sum(tallies[0].values()) - made <= 1, tallies[0]
     finally:
         for recorder in recs:
-            diagnosis.unserve(recorder)
+            listener.unserve(recorder)
     assert report.message.startswith("process group 'slow store': all_reduce #42"), report.message
     assert not any(t.name == "cupycoll-diagnosis" for t in threading.enumerate())
 

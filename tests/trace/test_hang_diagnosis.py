@@ -114,15 +114,15 @@ def test_an_argument_gloo_refuses_raises_its_own_error_without_asking_the_other_
 
 
 def test_gloos_errors_are_told_apart_by_what_they_say():
-    from cupycoll.trace import diagnosis
+    from cupycoll.trace import gloo_work
     between = ["[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7057",
                "Connection reset by peer", "[enforce fail at pair.cc:446] op.preamble.length <= op.nbytes. "
                "Broken pipe"]
     own = ["Invalid scalar type", "Cannot use ReduceOp.BAND with non-integral dtype",
            "Cannot use ReduceOp.AVG with Gloo"]
-    assert all(diagnosis.looks_like_peer_failure(RuntimeError(text)) for text in between)
-    assert not any(diagnosis.looks_like_peer_failure(RuntimeError(text)) for text in own)
-    assert not any(diagnosis.looks_like_timeout(RuntimeError(text)) for text in own)
+    assert all(gloo_work.looks_like_peer_failure(RuntimeError(text)) for text in between)
+    assert not any(gloo_work.looks_like_peer_failure(RuntimeError(text)) for text in own)
+    assert not any(gloo_work.looks_like_timeout(RuntimeError(text)) for text in own)
 
 
 def test_trace_settings_resolve_with_torch_fallbacks(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cupycoll import config
-from cupycoll.trace import recorder as rec_mod
+from cupycoll.trace import dumps, recorder as rec_mod
 from cupycoll.trace import analyze as trace
 from cupycoll.errors import CupycollTypeError, CupycollValueError
 from cupycoll.trace.recorder import E_SEQ, E_STATE, Recorder
@@ -125,10 +125,10 @@ def test_dump_and_load_round_trip(tmp_path):
     entry = recorder.record("all_reduce", (torch.Size([4, 4]),), (torch.bfloat16,))
     recorder.mark(entry, "completed")
     recorder.record("broadcast", ((4,),), (torch.float32,), root=0)
-    path = rec_mod.dump_trace(str(tmp_path), rank=1)
+    path = dumps.dump_trace(str(tmp_path), rank=1)
     assert os.path.basename(path) == "cupycoll_trace_rank1.json"
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
-    payload = rec_mod.load_dump(path)
+    payload = dumps.load_dump(path)
     assert payload["rank"] == 1 and payload["pid"] == os.getpid() and payload["torch"]
     assert payload["reason"] == "on demand" and payload["cupycoll"]
     (group,) = payload["groups"]
@@ -145,33 +145,33 @@ def test_dump_and_load_round_trip(tmp_path):
             assert (ours[key] is None) == (theirs[key] is None)
             assert ours[key] is None or abs(ours[key] - theirs[key]) < 0.01
     assert group["entries"][0]["shapes"] == [[4, 4]] and group["entries"][0]["dtypes"] == ["bfloat16"]
-    explicit = rec_mod.dump_trace(str(tmp_path / "mine.json"))
-    assert rec_mod.load_dump(explicit)["groups"][0]["entries"][1]["root"] == 0
+    explicit = dumps.dump_trace(str(tmp_path / "mine.json"))
+    assert dumps.load_dump(explicit)["groups"][0]["entries"][1]["root"] == 0
 
 
 def test_load_dump_rejects_what_is_not_a_trace(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(CupycollValueError, match="cannot read"):
-        rec_mod.load_dump(str(bad))
+        dumps.load_dump(str(bad))
     bad.write_text(json.dumps({"format": "other"}))
     with pytest.raises(CupycollValueError, match="not a cupycoll trace"):
-        rec_mod.load_dump(str(bad))
-    bad.write_text(json.dumps({"format": rec_mod.FORMAT, "version": 99}))
+        dumps.load_dump(str(bad))
+    bad.write_text(json.dumps({"format": dumps.FORMAT, "version": 99}))
     with pytest.raises(CupycollValueError, match="version 99"):
-        rec_mod.load_dump(str(bad))
+        dumps.load_dump(str(bad))
     with pytest.raises(CupycollTypeError):
-        rec_mod.dump_trace(None)
+        dumps.dump_trace(None)
 
 
 def test_dump_on_timeout_never_raises(tmp_path):
     rec_mod.new_recorder("0", [0], 0).record("barrier")
-    assert rec_mod.dump_on_timeout(None) is None and rec_mod.dump_on_timeout("") is None
-    written = rec_mod.dump_on_timeout(str(tmp_path / "new" / "dir"), rank=0, reason="timeout: x")
-    assert rec_mod.load_dump(written)["reason"] == "timeout: x"
+    assert dumps.dump_on_timeout(None) is None and dumps.dump_on_timeout("") is None
+    written = dumps.dump_on_timeout(str(tmp_path / "new" / "dir"), rank=0, reason="timeout: x")
+    assert dumps.load_dump(written)["reason"] == "timeout: x"
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert rec_mod.dump_on_timeout(str(blocker / "sub"), rank=0) is None
+    assert dumps.dump_on_timeout(str(blocker / "sub"), rank=0) is None
 
 
 def test_bench_figures():
@@ -194,7 +194,7 @@ def write_rank(directory, rank, world, calls, group="0", size=config.DEFAULT_TRA
         if index < done:
             recorder.mark(entry, "completed")
     recorder.record_p2p("send", ((1,),), (torch.float32,), peer=(rank + 1) % world)
-    return rec_mod.dump_trace(str(directory), rank=rank)
+    return dumps.dump_trace(str(directory), rank=rank)
 
 
 CALLS = [("all_reduce", (1024,), torch.float32, None)] * 40 + \

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from cupycoll.trace import diagnosis
+from cupycoll.trace import exchange, listener
 from cupycoll.trace import mismatch
 from cupycoll.trace import recorder
 from cupycoll.errors import CupycollValueError
@@ -92,20 +92,20 @@ def diagnose_scenario(rank: int, world: int, out_dir: str) -> dict:
     if rank in (0, 1):
         stuck = rec.record("all_reduce", ((1048576,),), (torch.float32,))
     if rank != 3:  # rank 3 stands for a rank stuck outside cupycoll: it never answers
-        diagnosis.serve(store, rec, trace_dir, interval=0.1)
+        listener.serve(store, rec, trace_dir, interval=0.1)
     store.add("ready", 1)
     while store.add("ready", 0) < world:
         time.sleep(0.01)
     out = {}
     if stuck is not None:
-        report = diagnosis.diagnose_timeout(store, rec, stuck, timeout_s=30, wait_s=WAIT_S,
-                                            dump_dir=trace_dir)
+        report = exchange.diagnose_timeout(store, rec, stuck, timeout_s=30, wait_s=WAIT_S,
+                                           dump_dir=trace_dir)
         out = {"message": report.message, "elapsed_s": report.elapsed_s,
                "answered": sorted(report.records)}
         store.add("done", 1)
     while store.add("done", 0) < 2:
         time.sleep(0.02)
-    diagnosis.unserve(rec)
+    listener.unserve(rec)
     # The store's host (rank 0) must outlive the others' last use of it.
     store.add("exited", 1)
     deadline = time.monotonic() + 30
