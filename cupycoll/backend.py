@@ -43,7 +43,7 @@ from torch.distributed import PrefixStore
 from . import _cuda, algorithms, compat, config
 from .errors import (CollectiveTimeoutError, CommunicatorAbortedError, CupycollTypeError, CupycollValueError,
                      NcclError)
-from .faults import lifecycle
+from .faults import all_groups, lifecycle
 from .faults.lifecycle import GroupState
 from .faults.watchdog import Watch
 from .nccl.bootstrap import StoreBootstrap
@@ -114,6 +114,7 @@ class CudaBackend:
             explain=trace.explain_timeout if trace is not None else None, close_cpu=_weak(on_abort),
             publish=trace.publish_fault if trace is not None else None,
             dump=trace.dump_fault if trace is not None else None)
+        all_groups.LIVE.add(self.life)  # what abort_all and the exit hook abort while the group lives
         if trace is not None:  # the faults the trace finds, and those a peer publishes, are the lifetime's
             trace.attach(_weak(self.life.caller_fault), _weak(self.life.peer_fault))
         # The plans of its reductions, by (dtype, torch's ReduceOp), under the group's own

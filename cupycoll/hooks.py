@@ -10,7 +10,7 @@ Exit, in order:
 
 1. ``diagnosis``: stop the listener threads (rung awake), so that no daemon thread is inside a store call
    while the interpreter finalizes.
-2. ``lifecycle``: stop the watchdog and abort every group not destroyed, or whose fault's
+2. ``all_groups``: stop the watchdog and abort every group not destroyed, or whose fault's
    abort has not run yet, bounded in all.
 
 In a forked child (whose parent's threads are gone, and whose copies of locks a parent's
@@ -29,8 +29,8 @@ from typing import Callable, Dict
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
-EXIT_ORDER = ("diagnosis", "lifecycle")
-FORK_ORDER = ("watchdog", "lifecycle", "diagnosis")
+EXIT_ORDER = ("diagnosis", "all_groups")
+FORK_ORDER = ("watchdog", "all_groups", "diagnosis")
 
 _exit: Dict[str, Callable[[], None]] = {}
 _fork: Dict[str, Callable[[], None]] = {}

@@ -40,12 +40,20 @@ from typing import Callable, List, Optional
 
 from .coalescing import CoalescingBlock, open_block_owner
 from .errors import CommunicatorAbortedError
-from .faults import lifecycle
 from .faults.lifecycle import GroupState
 from .faults.watchdog import entries
 from .work import CudaWork
 
 _OK = GroupState.OK
+
+
+def _interrupted(exc: BaseException) -> CommunicatorAbortedError:
+    """The group's fault for a KeyboardInterrupt (or exit) after part of a batch launched: a
+    typed error every later call can raise (torch's futures reject a BaseException)."""
+    fault = CommunicatorAbortedError(f"interrupted ({type(exc).__name__}) after part of a batch "
+                                     "was launched; the peers wait for the rest")
+    fault.__cause__ = exc
+    return fault
 
 
 class Call(types.SimpleNamespace):
@@ -142,7 +150,7 @@ class Issuer(CoalescingBlock):
             try:
                 slot = self._watch.issued(stream, entry, keep, not async_op) if self._watch_calls else None
             except BaseException as exc:  # launched, not watched: the group's fault, not a silent loss
-                backend.life.fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
+                backend.life.fault_once(exc if isinstance(exc, Exception) else _interrupted(exc))
                 raise
             self._seq += 1
             return CudaWork(call.op, call.device, call.outputs, self._watch, seq=self._seq,
@@ -288,7 +296,7 @@ class Issuer(CoalescingBlock):
                     self._track(batch, stream, current, async_op)
                 except Exception:  # noqa: BLE001 - untracked: the queue fails them
                     pass
-                backend.life.fault_once(exc if isinstance(exc, Exception) else lifecycle.interrupted(exc))
+                backend.life.fault_once(exc if isinstance(exc, Exception) else _interrupted(exc))
             elif recorder is not None:
                 for call in batch:
                     recorder.mark_all(call.entry, "failed")

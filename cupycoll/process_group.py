@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup
 
 from . import _args, compat, config
-from .faults import lifecycle
+from .faults import all_groups
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
 from .shell import GroupShell, build_gloo_half
 
@@ -179,5 +179,5 @@ class ProcessGroupCupycoll(GroupShell, ProcessGroup):
 compat.run_eagerly_under_compile(ProcessGroupCupycoll)
 
 
-# Every live group's abort, side by side (cupycoll.faults.lifecycle owns the registry of groups).
-abort_all = lifecycle.abort_all
+# Every live group's abort, side by side (cupycoll.faults.all_groups holds the registry of groups).
+abort_all = all_groups.abort_all

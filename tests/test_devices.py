@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import cupycoll
 from cupycoll import compat
 from cupycoll.errors import CollectiveTimeoutError, CupycollValueError
-from cupycoll.faults import lifecycle
+from cupycoll.faults import all_groups
 from cupycoll.nccl import communicator as communicator_module
 from cupycoll.shell import shrinking
 from faulty import DeviceRestoringLibrary, eventually, run_script, undiagnosed
@@ -192,7 +192,7 @@ def test_a_users_abort_and_abort_all_end_on_the_groups_device(node):
     for group in (first, second):
         group.allreduce([torch.ones(4)], opts()).wait()
     first.abort()
-    assert lifecycle.abort_all() >= 1 and second._cuda.life.ended.is_set()
+    assert all_groups.abort_all() >= 1 and second._cuda.life.ended.is_set()
     assert [f for f, _ in node.library.launched].count("ncclCommAbort") == 2
     only_the_groups_device(node)
 
@@ -246,7 +246,7 @@ def test_the_exit_hook_aborts_on_the_groups_device():
     result = run_script(textwrap.dedent("""
         import datetime, torch, torch.distributed as dist, cupycoll
         from cupycoll import _cuda
-        from cupycoll.faults import lifecycle
+        from cupycoll.faults import all_groups
         from cupycoll.nccl import communicator
         from faulty import DeviceRestoringLibrary
         from standins import DeviceLedger, OnDeviceGroup
@@ -255,7 +255,7 @@ def test_the_exit_hook_aborts_on_the_groups_device():
             communicator._library = lambda path=None: library
             group = OnDeviceGroup(dist.HashStore(), 0, 2, datetime.timedelta(seconds=60))
             group.allreduce([torch.ones(4)], dist.AllreduceOptions())
-            lifecycle._abort_at_exit()  # what atexit runs for a group never destroyed
+            all_groups._abort_at_exit()  # what atexit runs for a group never destroyed
             print("contexts", sorted(ledger.contexts), "made", sorted(set(d for _, d in ledger.made)),
                   "aborts", [d for f, d in library.launched if f == "ncclCommAbort"])
     """))

@@ -53,9 +53,10 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("_args", "call_forms"),
     ("issue", "coalescing"),
     ("backend",),
-    ("faults.lifecycle", "nccl.bootstrap"),
+    ("faults.all_groups", "faults.lifecycle", "faults.teardown", "nccl.bootstrap"),
     ("nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group"),
     ("nccl.bindings", "nccl.header", "_cuda", "compat", "config", "algorithms", "kernels", "errors", "work",
+     "faults.watchdog_thread", "faults.reports", "faults.last_words",
      "faults.watchdog", "faults.watchdog_cuda", "faults.heartbeat", "trace.group", "trace.gloo_work",
      "trace.listener", "trace.exchange", "trace.news", "trace.diagnosis", "trace.records", "trace.recorder",
      "trace.dumps", "trace.mismatch"),
@@ -437,13 +438,13 @@ def timeout_walk(timeout_s: float = 1.0, interval_s: float = 0.05) -> dict:
     import cupycoll
     from cupycoll import _cuda
     from cupycoll.errors import CollectiveTimeoutError
-    from cupycoll.faults import lifecycle, watchdog
+    from cupycoll.faults import lifecycle, watchdog_thread
 
     standins, Backend, Group = _standin_classes()
     raised: List[BaseException] = []
 
     with _cuda.install(standins.DeviceLedger(keep_calls=False)), \
-            mock.patch.object(lifecycle, "WATCHDOG", watchdog.Watchdog()):
+            mock.patch.object(lifecycle, "WATCHDOG", watchdog_thread.Watchdog()):
         group = Group(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60),
                       cupycoll.Options(timeout=timeout_s, watchdog_interval=interval_s))
 

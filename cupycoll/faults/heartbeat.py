@@ -1,8 +1,8 @@
 """The watchdog's heartbeat monitor: a second daemon thread that notices when the watchdog
 thread itself is stuck.
 
-The watchdog thread (:class:`cupycoll.faults.watchdog.Watchdog`) stamps its heartbeat before and
-after each group it polls. A pass only queries events and async errors (microseconds each),
+The watchdog thread (:class:`cupycoll.faults.watchdog_thread.Watchdog`) stamps its heartbeat
+before and after each group it polls. A pass only queries events and async errors (microseconds each),
 so one that has not finished for :func:`heartbeat_limit` seconds is stuck (the CUDA driver
 lock, a communicator lock held by a hung abort): :func:`monitor` logs that once per stuck
 pass, with the watchdog's stack, and ends the process when a watched group's policy is

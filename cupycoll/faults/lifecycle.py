@@ -18,11 +18,10 @@ own reason (:meth:`GroupLifetime.replace`).
    :data:`cupycoll.bounds.DIAGNOSIS_WAIT_S`; the watch's reason becomes that message; then
    the fault is *published* to the group's other ranks (``publish``, beside the end, waited
    for at most :data:`cupycoll.bounds.PUBLISH_WAIT_S`), unless a peer published it;
-3. *end*: ``ncclCommAbort`` of every communicator, never beside a call another thread has
-   inside NCCL (the call runs it on its way out: :mod:`cupycoll.nccl.call_guard`); then,
-   once every abort has returned, the Works' tensors and the algorithms' scratch are
-   released (no buffer is freed under a kernel that still runs), and the group's CPU half
-   is shut down. Every step runs whatever an earlier one raised; nothing is retried.
+3. *end*: ``ncclCommAbort`` of every communicator, then, once every abort has returned,
+   the Works' tensors and the algorithms' scratch released, then the group's CPU half shut
+   down (:func:`cupycoll.faults.teardown.end`: every step runs whatever an earlier one
+   raised; nothing is retried).
 
 A fault the watchdog finds is claimed on its thread and explained and ended on one fault
 thread (with ``terminate``, the process then exits 70). So is a fault a peer published
@@ -30,9 +29,8 @@ thread (with ``terminate``, the process then exits 70). So is a fault a peer pub
 CPU route's own (:meth:`GroupLifetime.caller_fault`: its caller raises it already, so it
 never ends the process). Once the end has run, a fault the watchdog found is written to the
 trace folder (``dump``, when one is set: a timeout's diagnosis and every exit 70 write it
-too) and logged, each on a thread waited for at most :data:`cupycoll.bounds.DUMP_WAIT_S`: a
-logging handler or a folder that blocks cannot hold back the abort, nor the exit. A user's abort (``group.abort()``,
-:func:`abort_all`, a shutdown that falls back to one) claims on the caller's thread and ends
+too) and logged, bounded (:mod:`cupycoll.faults.reports`). A user's abort (``group.abort()``,
+``abort_all()``, a shutdown that falls back to one) claims on the caller's thread and ends
 on a thread of its own, waited for at most :data:`cupycoll.bounds.ABORT_DEADLINE`; a second
 aborter waits for the first one's end as long. The watchdog keeps polling an ending group:
 past :data:`cupycoll.bounds.FAULT_DEADLINE` ``terminate`` exits anyway and ``raise`` logs that
@@ -47,33 +45,33 @@ Nonblocking communicators never block in NCCL's host code and are always ended i
 
 **Shutdown** (``destroy_process_group``) never raises: it waits at most
 :data:`cupycoll.bounds.SHUTDOWN_GRACE` seconds (never more than the timeout) for the work in
-flight, then finalizes and destroys the communicators; work that does not finish, a fault,
-or anything failing aborts instead.
+flight, then finalizes and destroys the communicators
+(:func:`cupycoll.faults.teardown.finalize`); work that does not finish, a fault, or anything
+failing aborts instead.
 
-**Process exit**: every lifetime is in :data:`LIVE` while its group lives. An ``atexit`` hook
-stops the watchdog and aborts (never destroys: a destroy waits for peers and the GPU) every
-group that still has communicators, warning that it was not destroyed, bounded by
-:data:`cupycoll.bounds.EXIT_DEADLINE` in all. A forked child leaves its parent's groups alone.
-
-Deliberately left out: anything in ``__del__`` (a collective teardown at garbage collection
-runs in whatever thread collects, possibly the watchdog's), and retries.
+Deliberately left out: the steps of an end (:mod:`cupycoll.faults.teardown`), what is told
+of a fault (:mod:`cupycoll.faults.reports`), the process's groups together (``abort_all()``,
+the aborts at exit: :mod:`cupycoll.faults.all_groups`), anything in ``__del__`` (a collective
+teardown at garbage collection runs in whatever thread collects, possibly the watchdog's),
+and retries.
 """
 
 from __future__ import annotations
 
 import enum
-import faulthandler
 import logging
 import os
 import threading
 import time
-import warnings
-import weakref
 from typing import Callable, Optional
 
-from .. import bounds, hooks
+from . import reports, teardown
+from .. import bounds
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError
-from .watchdog import WATCHDOG, Finding, Watch, bounded_call, entries, terminate
+from .last_words import terminate
+from .teardown import step, warn
+from .watchdog import Finding, Watch
+from .watchdog_thread import WATCHDOG
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
 
@@ -88,40 +86,6 @@ class GroupState(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-# Every group's lifetime while the group lives: what abort_all and the exit hook abort.
-LIVE: "weakref.WeakSet[GroupLifetime]" = weakref.WeakSet()
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def _step(what: str, function, *args) -> Optional[BaseException]:
-    """Run one teardown step; a failure is reported, and returned, never raised."""
-    try:
-        function(*args)
-    except BaseException as exc:  # noqa: BLE001 - teardown must finish every step
-        _warn(f"cupycoll: {what} failed: {exc!r}")
-        return exc
-    return None
-
-
-def _reraise(interrupts) -> None:
-    """Raise the first KeyboardInterrupt or SystemExit a step met (after every step ran)."""
-    for exc in interrupts:
-        if exc is not None and not isinstance(exc, Exception):
-            raise exc
-
-
-def interrupted(exc: BaseException) -> CommunicatorAbortedError:
-    """The group's fault for a KeyboardInterrupt (or exit) after part of a batch launched: a
-    typed error every later call can raise (torch's futures reject a BaseException)."""
-    fault = CommunicatorAbortedError(f"interrupted ({type(exc).__name__}) after part of a batch "
-                                     "was launched; the peers wait for the rest")
-    fault.__cause__ = exc
-    return fault
 
 
 class GroupLifetime:
@@ -159,7 +123,6 @@ class GroupLifetime:
         self._enders: set = set()  # the threads running it (an abort they re-enter waits for nothing)
         self._deadline: Optional[float] = None  # when a claimed fault's end must be done by
         self._overdue_reported = False
-        LIVE.add(self)
 
     @property
     def name(self) -> str:
@@ -304,9 +267,9 @@ class GroupLifetime:
         fault = self._explained(finding)
         telling = None
         if self._publish is not None and finding.source is not Finding.PEER:
-            telling = bounded_call(self._publish, (fault,), "cupycoll-publish")
+            telling = reports.publish(self._publish, fault)
         if bounded:
-            self._end_within(fault, threading.get_ident())
+            teardown.within(self._end, (fault, threading.get_ident()), self.ended, self._name)
         else:
             self._end(fault)
         if telling is not None:
@@ -315,10 +278,9 @@ class GroupLifetime:
         terminating = self.policy == "terminate" and finding.source is not Finding.CALLER
         # A timeout's diagnosis wrote the dump, and so did the CPU route's; an exit writes its own.
         if finding.source is Finding.FOUND and not finding.is_timeout and not terminating:
-            bounded_call(self.dump, (f"{fault}",), "cupycoll-dump").join(bounds.DUMP_WAIT_S)
+            reports.dump(self.dump, fault)
         if finding.source is not Finding.CALLER:  # a CPU-route error raised to its caller is not logged, as gloo's
-            bounded_call(logger.error, ("%s; aborting the group's NCCL communicators", fault),
-                         "cupycoll-log").join(bounds.DUMP_WAIT_S)
+            reports.log(fault)
         if terminating:
             terminate(self, fault)
         if self.comms.blocked() and finding.stuck is not None:
@@ -328,31 +290,18 @@ class GroupLifetime:
                 f"ended in place)"))
 
     def _explained(self, finding: Finding) -> BaseException:
-        fault = finding.fault
-        batch = finding.batch
-        # A timeout of a batch or of a call inside NCCL; a call's own error names itself.
-        if self._explain is None or not finding.is_timeout or (batch is None and finding.stuck is None):
-            return fault
-        entry = None
-        if batch is not None:
-            found = entries(batch.records)
-            entry = found[0] if found else None
-        try:
-            message = self._explain(entry, self.watch.timeout)
-        except Exception:  # noqa: BLE001 - the plain message still describes the fault
-            logger.exception("explaining the timeout of group %r failed", self.name)
-            return fault
-        if isinstance(message, str) and message:
-            explained = CollectiveTimeoutError(message + (f" ({finding.stuck})" if finding.stuck else ""))
-            explained.__cause__ = fault.__cause__
-            self.fault = explained
-            self.watch.explain(explained)
-            return explained
-        return fault
+        """The fault, explained when it is a timeout (:func:`reports.explained`): then the
+        group's fault, and the watch's reason, from here on."""
+        explained = reports.explained(finding, self._explain, self.watch.timeout, self._name)
+        if explained is None:
+            return finding.fault
+        self.fault = explained
+        self.watch.explain(explained)
+        return explained
 
     def _end(self, reason: BaseException, asker: Optional[int] = None) -> None:
-        """Step 3, once: abort the communicators, then (all aborts returned) release the
-        tensors and scratch, then the CPU half. A second caller waits for the first."""
+        """Step 3, once: the group aborted, then taken apart (:func:`teardown.end`). A second
+        caller waits for the first."""
         with self._lock:
             first = not self._ending
             self._ending = True
@@ -360,41 +309,18 @@ class GroupLifetime:
                 self.state = GroupState.ABORTED
         if not first:
             if threading.get_ident() not in self._enders and not self.ended.wait(bounds.ABORT_DEADLINE):
-                _warn(f"cupycoll: the abort of process group {self.name!r} has not finished after "
-                      f"{bounds.ABORT_DEADLINE:g} s (ncclCommAbort hangs?)")
+                warn(f"cupycoll: the abort of process group {self.name!r} has not finished after "
+                     f"{bounds.ABORT_DEADLINE:g} s (ncclCommAbort hangs?)")
             return
         me = threading.get_ident()
         self._enders.add(me)
-        interrupts = []
-        # The end's CUDA calls (the aborts, freeing events and scratch) run with the group's
-        # device current: on a thread that never chose one, cuda:0 is, and NCCL's abort sets
-        # back the device it was called with, which would make a context there.
-        guard = self.watch.on_device()
         try:
-            guard.__enter__()
-        except BaseException as exc:  # noqa: BLE001 - the end runs anyway, on this device
-            _warn(f"cupycoll: making the device of process group {self.name!r} current failed: {exc!r}")
-            guard = None
-        try:
-            for comm, error in self.comms.abort(asker if asker is not None else me):
-                _warn(f"cupycoll: aborting {comm} failed: {error!r}")
-                if not isinstance(error, Exception):
-                    interrupts.append(error)
-            # Only once every ncclCommAbort returned may what the kernels used be released;
-            # one left to a blocked call's way out keeps it all held.
-            # A call inside NCCL past the timeout (or CALL_BLOCKED_S) is blocked: not waited for.
-            if self.comms.settled(bounds.ABORT_DEADLINE, min(bounds.CALL_BLOCKED_S, self.watch.timeout)):
-                interrupts.append(_step("releasing the Works' tensors", self.watch.release))
-                for algorithm, error in self.comms.close_runners():
-                    _warn(f"cupycoll: closing the {algorithm} algorithm's runner failed: {error!r}")
-            if self._close_cpu is not None:
-                interrupts.append(_step("shutting down the group's CPU half", self._close_cpu))
+            interrupts = teardown.end(self._name, self.watch, self.comms, self._close_cpu,
+                                      asker if asker is not None else me)
         finally:
-            if guard is not None:
-                _step("setting the previous device back", guard.__exit__, None, None, None)
             self._enders.discard(me)
             self.ended.set()
-        _reraise(interrupts)
+        teardown.reraise(interrupts)
 
     # -- a user's abort, a shrink's replacement ---------------------------------------------
     def abort(self, reason: Optional[BaseException] = None, bounded: bool = True,
@@ -428,27 +354,11 @@ class GroupLifetime:
                 handed_over = exc
         asker = threading.get_ident()
         if bounded:
-            self._end_within(reason, asker)
+            teardown.within(self._end, (reason, asker), self.ended, self._name)
         else:
             self._end(reason, asker)
         if handed_over is not None:
             raise handed_over
-
-    def _end_within(self, reason: BaseException, asker: int) -> None:
-        # ncclCommAbort can hang (NCCL's known hangs): the end runs on a thread of its own,
-        # waited for at most ABORT_DEADLINE. Past that the Works have failed already and
-        # their tensors stay held until it returns (a kernel may still use them).
-        ender = threading.Thread(target=self._end, args=(reason, asker), name="cupycoll-abort", daemon=True)
-        try:
-            ender.start()
-        except RuntimeError:  # Python 3.12+ at interpreter exit: no new threads; the exit hook bounds it
-            self._end(reason, asker)
-            return
-        if not self.ended.wait(bounds.ABORT_DEADLINE):
-            _warn(f"cupycoll: ncclCommAbort of process group {self.name!r} has not returned after "
-                  f"{bounds.ABORT_DEADLINE:g} s; its Works have failed, and their tensors stay held until it does")
-        else:
-            ender.join(bounds.ABORT_DEADLINE)
 
     def replace(self, reason: BaseException, before_kernels_end: Optional[Callable[[], None]] = None) -> None:
         """The group ends because another takes its place (a shrink): aborted with ``reason``
@@ -472,7 +382,7 @@ class GroupLifetime:
         state = self.state
         if state is GroupState.ABORTING:
             # The fault is still being explained; the group may be gone once we return.
-            _step("aborting a group whose fault is being explained", self.abort, self.fault)
+            step("aborting a group whose fault is being explained", self.abort, self.fault)
             return
         if state is not GroupState.OK:
             return
@@ -486,7 +396,7 @@ class GroupLifetime:
         try:
             drained = self.watch.drain(grace)
         except BaseException as exc:  # noqa: BLE001 - shutdown never raises; abort instead
-            _warn(f"cupycoll: shutting down process group {self.name!r} failed ({exc!r}); aborting it")
+            warn(f"cupycoll: shutting down process group {self.name!r} failed ({exc!r}); aborting it")
             drained = False
         if not drained:
             self.abort(CommunicatorAbortedError(
@@ -499,107 +409,13 @@ class GroupLifetime:
             self.state = GroupState.SHUT_DOWN
         self.watch.close(CommunicatorAbortedError(f"process group {self.name!r} was shut down"))
         self._unwatch()
-        for algorithm, error in self.comms.close_runners():
-            _warn(f"cupycoll: closing the {algorithm} algorithm's runner failed: {error!r}")
-        for comm in self.comms.all():
-            if _step(f"shutting down {comm}", comm.shutdown, timeout) is not None:
-                _step(f"aborting {comm} after its shutdown failed", comm.abort)
-        self.watch.release()
+        teardown.finalize(self.watch, self.comms, timeout)
         self.ended.set()
 
     def has_communicators(self) -> bool:
         return bool(self.comms.reachable())
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child: a thread of the parent may have held the lock when it forked."""
+        self._lock = threading.Lock()
 
-# abort_all's callers, by thread: a signal handler that interrupts one must not start another.
-_ABORTING_ALL: set = set()
-
-
-def abort_all(timeout: Optional[float] = None) -> int:
-    """Abort every live cupycoll group of this process, from any thread or a signal handler;
-    how many were live (not ended). The groups are aborted side by side, each on a thread of
-    its own, so one whose ncclCommAbort hangs delays no other; returns once all are done, or
-    after ``timeout`` seconds (default :data:`cupycoll.bounds.ABORT_DEADLINE`), whichever
-    comes first. Called again on a thread already inside it (a signal handler that interrupted
-    it), it returns at once: the aborts under way go on.
-
-    From a signal handler: if the signal interrupted cupycoll itself while it held one of
-    its locks, those threads wait for the lock, so this returns after ``timeout`` and the
-    aborts finish as soon as the handler returns."""
-    timeout = bounds.ABORT_DEADLINE if timeout is None else float(timeout)
-    me = threading.get_ident()
-    # Not a forking parent's, nor one ended already (shut down, or aborted and done); one
-    # whose abort is under way is waited for (a second aborter), not counted as live.
-    lives = [life for life in list(LIVE) if life.pid == os.getpid()
-             and life.state is not GroupState.SHUT_DOWN and not life.ended.is_set()]
-    live = sum(life.state is not GroupState.ABORTED for life in lives)
-    if me in _ABORTING_ALL:
-        return live
-    _ABORTING_ALL.add(me)
-    try:
-        aborters = [threading.Thread(target=life.abort, name="cupycoll-abort-all", daemon=True) for life in lives]
-        for aborter in aborters:
-            aborter.start()
-        deadline = time.monotonic() + timeout
-        for aborter in aborters:
-            aborter.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        _ABORTING_ALL.discard(me)
-    return live
-
-
-def _abort_at_exit() -> None:
-    """The atexit hook: see the module docstring."""
-    WATCHDOG.stop()
-    live = [life for life in list(LIVE)
-            if life.pid == os.getpid()  # not a forking parent's groups
-            and not life.ended.is_set() and life.state is not GroupState.SHUT_DOWN
-            and life.has_communicators()]
-    if not live:
-        return
-    for life in live:
-        if life.state is GroupState.ABORTING:
-            message = (f"process group {life.name!r} faulted ({life.fault}) and the "
-                       f"process exits before its abort ran; aborting its NCCL communicators now.")
-        elif life.state is GroupState.ABORTED:
-            message = (f"process group {life.name!r} was aborted and the process exits before "
-                       f"its communicators were; aborting them now.")
-        else:
-            message = (f"process group {life.name!r} has NOT been destroyed before "
-                       f"the process exits; aborting its NCCL communicators. Call "
-                       f"torch.distributed.destroy_process_group() before exiting: otherwise this "
-                       f"rank may leave before its peers finish their collectives with it.")
-        logger.warning(message)
-
-    def abort_each() -> None:
-        for life in live:
-            _step("aborting a group at exit", life.abort, None, False)
-
-    thread = threading.Thread(target=abort_each, name="cupycoll-exit-abort", daemon=True)
-    try:
-        thread.start()
-    except RuntimeError:  # Python 3.12+: no new threads once the interpreter is finalizing
-        # faulthandler's watchdog is a C thread: past the deadline it prints where the
-        # abort hangs and ends the process (status 1), as the threaded path would give up.
-        faulthandler.dump_traceback_later(bounds.EXIT_DEADLINE, exit=True)
-        try:
-            abort_each()
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        return
-    thread.join(bounds.EXIT_DEADLINE)
-    if thread.is_alive():
-        logger.warning("aborting the groups at exit did not finish within %g s; exiting anyway",
-                       bounds.EXIT_DEADLINE)
-
-
-def _after_fork_in_child() -> None:
-    # The parent's groups are not the child's (their fault threads are not in it either);
-    # a thread of the parent may have held a lifetime's lock when it forked.
-    _ABORTING_ALL.clear()
-    for life in list(LIVE):
-        life._lock = threading.Lock()
-
-
-hooks.at_exit("lifecycle", _abort_at_exit)
-hooks.in_forked_child("lifecycle", _after_fork_in_child)

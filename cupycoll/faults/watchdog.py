@@ -1,5 +1,4 @@
-"""The watchdog: what is in flight on a group's streams, and one thread that finds what is
-stuck or failed.
+"""A group's watch: what is in flight on its streams, and what is stuck or failed there.
 
 A :class:`Watch` per group holds the calls the group issued and the GPU has not finished,
 as plain data: per stream, in issue order, an :class:`InFlight` slot (a batch number, a
@@ -27,37 +26,30 @@ reports success for it (unless its caller saw it complete before the close). Not
 retired while closed: the abort may end kernels whose tensors must stay held until it returns
 (:meth:`Watch.release`).
 
-One :class:`Watchdog` thread per process polls every registered group each interval (it
-calls the group's ``poll``, which checks its watch and decides); a monitor thread checks the
-watchdog's heartbeat (:mod:`cupycoll.faults.heartbeat`). Events are queried with the group's
-device current (:meth:`Watch.on_device`) and in thread-local capture mode
+The watchdog thread has each group check its watch every interval
+(:mod:`cupycoll.faults.watchdog_thread`). Events are queried with the group's device current
+(:meth:`Watch.on_device`); that thread queries them in thread-local capture mode
 (:mod:`cupycoll.faults.watchdog_cuda`).
 
-Deliberately left out: any device synchronisation (events are only queried), handling a
-finding (the lifetime's), and retries. A Python watchdog cannot detect a thread that hangs
-while holding the GIL (its monitor needs the GIL too).
+Deliberately left out: any device synchronisation (events are only queried), the thread that
+polls, handling a finding (the lifetime's), and retries. A Python watchdog cannot detect a
+thread that hangs while holding the GIL (its monitor needs the GIL too).
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
 import threading
 import time
-import traceback
-import weakref
-from typing import List, Optional, Protocol, Tuple
+from typing import List, Optional
 
-from . import heartbeat, watchdog_cuda
-from .. import _cuda, bounds, config, hooks
+from . import watchdog_cuda
+from .. import _cuda
 from ..bounds import SEAL_S
 from ..errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
-
-TERMINATE_EXIT_CODE = 70  # EX_SOFTWARE: an internal error ended the job on purpose
 
 _monotonic = time.monotonic
 
@@ -429,188 +421,3 @@ class Watch:
 
 def _describe_records(found) -> str:
     return f"a batch of {len(found)} calls" if len(found) != 1 else "a collective"
-
-
-class Polled(Protocol):
-    """What the watchdog thread polls: a group's lifetime (cupycoll.faults.lifecycle)."""
-
-    interval: float
-    policy: str
-    name: str
-    pid: int
-
-    def poll(self, now: float) -> None:
-        """Check the group's watch and decide on what it finds; never raises."""
-
-
-class Watchdog:
-    """The process's watchdog thread over every registered group, and the monitor thread that
-    checks the watchdog's heartbeat."""
-
-    def __init__(self):
-        self._reset()
-
-    def _reset(self) -> None:
-        self._groups: "weakref.WeakSet[Polled]" = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
-        self._monitor: Optional[threading.Thread] = None
-        self._wake = threading.Event()
-        self._wake_monitor = threading.Event()  # set when the watchdog thread ends
-        self._stopped = False
-        self.heartbeat = _monotonic()
-
-    def watch(self, group: Polled) -> None:
-        with self._lock:
-            self._groups.add(group)
-            if self._thread is None and not self._stopped:
-                self.heartbeat = _monotonic()
-                self._thread = threading.Thread(target=self._run, name="cupycoll-watchdog", daemon=True)
-                self._thread.start()
-                if self._monitor is None:
-                    self._monitor = threading.Thread(
-                        target=heartbeat.monitor, args=(self._monitor_state, self._wake_monitor, terminate),
-                        name="cupycoll-watchdog-monitor", daemon=True)
-                    self._monitor.start()
-
-    def unwatch(self, group: Polled) -> None:
-        with self._lock:
-            self._groups.discard(group)
-        self._wake.set()
-
-    def stop(self) -> None:
-        """Stop watching for good (process exit): the thread ends at its next wake-up."""
-        with self._lock:
-            self._stopped = True
-            self._groups = weakref.WeakSet()
-        self._wake.set()
-
-    @property
-    def running(self) -> bool:
-        """Is the watchdog thread (or its monitor, which follows it out) still alive?"""
-        return self._thread is not None or self._monitor is not None
-
-    def _run(self) -> None:
-        try:
-            # Once per thread: querying events must not break another thread's graph capture.
-            watchdog_cuda.use_thread_local_capture_mode()
-            while True:
-                interval = self._poll_once()
-                if interval is None:
-                    return
-                self._wake.wait(interval)
-                self._wake.clear()
-        except Exception:  # noqa: BLE001 - a bug here must not end watching for good
-            logger.exception("the watchdog thread failed; the next tracked collective starts a new one")
-        finally:
-            with self._lock:
-                if self._thread is threading.current_thread():
-                    self._thread = None
-            self._wake_monitor.set()
-
-    def _poll_once(self) -> Optional[float]:
-        """Poll every group once; the time to sleep, or None when the thread should end.
-        (A function of its own so that no group stays referenced while the thread sleeps.)"""
-        self.heartbeat = _monotonic()
-        with self._lock:
-            groups = list(self._groups)
-            if not groups or self._stopped:
-                if self._thread is threading.current_thread():
-                    self._thread = None  # a later watch() starts a new thread
-                return None
-        for group in groups:
-            group.poll(_monotonic())
-            self.heartbeat = _monotonic()
-        return min(group.interval for group in groups)
-
-    def _monitor_state(self) -> Optional[Tuple[threading.Thread, list, float]]:
-        """For the heartbeat monitor: (the watchdog thread, its groups, the last heartbeat),
-        or None once the thread has ended (the monitor then ends too)."""
-        with self._lock:
-            if self._thread is None:
-                self._monitor = None
-                return None
-            return self._thread, list(self._groups), self.heartbeat
-
-    def _after_fork_in_child(self) -> None:
-        # The child has none of the parent's threads, and may hold copies of locks taken
-        # when it forked; its groups' communicators are unusable. Start from scratch.
-        self._reset()
-
-
-class _Ran:
-    """What :func:`bounded_call` hands back when no thread could start: the call ran."""
-
-    def join(self, timeout: Optional[float] = None) -> None:
-        return None
-
-
-def bounded_call(function, args: tuple, name: str):
-    """``function(*args)`` on a daemon thread of its own, started now (its error logged, never
-    raised): the caller joins it for as long as it may wait. Runs inline at interpreter exit,
-    where no thread starts."""
-    def run() -> None:
-        try:
-            function(*args)
-        except Exception as exc:  # noqa: BLE001 - what follows must not depend on it
-            _write_line(f"cupycoll: {name} failed: {exc!r}")
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    try:
-        thread.start()
-    except RuntimeError:  # Python 3.12+ at interpreter exit: no new threads
-        run()
-        return _Ran()
-    return thread
-
-
-def _write_line(text: str) -> None:
-    """One line to stderr in one ``os.write``: no logging handler, no Python buffer."""
-    try:
-        os.write(2, (text.replace("\n", "\\n") + "\n").encode("utf-8", "replace"))
-    except OSError:
-        pass
-
-
-def write_error_file(path: str, fault: BaseException) -> None:
-    """torchrun's error file (``TORCHELASTIC_ERROR_FILE``): the fault in the JSON layout of
-    torch.distributed.elastic's ``ErrorHandler.record_exception``, so the agent's summary
-    names it rather than a bare exit status. Written to a temporary name and renamed."""
-    stack = "".join(traceback.format_exception(type(fault), fault, fault.__traceback__))
-    data = {"message": {"message": f"{type(fault).__name__}: {fault}",
-                        "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
-    os.replace(temporary, path)
-
-
-def _last_words(group, fault: BaseException) -> None:
-    dump = getattr(group, "dump", None)
-    if callable(dump):
-        try:
-            dump(f"exit {TERMINATE_EXIT_CODE}: {fault}")
-        except Exception as exc:  # noqa: BLE001 - the error file comes anyway
-            _write_line(f"cupycoll: writing the flight recorder failed: {exc!r}")
-    path = config.elastic_error_file()
-    if path:
-        write_error_file(path, fault)
-
-
-def terminate(group, fault: BaseException) -> None:
-    """End the process (exit 70) after ``fault`` in ``group`` (anything with a ``name``):
-    first the flight recorder (``group.dump``, when it has one) and torchrun's error file,
-    on a thread waited for at most :data:`cupycoll.bounds.DUMP_WAIT_S`, then one line on
-    stderr, then the exit, whatever happened before it."""
-    try:
-        try:
-            name = getattr(group, "name", "?")
-        except Exception:  # noqa: BLE001 - a name is not worth staying alive for
-            name = "?"
-        bounded_call(_last_words, (group, fault), "cupycoll-exit").join(bounds.DUMP_WAIT_S)
-        _write_line(f"watchdog: terminating the process after a fault in process group {name!r}: {fault}")
-    finally:
-        os._exit(TERMINATE_EXIT_CODE)
-
-
-WATCHDOG = Watchdog()
-hooks.in_forked_child("watchdog", WATCHDOG._after_fork_in_child)

@@ -25,7 +25,9 @@ from cupycoll.nccl import header as nh
 from cupycoll.backend import CudaBackend
 from cupycoll.nccl.communicator import Communicator
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollError, NcclError
-from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog, entries
+from cupycoll.faults.last_words import TERMINATE_EXIT_CODE
+from cupycoll.faults.watchdog import entries
+from cupycoll.faults.watchdog_thread import Watchdog
 from cupycoll.trace.recorder import E_STATE
 from cupycoll.work import CudaWork
 from faulty import (CountedEvent, FakeComm, Polled, ScriptedLibrary, eventually, fault_group, grouping_comm,
@@ -623,7 +625,7 @@ def test_a_blocking_creation_stuck_after_the_store_gate_is_timed_out_and_ends_th
 def test_abort_all_reentered_from_a_signal_handler_returns_at_once(monkeypatch):
     # Signals arriving while abort_all blocks run the handler again on the same thread:
     # each must return, not nest another abort_all until the stack overflows.
-    from cupycoll.faults import lifecycle
+    from cupycoll.faults import all_groups
 
     group = make_group()
     nested = []
@@ -632,11 +634,11 @@ def test_abort_all_reentered_from_a_signal_handler_returns_at_once(monkeypatch):
         def abort(self, on_behalf_of=None):
             start = time.monotonic()
             # a signal's handler, on the thread inside abort_all (its joining thread here)
-            nested.append((lifecycle.abort_all(timeout=5), time.monotonic() - start))
+            nested.append((all_groups.abort_all(timeout=5), time.monotonic() - start))
             super().abort()
 
     group._cuda.comm = HandlerComm()
-    monkeypatch.setattr(lifecycle.threading, "Thread", _InlineThread)
+    monkeypatch.setattr(all_groups.threading, "Thread", _InlineThread)
     assert cupycoll.abort_all(timeout=5) >= 1
     assert len(nested) == 1 and nested[0][1] < 1.0
     assert group._cuda.state == "aborted"
@@ -670,7 +672,7 @@ def test_abort_all_leaves_a_shut_down_group_alone():
 def test_a_group_aborted_while_half_built_ends_what_exists_without_errors(monkeypatch):
     # abort_all from a signal handler may catch a group during its construction.
     import warnings
-    from cupycoll.faults import lifecycle
+    from cupycoll.faults import all_groups
 
     seen = []
     real_init = CpuAsCudaGroup._build
@@ -678,7 +680,7 @@ def test_a_group_aborted_while_half_built_ends_what_exists_without_errors(monkey
     def build_then_abort(self, *args, **kwargs):
         self._trace = None  # not yet: the group is half-built
         del self._trace
-        lifecycle.abort_all()  # the signal
+        all_groups.abort_all()  # the signal
         seen.append("aborted before the group was built")
         return real_init(self, *args, **kwargs)
 

@@ -19,7 +19,8 @@ from torch._C import _distributed_c10d as c10d
 
 from cupycoll.faults import lifecycle
 from cupycoll.errors import CollectiveTimeoutError
-from cupycoll.faults.watchdog import Finding, Watchdog
+from cupycoll.faults.watchdog import Finding
+from cupycoll.faults.watchdog_thread import Watchdog
 from faulty import FakeComm, eventually, issued_work, make_group, queued_call
 from standins import CUDA, IssuingGroup, capture
 

@@ -25,7 +25,8 @@ import cupycoll
 from cupycoll import bounds, compat, config
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollTypeError, NcclError, \
     PeerFailedError
-from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Finding
+from cupycoll.faults.last_words import TERMINATE_EXIT_CODE
+from cupycoll.faults.watchdog import Finding
 from cupycoll.trace import news
 from cupycoll.trace.group import GroupTrace, TracedWork
 from faulty import FakeComm, eventually, fault_group, issued_work, make_group, run_script, stuck_work, undiagnosed
@@ -300,7 +301,8 @@ _TERMINATING = """
     from cupycoll import bounds, config
     from cupycoll.errors import CupycollError, NcclError
     from cupycoll.faults import heartbeat
-    from cupycoll.faults.watchdog import Finding, terminate
+    from cupycoll.faults.last_words import terminate
+    from cupycoll.faults.watchdog import Finding
     from faulty import FakeComm, RaisingEvent, issued_work
     group = standins.CpuAsCudaGroup(None, 0, 2, datetime.timedelta(seconds=60),
                                     config.Options(on_timeout="terminate", watchdog_interval=0.01))
@@ -340,7 +342,7 @@ def test_every_exit_70_leaves_a_dump_and_the_error_file(tmp_path, how, monkeypat
 
 def test_the_error_file_is_what_torchruns_agent_reads(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-    from cupycoll.faults.watchdog import write_error_file
+    from cupycoll.faults.last_words import write_error_file
 
     path = tmp_path / "error.json"
     write_error_file(str(path), PeerFailedError("all_reduce #3 failed; rank 2 did not answer"))

@@ -22,7 +22,8 @@ import cupycoll
 from cupycoll import _cuda, bounds, config
 from cupycoll.faults import watchdog_cuda
 from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollValueError
-from cupycoll.faults.watchdog import TERMINATE_EXIT_CODE, Watchdog
+from cupycoll.faults.last_words import TERMINATE_EXIT_CODE
+from cupycoll.faults.watchdog_thread import Watchdog
 from faulty import (CountedEvent, FakeComm, HangingComm, Polled, RaisingComm, RaisingEvent, eventually, fault_group,
                     issued_work, make_group, make_watch, poll, run_script, stuck_work, undiagnosed)
 from shapes import shell_of
@@ -343,7 +344,7 @@ def test_exit_aborts_undestroyed_groups_with_a_warning_and_a_deadline(hang):
 def test_a_forked_child_gets_a_fresh_watchdog():
     result = run_script(prelude=_GROUP, body="""
         import os
-        from cupycoll.faults.watchdog import WATCHDOG
+        from cupycoll.faults.watchdog_thread import WATCHDOG
         parent = group_with(60)
         issued_work(parent._cuda.watch)
         pid = os.fork()
