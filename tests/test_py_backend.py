@@ -62,7 +62,7 @@ def backend_of(group):
 
 
 def batches(group):
-    return backend_of(group)._cuda.batches
+    return backend_of(group)._issuer.batches
 
 
 def test_torch_builds_the_process_group_and_dispatches_to_cupycolls_backend(group):
@@ -105,7 +105,7 @@ def test_new_group_gets_a_backend_of_its_own(group):
     backend = backend_of(sub)
     assert isinstance(backend, StandInBackend) and backend is not backend_of(group)
     dist.all_reduce(torch.ones(2), group=sub)
-    assert backend._cuda.batches == [["all_reduce"]] and batches(group) == []
+    assert backend._issuer.batches == [["all_reduce"]] and batches(group) == []
 
 
 def test_bad_input_raises_cupycolls_typed_error_at_the_call_and_the_group_stays_usable(group):
