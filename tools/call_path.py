@@ -55,9 +55,10 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("backend",),
     ("faults.lifecycle", "nccl.bootstrap"),
     ("nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group"),
-    ("nccl.bindings", "nccl.header", "_cuda", "compat", "config", "algorithms", "kernels", "errors", "work",
-     "faults.watchdog", "faults.watchdog_cuda", "faults.heartbeat", "trace.group", "trace.recorder",
-     "trace.diagnosis", "trace.mismatch"),
+    ("nccl.bindings", "nccl.header", "_cuda", "compat", "compat.release", "compat.calls", "compat.groups",
+     "compat.dynamo", "compat.stores", "compat.gloo", "compat.torch_state", "compat.cupy_calls", "config",
+     "algorithms", "kernels", "errors", "work", "faults.watchdog", "faults.watchdog_cuda", "faults.heartbeat",
+     "trace.group", "trace.recorder", "trace.diagnosis", "trace.mismatch"),
 )
 
 GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
