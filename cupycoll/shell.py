@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 from torch.distributed import PrefixStore, ProcessGroup
 
-from . import _args, call_forms, collectives, compat, config, cpu_average
+from . import _args, call_forms, collectives, compat, config, cpu_average, logs
 from .call_forms import MISSING
 from .backend import CudaBackend
 from .issue import Issuer
@@ -229,8 +229,8 @@ class GroupShell:
         except BaseException:
             self._trace.close("failed")  # no half-built group left answering its peers
             raise
-        config.log_group(group_id, rank, size, "backend" if isinstance(self, c10d.Backend) else "process_group",
-                         self.settings)
+        logs.log_group(group_id, rank, size, "backend" if isinstance(self, c10d.Backend) else "process_group",
+                       self.settings)
 
     def _keep_gloo_last(self, gloo: ProcessGroup) -> None:
         """Hold ``gloo``'s Python object: where torch frees a ProcessGroup holding the GIL

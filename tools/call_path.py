@@ -56,7 +56,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("faults.lifecycle", "nccl.bootstrap"),
     ("nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group"),
     ("nccl.bindings", "nccl.header", "_cuda", "compat", "compat.release", "compat.calls", "compat.groups",
-     "compat.dynamo", "compat.stores", "compat.gloo", "compat.torch_state", "compat.cupy_calls", "config",
+     "compat.dynamo", "compat.stores", "compat.gloo", "compat.torch_state", "compat.cupy_calls", "config", "logs",
      "algorithms", "kernels", "errors", "work", "faults.watchdog", "faults.watchdog_cuda", "faults.heartbeat",
      "trace.group", "trace.recorder", "trace.diagnosis", "trace.mismatch"),
 )

@@ -58,7 +58,7 @@ LAYERS = (
      "nccl", "nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group", "trace",
      "trace.group", "trace.diagnosis", "trace.mismatch", "ring.programs", "ring.stream_order", "ring.schedule",
      "ring.kernels"},
-    {"work", "_cuda", "compat", "config", "_parsers", "bounds", "errors", "hooks", "algorithms", "kernels",
+    {"work", "_cuda", "compat", "config", "logs", "_parsers", "bounds", "errors", "hooks", "algorithms", "kernels",
      "nccl.bindings", "nccl.header", "trace.recorder", "_version"} | _COMPAT,
 )
 # Subpackages that never import each other, whatever their layers: the NCCL layer knows no
