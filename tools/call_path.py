@@ -48,11 +48,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # settings): a call from them into a layer above (a callback) is an upward call too.
 LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("process_group", "py_backend"),
-    ("shell",),
+    ("shell", "shell_calls"),
     ("collectives",),
     ("_args", "call_forms"),
     ("issue", "coalescing"),
-    ("backend",),
+    ("backend", "cpu_half"),
     ("faults.lifecycle", "nccl.bootstrap"),
     ("nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group"),
     ("nccl.bindings", "nccl.header", "_cuda", "compat", "compat.release", "compat.calls", "compat.groups",

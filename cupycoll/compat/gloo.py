@@ -70,7 +70,7 @@ class FutureWork(dist.Work):
 # (gloo/transport/tcp/pair.h, waitUntil), so a collective a peer never makes fails there
 # after five timeouts, not one. A group's CPU half is therefore torch's own gloo (eager unless
 # the job sets TORCH_GLOO_LAZY_INIT, read by cupycoll.config.gloo_lazy_init), and a lazy one's
-# creation counts every rank in (cupycoll.shell.build_gloo_half).
+# creation counts every rank in (cupycoll.cpu_half.build_gloo_half).
 GLOO_LAZY_INIT = TORCH >= (2, 8)
 
 

@@ -49,10 +49,10 @@ _COMPAT = {"compat.release", "compat.calls", "compat.groups", "compat.dynamo", "
 LAYERS = (
     {"torchft"},
     {"", "__main__", "_registration", "process_group", "py_backend", "shrink", "trace.__main__", "trace.analyze"},
-    {"shell"},
+    {"shell", "shell_calls"},
     {"collectives"},
     {"issue", "coalescing"},
-    {"backend"},
+    {"backend", "cpu_half"},
     {"faults.lifecycle", "nccl.bootstrap", "ring", "ring.algorithm"},
     {"_args", "call_forms", "cpu_average", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda",
      "nccl", "nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group", "trace",
