@@ -24,8 +24,8 @@ constant they are, :func:`model`), the total per event, and the seconds of the s
 time it takes at the measured rate, beside ProcessGroupNCCL's.
 
 Deliberately left out: gloo's own rendezvous (its full mesh; where torch's
-``TORCH_GLOO_LAZY_INIT`` makes it lazy, the shell's count of the ranks:
-:func:`cupycoll.shell.build_gloo_half`), torch's rendezvous, and wall times at scale (2 cores say
+``TORCH_GLOO_LAZY_INIT`` makes it lazy, the CPU half's count of the ranks:
+:func:`cupycoll.cpu_half.build_gloo_half`), torch's rendezvous, and wall times at scale (2 cores say
 nothing of 16,384 processes; the counts are exact and extrapolate by formula).
 """
 

@@ -17,7 +17,8 @@ import importlib
 
 from ._registration import register
 from ._version import __version__
-from .config import BACKEND_NAME, ENVIRONMENT, Options, algorithm
+from .algorithms import algorithm
+from .config import BACKEND_NAME, ENVIRONMENT, Options
 from .errors import (
     CollectiveTimeoutError,
     CommunicatorAbortedError,

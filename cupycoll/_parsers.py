@@ -22,6 +22,7 @@ MAX_WATCHDOG_INTERVAL = 60.0
 # threads that issue work; no fault needs detecting faster.
 MIN_WATCHDOG_INTERVAL = 0.001
 MAX_TIMEOUT_SECONDS = 365 * 24 * 3600.0
+MAX_TRACE_BUFFER = 1_000_000  # entries a group's recorder may keep: about 0.3 GB
 
 
 # -- one parser per type: each takes the Python value or the environment's text ---------
@@ -102,6 +103,15 @@ def parse_nonnegative_int(name: str, value) -> int:
         return parse_positive_int(name, value)
     except CupycollValueError:
         raise CupycollValueError(f"{name}={value!r}: expected a whole number >= 0") from None
+
+
+def parse_trace_buffer(name: str, value) -> int:
+    """A flight-recorder size: a whole number from 0 to :data:`MAX_TRACE_BUFFER`."""
+    size = parse_nonnegative_int(name, value)
+    if size > MAX_TRACE_BUFFER:
+        raise CupycollValueError(f"{name}={value!r}: at most {MAX_TRACE_BUFFER} entries per group "
+                                 "(each costs about 300 bytes while the group lives)")
+    return size
 
 
 def parse_directory(name: str, value) -> str:

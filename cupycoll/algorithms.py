@@ -11,25 +11,27 @@ holds once the communicator's kernels ended. dtypes and ops go by name: ``"bfloa
 ``"band"``.
 
 The choice is made once per call, in :func:`cupycoll._args.reduction_plan`: by name
-(``Options.algorithm``, ``CUPYCOLL_ALGORITHM``, :func:`cupycoll.config.algorithm`), by
-``auto`` for an op NCCL lacks, or ``nccl``. The backend keeps one runner per algorithm and
-communicator.
+(``Options.algorithm``, ``CUPYCOLL_ALGORITHM``, each checked by :func:`parse_name`, or
+:func:`algorithm`, the per-call override that beats them, process-wide), by ``auto`` for an op
+NCCL lacks, or ``nccl``. The backend keeps one runner per algorithm and communicator.
 
 Adding an algorithm: a module that defines ``ALGORITHM = Algorithm(...)`` and its entry in
 :data:`BUILT_IN` (cupycoll's own, loaded on first use), or :func:`register` (anyone's, before
 a group is built with its name). An algorithm with CUDA kernels of its own compiles them as
 the ring does, through :mod:`cupycoll.kernels`.
 
-Deliberately left out: algorithms for other collectives, and choosing by message size (NCCL
-tunes its own).
+Deliberately left out: algorithms for other collectives, choosing by message size (NCCL
+tunes its own), and where the option comes from (:mod:`cupycoll.config`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
+from ._parsers import parse_choice
 from .errors import CupycollValueError
 
 # The names that are not an Algorithm: NCCL's own, and NCCL with the algorithms taking over
@@ -89,3 +91,34 @@ def taking_over(op: str) -> Optional[Algorithm]:
         if op in algorithm.takes_over:
             return algorithm
     return None
+
+
+def parse_name(setting: str, value) -> str:
+    """An algorithm option's value, ``setting`` naming it: one of :func:`names` at the time."""
+    return parse_choice(names())(setting, value)
+
+
+# -- the per-call override ---------------------------------------------------------------
+
+# Process-wide on purpose, not per thread: DDP issues its all-reduces from autograd's
+# threads, which a thread-local override around the training step would never reach.
+# Innermost last; the reductions read it (collectives._OVERRIDES), only algorithm() writes it.
+OVERRIDES: list = []
+
+
+@contextlib.contextmanager
+def algorithm(name: str):
+    """Run the CUDA all-reduces and reduce-scatters issued in the body with ``name``
+    (``"nccl"``, ``"ring"`` or ``"auto"``), whatever the groups' ``Options.algorithm``.
+    Nests; applies to every thread of the process while the body runs."""
+    choice = parse_name("algorithm", name)
+    OVERRIDES.append(choice)
+    try:
+        yield
+    finally:
+        OVERRIDES.pop()
+
+
+def override() -> Optional[str]:
+    """The innermost :func:`algorithm` in force, or None."""
+    return OVERRIDES[-1] if OVERRIDES else None

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import _args, compat, config
+from . import _args, algorithms, compat
 from ._args import NCCL_BYTE, AlgorithmReduction, nbytes
 from .errors import CupycollValueError
 from .issue import Call
@@ -32,9 +32,9 @@ from .trace.recorder import E_ROUTE
 _async_requested = compat.async_requested
 _STRIDED = torch.strided
 _PREMUL_SUM = torch.distributed.ReduceOp.RedOpType.PREMUL_SUM
-# The algorithm override in force (config.algorithm(), process-wide): while one is, a
+# The algorithm override in force (cupycoll.algorithm(), process-wide): while one is, a
 # reduction's plan is made anew (the backend's cache holds the group's own choice).
-_OVERRIDES = config._algorithm_override
+_OVERRIDES = algorithms.OVERRIDES
 
 
 def _on_device(backend, tensor: torch.Tensor, what: str, other: Optional[torch.Tensor] = None,
@@ -72,7 +72,7 @@ def _reduction(backend, tensor: torch.Tensor, reduce_op):
 
 def _plan(backend, tensor: torch.Tensor, reduce_op):
     """NCCL or an algorithm for this reduction (the per-call override beats the group's option)."""
-    algorithm = config.algorithm_override() or backend.settings.algorithm
+    algorithm = algorithms.override() or backend.settings.algorithm
     return _args.reduction_plan(tensor, reduce_op, algorithm, backend.size)
 
 

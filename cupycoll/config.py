@@ -103,13 +103,15 @@ Every variable that configures cupycoll is read here, only here, and listed in
     ``cupycoll`` logger and its children, as ``TORCH_CPP_LOG_LEVEL`` sets torch's. Where no
     logging is configured (the root logger has no handler), one stderr handler is added to
     the ``cupycoll`` logger, so that ``info`` shows the line each group logs when it is
-    created (:func:`log_group`). Unset (default): the loggers are left as they are, and
-    Python prints WARNING and above. Read at each group's creation.
+    created (:func:`cupycoll.logs.log_group`). Unset (default): the loggers are left as they
+    are, and Python prints WARNING and above. Read at each group's creation.
 
-Deliberately left out: the per-type parsers (:mod:`cupycoll._parsers`; they read nothing),
-NCCL's own ``NCCL_*`` variables (they reach NCCL unchanged), and
-torch's flight-recorder format: ``torch.distributed.flight_recorder``'s analyzer cannot
-read cupycoll's dumps (``python -m cupycoll.trace`` can).
+Deliberately left out: the per-type parsers (:mod:`cupycoll._parsers`; an algorithm's name,
+:mod:`cupycoll.algorithms`; they read nothing), the loggers' handler and a group's line
+(:mod:`cupycoll.logs`), the per-call algorithm (:func:`cupycoll.algorithms.algorithm`), NCCL's
+own ``NCCL_*`` variables (they reach NCCL unchanged), and torch's flight-recorder format:
+``torch.distributed.flight_recorder``'s analyzer cannot read cupycoll's dumps
+(``python -m cupycoll.trace`` can).
 """
 
 from __future__ import annotations
@@ -119,8 +121,7 @@ from __future__ import annotations
 # module is still being imported.
 BACKEND_NAME = "cupycoll"
 
-import contextlib  # noqa: E402 - after BACKEND_NAME, see above
-import dataclasses
+import dataclasses  # noqa: E402 - after BACKEND_NAME, see above
 import datetime
 import difflib
 import logging
@@ -129,9 +130,9 @@ from typing import Callable, Mapping, Optional, Union
 
 # The bounds are re-exported: cupycoll.config.MAX_TIMEOUT_SECONDS is where users look.
 from ._parsers import (MAX_TIMEOUT_SECONDS, MAX_WATCHDOG_INTERVAL, parse_bool,  # noqa: F401
-                       parse_choice, parse_directory, parse_interval, parse_nonnegative_int,
-                       parse_positive_int, parse_seconds, torch_debug_detail, torch_error_handling)
-from . import algorithms
+                       parse_choice, parse_directory, parse_interval, parse_positive_int,
+                       parse_seconds, parse_trace_buffer, torch_debug_detail, torch_error_handling)
+from . import algorithms, logs
 from .errors import CupycollTypeError, CupycollValueError  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)  # a child of "cupycoll"
@@ -176,7 +177,6 @@ DEFAULT_RING_SCRATCH_BYTES = 1 << 30
 DEFAULT_WATCHDOG_INTERVAL = 0.1
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 DEFAULT_TRACE_BUFFER = 2000
-MAX_TRACE_BUFFER = 1_000_000  # entries a group's recorder may keep: about 0.3 GB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,20 +186,6 @@ class _Field:
     env: str
     torch_env: Optional[str] = None
     torch_parse: Optional[Callable] = None
-
-
-def _parse_trace_buffer(name: str, value) -> int:
-    """A flight-recorder size: a whole number from 0 to MAX_TRACE_BUFFER."""
-    size = parse_nonnegative_int(name, value)
-    if size > MAX_TRACE_BUFFER:
-        raise CupycollValueError(f"{name}={value!r}: at most {MAX_TRACE_BUFFER} entries per group "
-                                 "(each costs about 300 bytes while the group lives)")
-    return size
-
-
-def _parse_algorithm(name: str, value) -> str:
-    """An algorithm option's value: one of :func:`cupycoll.algorithms.names` at the time."""
-    return parse_choice(algorithms.names())(name, value)
 
 
 # Everything but the timeout (whose precedence involves torch's argument), the trace folder
@@ -215,11 +201,11 @@ _FIELDS = {
     "watchdog_interval": _Field(parse_interval, DEFAULT_WATCHDOG_INTERVAL,
                                 "CUPYCOLL_WATCHDOG_INTERVAL"),
     "watch_calls": _Field(parse_bool, True, "CUPYCOLL_WATCH_CALLS"),
-    "algorithm": _Field(_parse_algorithm, "auto", "CUPYCOLL_ALGORITHM"),
+    "algorithm": _Field(algorithms.parse_name, "auto", "CUPYCOLL_ALGORITHM"),
     "ring_scratch_bytes": _Field(parse_positive_int, DEFAULT_RING_SCRATCH_BYTES,
                                  "CUPYCOLL_RING_SCRATCH_BYTES"),
-    "trace_buffer": _Field(_parse_trace_buffer, DEFAULT_TRACE_BUFFER, "CUPYCOLL_TRACE_BUFFER",
-                           "TORCH_NCCL_TRACE_BUFFER_SIZE", _parse_trace_buffer),
+    "trace_buffer": _Field(parse_trace_buffer, DEFAULT_TRACE_BUFFER, "CUPYCOLL_TRACE_BUFFER",
+                           "TORCH_NCCL_TRACE_BUFFER_SIZE", parse_trace_buffer),
     "publish_faults": _Field(parse_bool, True, "CUPYCOLL_PUBLISH_FAULTS"),
     "check_collectives": _Field(parse_bool, False, "CUPYCOLL_CHECK_COLLECTIVES",
                                 "TORCH_DISTRIBUTED_DEBUG", torch_debug_detail),
@@ -233,7 +219,6 @@ _TRACE_DIR_ENV, _TORCH_DUMP_ENV, _TORCH_DUMP_FILE_ENV = (
 _LOG_LEVEL_ENV = "CUPYCOLL_LOG_LEVEL"
 _ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclasses.dataclass
@@ -371,7 +356,8 @@ def resolve(
             f"pg_options={options!r}: cupycoll expects a cupycoll.Options instance"
         )
     env = os.environ if environ is None else environ
-    apply_log_level(env)  # first: the level applies to the warnings below too
+    if env.get(_LOG_LEVEL_ENV):  # first: the level applies to the warnings below too
+        logs.set_level(parse_choice(logs.LEVELS)(_LOG_LEVEL_ENV, env[_LOG_LEVEL_ENV]))
     warn_unread(env)
     options = options or Options()
     values = {}
@@ -405,40 +391,6 @@ def gloo_lazy_init(env: Optional[Mapping[str, str]] = None) -> bool:
     return value.lower() in ("1", "true", "yes", "y")
 
 
-# The stderr handler apply_log_level added to the "cupycoll" logger (at most one per process).
-_LOG_HANDLER: list = []
-
-
-def apply_log_level(env: Mapping[str, str]) -> None:
-    """``CUPYCOLL_LOG_LEVEL``: set the ``cupycoll`` logger's level; where no logging is
-    configured (no handler on the root logger), also give it one stderr handler, so that
-    INFO lines show (Python's last-resort output prints WARNING and above only)."""
-    if not env.get(_LOG_LEVEL_ENV):
-        return
-    level = parse_choice(LOG_LEVELS)(_LOG_LEVEL_ENV, env[_LOG_LEVEL_ENV]).upper()
-    package = logging.getLogger(BACKEND_NAME)
-    package.setLevel(level)
-    if not _LOG_HANDLER and not logging.getLogger().handlers and not package.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        package.addHandler(handler)
-        _LOG_HANDLER.append(handler)
-
-
-def log_group(group: str, rank: int, size: int, shape: str, settings: Settings) -> str:
-    """Log (INFO, on the ``cupycoll`` logger) and return the line that says how a group just
-    created runs: its shape, timeout, routes and fault policy."""
-    communicators = "nonblocking" if settings.nonblocking else "blocking"
-    message = (f"process group {group!r}: rank {rank} of {size}, {shape} shape, timeout "
-               f"{settings.timeout.total_seconds():g} s; CUDA tensors to NCCL ({communicators} "
-               f"communicators, algorithm {settings.algorithm}), CPU tensors to gloo; a timeout or "
-               f"NCCL error aborts the group and "
-               f"{'ends the process' if settings.on_timeout == 'terminate' else 'raises'}"
-               + (", collectives checked across ranks" if settings.check_collectives else ""))
-    logging.getLogger(BACKEND_NAME).info(message)
-    return message
-
-
 _WARNED: set = set()  # the names warn_unread has already named in this process
 
 
@@ -464,31 +416,6 @@ def warn_unread(env: Mapping[str, str]) -> None:
             continue
         _WARNED.add(name)
         logger.warning(message)
-
-
-# -- per-call algorithm override ---------------------------------------------------------
-
-# Process-wide on purpose, not per thread: DDP issues its all-reduces from autograd's
-# threads, which a thread-local override around the training step would never reach.
-_algorithm_override: list = []
-
-
-@contextlib.contextmanager
-def algorithm(name: str):
-    """Run the CUDA all-reduces and reduce-scatters issued in the body with ``name``
-    (``"nccl"``, ``"ring"`` or ``"auto"``), whatever the groups' ``Options.algorithm``.
-    Nests; applies to every thread of the process while the body runs."""
-    choice = _parse_algorithm("algorithm", name)
-    _algorithm_override.append(choice)
-    try:
-        yield
-    finally:
-        _algorithm_override.pop()
-
-
-def algorithm_override() -> Optional[str]:
-    """The innermost :func:`algorithm` in force, or None."""
-    return _algorithm_override[-1] if _algorithm_override else None
 
 
 def shape(backend_by_default: bool, env: Mapping[str, str] = os.environ) -> str:

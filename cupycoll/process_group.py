@@ -28,7 +28,8 @@ from torch.distributed import PrefixStore, ProcessGroup
 from . import _args, compat, config
 from .faults import all_groups
 from .config import BACKEND_NAME  # noqa: F401 - re-exported: cupycoll.process_group.BACKEND_NAME
-from .shell import GroupShell, build_gloo_half
+from .cpu_half import build_gloo_half
+from .shell import GroupShell
 
 _GLOO = ProcessGroup.BackendType.GLOO
 _CPU = torch.device("cpu")

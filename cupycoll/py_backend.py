@@ -39,7 +39,8 @@ from torch.distributed import PrefixStore, ProcessGroup
 from . import _args, compat, config
 from .config import BACKEND_NAME
 from .errors import CollectiveTimeoutError, CupycollValueError, PeerFailedError
-from .shell import GroupShell, build_gloo_half, group_arguments, shrinking
+from .cpu_half import build_gloo_half
+from .shell import GroupShell, group_arguments, shrinking
 from .shrink import SHRINK_ABORT, check_options, survivors_arrive
 
 _CPU = torch.device("cpu")

@@ -3,11 +3,11 @@
 :class:`GroupShell` is what a cupycoll group does with each call torch hands it:
 
 * CPU tensors, CPU barriers and (through them) the object collectives go to the group's
-  gloo half (a gloo group built on the same store): they behave exactly as ``"cpu:gloo"``,
-  but for ReduceOp.AVG, which gloo cannot do on integers and cupycoll averages
-  (:mod:`cupycoll.cpu_average`), as the CUDA route does, and what an older gloo lacks or gets
-  wrong (the list forms of alltoall and reduce_scatter, reduce_scatter_tensor's op), which
-  :mod:`cupycoll.compat` builds from what it has;
+  gloo half (a gloo group built on the same store: :mod:`cupycoll.cpu_half`): they behave
+  exactly as ``"cpu:gloo"``, but for ReduceOp.AVG, which gloo cannot do on integers and
+  cupycoll averages (:mod:`cupycoll.cpu_average`), as the CUDA route does, and what an older
+  gloo lacks or gets wrong (the list forms of alltoall and reduce_scatter,
+  reduce_scatter_tensor's op), which :mod:`cupycoll.compat` builds from what it has;
 * CUDA tensors go to the group's :class:`~cupycoll.backend.CudaBackend`, through the
   collective's body in :mod:`cupycoll.collectives`;
 * every call is recorded first in the group's flight recorder (:mod:`cupycoll.trace.group`),
@@ -16,9 +16,12 @@
   branch, and any other form torch's ProcessGroup accepts (a bare op, a root, one tensor, a
   timeout, keywords) is bound to it by :mod:`cupycoll.call_forms`.
 
-It also speaks torch's coalescing protocol (``_start_coalescing`` / ``_end_coalescing``, and
-the ``_coalescing_manager`` that skips the end when its body raises) and shuts down or aborts
-both halves.
+This module holds the group's construction, its routing, the hot calls (``allreduce``,
+``broadcast``, ``all_gather_single``, ``reduce_scatter_single``: what DDP and FSDP call each
+step, beside the route they take, so that each reads in one module) and the group's
+lifetime (shutting down or aborting both halves). The other entry points, point-to-point,
+the coalesced forms and torch's coalescing protocol are mixed in from
+:class:`~cupycoll.shell_calls.ShellCalls`.
 
 Two classes mix it in, one per shape (:mod:`cupycoll._registration` picks one):
 :class:`~cupycoll.process_group.ProcessGroupCupycoll`, a torch ``ProcessGroup`` that is the
@@ -33,8 +36,9 @@ bootstrap, and the parent ends there.
 
 Deliberately left out: anything below routing (argument checks live in
 :mod:`cupycoll._args` and :mod:`cupycoll.collectives`; streams, queueing, faults and
-communicators in :mod:`cupycoll.backend`), and the torch side of a shrink (validation, which
-torch call makes the new group: :mod:`cupycoll.shrink`).
+communicators in :mod:`cupycoll.backend`), building the gloo half (:mod:`cupycoll.cpu_half`),
+and the torch side of a shrink (validation, which torch call makes the new group:
+:mod:`cupycoll.shrink`).
 """
 
 from __future__ import annotations
@@ -47,29 +51,27 @@ from typing import Callable, Iterator, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
-from torch.distributed import PrefixStore, ProcessGroup
+from torch.distributed import ProcessGroup
 
-from . import _args, call_forms, collectives, compat, config, cpu_average
+from . import _args, call_forms, collectives, compat, config, cpu_average, cpu_half, logs
 from .call_forms import MISSING
 from .backend import CudaBackend
 from .issue import Issuer
-from .nccl.bootstrap import delete_keys, is_store_timeout
-from .errors import CollectiveTimeoutError, CupycollValueError
-from .trace.diagnosis import ranks_text
+from .errors import CupycollValueError
+from .shell_calls import ShellCalls
 from .trace.group import GroupTrace
 from .faults.lifecycle import GroupState
 from .work import CudaWork
 
 _OK = GroupState.OK
 
-_GLOO = ProcessGroup.BackendType.GLOO
 _CPU = torch.device("cpu")
 # Ops whose tensors differ by rank outside one argument: [outputs, inputs] -> the alike one.
 _ROOT_ONLY = {"gather": 1, "scatter": 0}
 _ROOTED = frozenset({"broadcast", "reduce", "gather", "scatter"})
 # The options classes the entry points test their options form by (one lookup, no attribute).
-_ALLREDUCE, _BROADCAST, _ALLGATHER = c10d.AllreduceOptions, c10d.BroadcastOptions, c10d.AllgatherOptions
-_REDUCE_SCATTER, _ALL_TO_ALL = c10d.ReduceScatterOptions, c10d.AllToAllOptions
+_ALLREDUCE, _BROADCAST = c10d.AllreduceOptions, c10d.BroadcastOptions
+_ALLGATHER, _REDUCE_SCATTER = c10d.AllgatherOptions, c10d.ReduceScatterOptions
 
 
 # The shrink the group being made on this thread comes from: (parent shell, excluded
@@ -88,60 +90,6 @@ def shrinking(parent: "GroupShell", exclude: Sequence[int], abort_first: bool) -
         yield
     finally:
         _SHRINKING.source = None
-
-
-# The prefix of a group's gloo half in the group's store.
-_CPU_PREFIX = "cupycoll-cpu/"
-
-
-def build_gloo_half(store, rank: int, size: int, timeout) -> Tuple[ProcessGroup, ProcessGroup]:
-    """A group's gloo half on ``store`` (its own prefix): the plain ProcessGroup the shell
-    routes CPU calls to, and the gloo backend registered in it. torch's own gloo: its pairs
-    connect at creation, or on first use where the job asks torch for it
-    (``TORCH_GLOO_LAZY_INIT``, torch 2.8+: :data:`cupycoll.compat.GLOO_LAZY_INIT`). A lazy
-    gloo waits for no peer at creation, so then every rank counts itself in
-    (:func:`_all_made`): the creation still fails, as an eager gloo's rendezvous does, when a
-    rank never makes the group."""
-    cpu_store = PrefixStore(_CPU_PREFIX, store)
-    lazy = compat.GLOO_LAZY_INIT and config.gloo_lazy_init()
-    gloo = compat.new_gloo(cpu_store, rank, size, timeout)
-    if lazy:
-        _all_made(cpu_store, size, timeout)
-    inner = ProcessGroup(cpu_store, rank, size)
-    compat.set_default_backend(inner, _GLOO)
-    inner._register_backend(_CPU, _GLOO, gloo)
-    return inner, gloo
-
-
-# The CPU half's arrival keys in its store (beside gloo's own address keys, "0/<rank>").
-_MADE, _MADE_ALL, _MADE_LEFT = "cupycoll-made/count", "cupycoll-made/all", "cupycoll-made/left"
-
-
-def _all_made(cpu_store, size: int, timeout) -> None:
-    """Return once all ``size`` ranks have made their lazy gloo on ``cpu_store``: each adds
-    itself to one count, the one that completes it publishes that all are there, the others
-    wait for that in the store (one call, served by it, for at most ``timeout``); then each
-    counts itself out, the last deleting the three keys. 3 store calls a rank whatever the
-    world size (an eager gloo's rendezvous reads every peer's address). A store wait that
-    times out raises torch's DistStoreError, as an eager gloo's rendezvous does: the shell
-    names the ranks whose gloo address is not in the store. A count a failed creation left
-    under the same name lets the next one through early (its ranks are then found missing at
-    their first CPU call): never a wait for nobody."""
-    if size <= 1:
-        return
-    if cpu_store.add(_MADE, 1) >= size:
-        cpu_store.set(_MADE_ALL, b"1")
-    else:
-        try:
-            cpu_store.wait([_MADE_ALL], timeout)
-        except dist.DistStoreError:
-            raise
-        except RuntimeError as exc:  # a FileStore says "timeout" in a plain RuntimeError
-            if not is_store_timeout(exc):
-                raise
-            raise dist.DistStoreError(str(exc)) from exc
-    if cpu_store.add(_MADE_LEFT, 1) == size:  # every rank is past the wait: nobody reads them again
-        delete_keys(cpu_store, [_MADE, _MADE_ALL, _MADE_LEFT])
 
 
 def shell_of(group: ProcessGroup) -> "GroupShell":
@@ -173,8 +121,9 @@ def group_arguments(dist_backend_opts, pg_options) -> Tuple[tuple, dict]:
             {"global_ranks": list(opts.global_ranks_in_group), "group_id": str(opts.group_id)})
 
 
-class GroupShell:
-    """Routing, coalescing and lifetime of one cupycoll group (a mixin: see the module)."""
+class GroupShell(ShellCalls):
+    """Construction, routing, the hot calls and lifetime of one cupycoll group, with the other
+    entry points of :class:`~cupycoll.shell_calls.ShellCalls` (a mixin: see the module)."""
 
     # The CUDA half and its issuer; tests replace them (tests/standins.py), nothing else does.
     backend_class = CudaBackend
@@ -203,7 +152,8 @@ class GroupShell:
         try:
             self._cpu = self._build_cpu_group(store, rank, size, self.settings.timeout)
         except dist.DistStoreError as exc:  # gloo's rendezvous timed out: a rank never came
-            raise self._gloo_never_joined(store) from exc
+            raise cpu_half.never_joined(store, rank, size, self._global_ranks, self._group_name,
+                                        self.settings.timeout) from exc
         self._trace = GroupTrace(store, group_id, self._global_ranks, rank, self.settings)
         # The backend holds these callbacks weakly: torch may keep it, never the group through it.
         self._cuda = self.backend_class(store, rank, size, self.settings, self._global_ranks, group_id,
@@ -229,8 +179,8 @@ class GroupShell:
         except BaseException:
             self._trace.close("failed")  # no half-built group left answering its peers
             raise
-        config.log_group(group_id, rank, size, "backend" if isinstance(self, c10d.Backend) else "process_group",
-                         self.settings)
+        logs.log_group(group_id, rank, size, "backend" if isinstance(self, c10d.Backend) else "process_group",
+                       self.settings)
 
     def _keep_gloo_last(self, gloo: ProcessGroup) -> None:
         """Hold ``gloo``'s Python object: where torch frees a ProcessGroup holding the GIL
@@ -240,17 +190,6 @@ class GroupShell:
         freed group drops its __dict__ in insertion order (whether freed at once or by the
         garbage collector): the CPU half, ``_cpu``, then ``_gloo_backend``."""
         self._gloo_backend = gloo
-
-    def _gloo_never_joined(self, store) -> CollectiveTimeoutError:
-        """gloo's rendezvous on ``store`` timed out (gloo's error names a store key, never a
-        rank): the error naming the ranks that never joined."""
-        absent = compat.gloo_ranks_absent(PrefixStore(_CPU_PREFIX, store), self._rank, self._size)
-        who = (f"{ranks_text([self._global_ranks[r] for r in absent])} never joined it"
-               if absent else "not every rank joined it")
-        return CollectiveTimeoutError(
-            f"process group {self._group_name!r}: creating its CPU half (gloo) timed out after "
-            f"{self.settings.timeout.total_seconds():g} s on rank {self._global_ranks[self._rank]}: "
-            f"{who} (dead, or not creating this group)")
 
     def _torch_group(self) -> Optional[ProcessGroup]:
         """The ProcessGroup torch holds for this group (its coalescing state is keyed by it)."""
@@ -344,7 +283,7 @@ class GroupShell:
         A synchronous call (``async_op=False``: torch waits on the Work at once) is waited
         on here and gets gloo's finished Work back, with no Work of cupycoll's own: a Python
         Work costs more than the rest of the route together. Its failure raises here,
-        explained as a :class:`~cupycoll.trace.group.TracedWork`'s ``wait()`` explains it."""
+        explained as a :class:`~cupycoll.trace.gloo_work.TracedWork`'s ``wait()`` explains it."""
         cuda, trace = self._cuda, self._trace
         calls = self._issuer
         if (cuda.life.state is not GroupState.OK or calls.block is not None or calls.pending or trace.check
@@ -380,9 +319,10 @@ class GroupShell:
             return False
         return _args.classify_slowly(flat, op_name)
 
-    # -- collectives: CPU to gloo, CUDA to cupycoll.collectives ----------------------------
+    # -- the hot collectives: CPU to gloo, CUDA to cupycoll.collectives -------------------
     # Each entry point takes torch's options form first; any other form torch's ProcessGroup
     # accepts (a bare op, a root, one tensor, a timeout) is bound to it by cupycoll.call_forms.
+    # The other entry points are ShellCalls' (cupycoll.shell_calls).
     def allreduce(self, tensors=MISSING, opts=MISSING, *rest, **named):
         if type(opts) is not _ALLREDUCE or rest or named:
             tensors, opts = call_forms.bind("allreduce", (tensors, opts), rest, named)
@@ -400,24 +340,6 @@ class GroupShell:
             self._trace.recorder.mark(entry, "failed")
             raise
 
-    def allreduce_coalesced(self, tensors=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not c10d.AllreduceCoalescedOptions or rest or named:
-            tensors, opts = call_forms.bind("allreduce_coalesced", (tensors, opts), rest, named)
-        cuda, entry = self._route(tensors, "all_reduce_coalesced", opts)
-        if not cuda:
-            return self._gloo_reduction(entry, self._cpu.allreduce_coalesced, tensors, tensors, opts)
-        call = collectives.all_reduce_coalesced(self._cuda, tensors, opts) if not self._trace.check else None
-        if call is not None:  # one call of its parts' NCCL calls
-            call.entry = self._trace.recorder.record_parts("all_reduce", tensors)
-            try:
-                work = self._issuer.issue(call)
-            except BaseException:
-                self._trace.recorder.mark_all(call.entry, "failed")
-                raise
-            return work if self._issuer.block is None else None  # inside an open block, the block's Work covers it
-        part = call_forms.copied(_ALLREDUCE, opts)  # each part an all_reduce with the block's options
-        return self._coalesced(lambda: [self.allreduce([t], part) for t in tensors])
-
     def broadcast(self, tensors=MISSING, opts=MISSING, *rest, **named):
         if type(opts) is not _BROADCAST or rest or named:
             tensors, opts = call_forms.bind("broadcast", (tensors, opts), rest, named)
@@ -426,36 +348,6 @@ class GroupShell:
             return self._gloo(entry, self._cpu.broadcast, tensors, opts)
         return self._issue(entry, collectives.broadcast, tensors, opts)
 
-    def reduce(self, tensors=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not c10d.ReduceOptions or rest or named:
-            tensors, opts = call_forms.bind("reduce", (tensors, opts), rest, named)
-        cuda, entry = self._route(tensors, "reduce", opts)
-        if not cuda:
-            return self._gloo_reduction(entry, self._cpu.reduce, tensors, tensors, opts)
-        return self._issue(entry, collectives.reduce, tensors, opts)
-
-    def allgather(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not _ALLGATHER or rest or named:
-            output_tensors, input_tensors, opts = call_forms.bind(
-                "allgather", (output_tensors, input_tensors, opts), rest, named)
-        cuda, entry = self._route([output_tensors, input_tensors], "all_gather", opts)
-        if not cuda:
-            return self._gloo(entry, self._cpu.allgather, output_tensors, input_tensors, opts)
-        return self._issue(entry, collectives.all_gather, output_tensors, input_tensors, opts)
-
-    def allgather_coalesced(self, output_lists=MISSING, input_list=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not _ALLGATHER or rest or named:
-            output_lists, input_list, opts = call_forms.bind(
-                "allgather_coalesced", (output_lists, input_list, opts), rest, named)
-        cuda, entry = self._route([output_lists, input_list], "all_gather_coalesced", opts)
-        if not cuda:
-            return self._gloo(entry, self._cpu.allgather_coalesced, output_lists, input_list, opts)
-        if len(output_lists) != len(input_list):
-            raise CupycollValueError(
-                f"all_gather_coalesced: {len(output_lists)} output lists for {len(input_list)} inputs")
-        return self._coalesced(
-            lambda: [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_list)])
-
     def all_gather_single(self, output=MISSING, input=MISSING, opts=MISSING, *rest, **named):
         if type(opts) is not _ALLGATHER or rest or named:
             output, input, opts = call_forms.bind("all_gather_single", (output, input, opts), rest, named)
@@ -463,25 +355,6 @@ class GroupShell:
         if not cuda:
             return self._gloo(entry, self._cpu._allgather_base, output, input, opts)
         return self._issue(entry, collectives.all_gather_into_tensor, output, input, opts)
-
-    def all_gather_single_coalesced(self, outputs=MISSING, inputs=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not _ALLGATHER or rest or named:
-            outputs, inputs, opts = call_forms.bind(
-                "all_gather_single_coalesced", (outputs, inputs, opts), rest, named)
-        cuda, entry = self._route([outputs, inputs], "all_gather_into_tensor_coalesced", opts)
-        if not cuda:
-            return self._gloo(entry, self._cpu.allgather_into_tensor_coalesced, outputs, inputs, opts)
-        return self._coalesced(lambda: [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
-
-    def reduce_scatter(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not _REDUCE_SCATTER or rest or named:
-            output_tensors, input_tensors, opts = call_forms.bind(
-                "reduce_scatter", (output_tensors, input_tensors, opts), rest, named)
-        cuda, entry = self._route([output_tensors, input_tensors], "reduce_scatter", opts)
-        if not cuda:
-            return self._gloo_reduction(entry, compat.gloo_reduce_scatter, output_tensors, self._cpu,
-                                        output_tensors, input_tensors, opts)
-        return self._issue(entry, collectives.reduce_scatter, output_tensors, input_tensors, opts)
 
     def reduce_scatter_single(self, outputTensor=MISSING, inputTensor=MISSING, opts=MISSING, *rest, **named):
         output, input = outputTensor, inputTensor
@@ -492,136 +365,6 @@ class GroupShell:
             return self._gloo_reduction(entry, compat.gloo_reduce_scatter_tensor, [output], self._cpu, output,
                                         input, opts)
         return self._issue(entry, collectives.reduce_scatter_tensor, output, input, opts)
-
-    def reduce_scatter_single_coalesced(self, outputs=MISSING, inputs=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not _REDUCE_SCATTER or rest or named:
-            outputs, inputs, opts = call_forms.bind(
-                "reduce_scatter_single_coalesced", (outputs, inputs, opts), rest, named)
-        cuda, entry = self._route([outputs, inputs], "reduce_scatter_tensor_coalesced", opts)
-        if not cuda:
-            return self._gloo_reduction(entry, self._cpu.reduce_scatter_tensor_coalesced, outputs, outputs,
-                                        inputs, opts)
-        return self._coalesced(lambda: [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
-
-    def alltoall(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not _ALL_TO_ALL or rest or named:
-            output_tensors, input_tensors, opts = call_forms.bind(
-                "alltoall", (output_tensors, input_tensors, opts), rest, named)
-        cuda, entry = self._route([output_tensors, input_tensors], "all_to_all", opts)
-        if not cuda:
-            return self._gloo(entry, compat.gloo_alltoall, self._cpu, output_tensors, input_tensors, opts)
-        return self._issue(entry, collectives.all_to_all, output_tensors, input_tensors, opts)
-
-    def all_to_all_single(self, output=MISSING, input=MISSING, output_split_sizes=MISSING,
-                          input_split_sizes=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not _ALL_TO_ALL or rest or named:
-            output, input, output_split_sizes, input_split_sizes, opts = call_forms.bind(
-                "all_to_all_single", (output, input, output_split_sizes, input_split_sizes, opts), rest, named)
-        cuda, entry = self._route([output, input], "all_to_all_single", opts)
-        if not cuda:
-            return self._gloo(entry, self._cpu.alltoall_base, output, input, output_split_sizes,
-                              input_split_sizes, opts)
-        return self._issue(entry, collectives.all_to_all_single, output, input, output_split_sizes,
-                           input_split_sizes, opts)
-
-    def gather(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not c10d.GatherOptions or rest or named:
-            output_tensors, input_tensors, opts = call_forms.bind(
-                "gather", (output_tensors, input_tensors, opts), rest, named)
-        cuda, entry = self._route([output_tensors, input_tensors], "gather", opts)
-        if not cuda:
-            return self._gloo(entry, self._cpu.gather, output_tensors, input_tensors, opts)
-        return self._issue(entry, collectives.gather, output_tensors, input_tensors, opts)
-
-    def scatter(self, output_tensors=MISSING, input_tensors=MISSING, opts=MISSING, *rest, **named):
-        if type(opts) is not c10d.ScatterOptions or rest or named:
-            output_tensors, input_tensors, opts = call_forms.bind(
-                "scatter", (output_tensors, input_tensors, opts), rest, named)
-        cuda, entry = self._route([output_tensors, input_tensors], "scatter", opts)
-        if not cuda:
-            return self._gloo(entry, self._cpu.scatter, output_tensors, input_tensors, opts)
-        return self._issue(entry, collectives.scatter, output_tensors, input_tensors, opts)
-
-    def send(self, tensors=MISSING, dstRank=MISSING, tag=0, *rest, **named):
-        if type(tensors) is not list or type(dstRank) is not int or type(tag) is not int or rest or named:
-            tensors, dstRank, tag = call_forms.bind("send", (tensors, dstRank, tag), rest, named)
-        cuda, entry = self._route(tensors, "send", peer=dstRank)
-        if not cuda:
-            return self._cpu.send(tensors, dstRank, tag)
-        return self._issue(entry, collectives.point_to_point, "send", tensors, dstRank,
-                           compat.calling_batch_isend_irecv())
-
-    def recv(self, tensors=MISSING, srcRank=MISSING, tag=0, *rest, **named):
-        if type(tensors) is not list or type(srcRank) is not int or type(tag) is not int or rest or named:
-            tensors, srcRank, tag = call_forms.bind("recv", (tensors, srcRank, tag), rest, named)
-        cuda, entry = self._route(tensors, "recv", peer=srcRank)
-        if not cuda:
-            return self._cpu.recv(tensors, srcRank, tag)
-        return self._issue(entry, collectives.point_to_point, "recv", tensors, srcRank,
-                           compat.calling_batch_isend_irecv())
-
-    def recv_anysource(self, tensors=MISSING, tag=0, *rest, **named):
-        if type(tensors) is not list or type(tag) is not int or rest or named:
-            tensors, tag = call_forms.bind("recv_anysource", (tensors, tag), rest, named)
-        cuda, entry = self._route(tensors, "recv_anysource")
-        if not cuda:
-            return self._cpu.recv_anysource(tensors, tag)
-        self._trace.recorder.mark(entry, "failed")
-        raise CupycollValueError("recv from any source is not supported by NCCL; name the source rank")
-
-    def barrier(self, opts=MISSING, *rest, **named):
-        if type(opts) is not c10d.BarrierOptions or rest or named:
-            opts, = call_forms.bind("barrier", (opts,), rest, named)
-        device = _args.barrier_device(opts, self._cuda.runtime.current_device)
-        if device is None:
-            self._cuda.check_usable()
-            entry = self._trace.call("barrier", (), route="gloo", cpu_group=self._cpu)
-            return self._gloo(entry, self._cpu.barrier, opts)
-        return self._cuda_barrier(device)
-
-    def _cuda_barrier(self, device) -> CudaWork:
-        entry = self._trace.call("barrier", (), cpu_group=self._cpu)
-        return self._issue(entry, collectives.barrier, device)
-
-    # -- torch's coalescing protocol ----------------------------------------------------
-    def _coalesced(self, body: Callable[[], list]) -> Optional[CudaWork]:
-        """Run ``body`` (which submits CUDA calls) as one NCCL group; one Work for all.
-        Inside an open coalescing block the calls join it and the block's Work covers them."""
-        calls = self._issuer
-        if calls.block is not None:
-            body()
-            return None
-        self._open_block()
-        try:
-            body()
-        except BaseException:
-            calls.abandon_block()
-            raise
-        return calls.close_block()
-
-    def _start_coalescing(self, device=None):
-        if _args.is_cpu(device):
-            return self._cpu._start_coalescing(device)
-        self._open_block()
-
-    def _end_coalescing(self, device=None):
-        if _args.is_cpu(device):
-            return self._cpu._end_coalescing(device)
-        return self._issuer.close_block()
-
-    def _open_block(self) -> None:
-        self._issuer.open_block(compat.calling_coalescing_manager(self._manager_gone))
-
-    def _manager_gone(self, manager_ref) -> None:
-        """The generator of a ``_coalescing_manager`` that opened a block was freed (the
-        ``with`` statement is over). If our block is still open, its body raised: drop the
-        block, and also torch's own record of the manager, which torch leaves behind (so the
-        group's next all_reduce would otherwise be captured into a dead manager forever)."""
-        calls = self._issuer
-        if calls.block_manager is not manager_ref or calls.block is None:
-            return
-        calls.discard_raised_block(stacklevel=3)
-        compat.forget_coalescing_manager(self._torch_group())
 
     # -- lifetime ---------------------------------------------------------------------
     @property
@@ -663,6 +406,3 @@ class GroupShell:
     # -- torch method names that changed between versions ------------------------------
     _allgather_base = all_gather_single
     _reduce_scatter_base = reduce_scatter_single
-    alltoall_base = all_to_all_single
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced

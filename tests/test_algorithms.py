@@ -75,7 +75,7 @@ def test_a_registered_algorithm_is_a_value_every_algorithm_option_takes(reversin
     assert config.Options(algorithm="reversing").algorithm == "reversing"
     assert config.resolve(None, None, environ={"CUPYCOLL_ALGORITHM": "Reversing"}).algorithm == "reversing"
     with cupycoll.algorithm("reversing"):
-        assert config.algorithm_override() == "reversing"
+        assert algorithms.override() == "reversing"
 
 
 def test_an_unknown_algorithm_is_refused_by_name_with_the_choices():

@@ -43,10 +43,16 @@ def _covers(ours: call_forms.Form, theirs) -> bool:
     return all(default is not call_forms.MISSING for _, _, default in mine[len(theirs.params):])
 
 
+def _shell_members() -> dict:
+    """What the shell's classes define (GroupShell and the ShellCalls it mixes in), by name."""
+    return {name: member for cls in reversed(GroupShell.__mro__) if cls is not object
+            for name, member in vars(cls).items()}
+
+
 def _names_of_2_13() -> set:
     """The methods torch 2.13 bound under new names (compat.TENSOR_COLLECTIVES_RENAMED): those
     the shell's old names are aliases of."""
-    return {member.__name__ for name, member in vars(GroupShell).items()
+    return {member.__name__ for name, member in _shell_members().items()
             if name in call_forms.FORMS and member.__name__ != name}
 
 
@@ -107,7 +113,7 @@ def test_a_form_torch_would_add_is_found():
 
 def test_every_collective_of_the_shell_that_torch_binds_has_its_forms():
     found = set()
-    for name, member in vars(GroupShell).items():
+    for name, member in _shell_members().items():
         takes_tensors = any(p.kind.startswith("tensor") for form in forms(name) for p in form.params)
         if callable(member) and takes_tensors:
             assert name in call_forms.FORMS, name

@@ -235,8 +235,8 @@ class _FailingGloo:
 
 
 def test_gloo_fallbacks_fail_when_gloo_fails(monkeypatch):
-    monkeypatch.setattr(compat, "GLOO_HAS_ALLTOALL", False)
-    monkeypatch.setattr(compat, "GLOO_REDUCE_SCATTER_HONOURS_OP", False)
+    monkeypatch.setattr(compat.gloo, "GLOO_HAS_ALLTOALL", False)
+    monkeypatch.setattr(compat.gloo, "GLOO_REDUCE_SCATTER_HONOURS_OP", False)
     outputs = [torch.zeros(1), torch.zeros(1)]
     work = compat.gloo_alltoall(_FailingGloo(), outputs, [torch.ones(1), torch.ones(1)],
                                 dist.AllToAllOptions())
@@ -247,7 +247,7 @@ def test_gloo_fallbacks_fail_when_gloo_fails(monkeypatch):
     work = compat.gloo_reduce_scatter_tensor(_FailingGloo(), torch.zeros(1), torch.ones(2), opts)
     with pytest.raises(RuntimeError, match="timed out waiting for peer 1"):
         work.wait()
-    monkeypatch.setattr(compat, "GLOO_HAS_REDUCE_SCATTER", False)
+    monkeypatch.setattr(compat.gloo, "GLOO_HAS_REDUCE_SCATTER", False)
     work = compat.gloo_reduce_scatter(_FailingGloo(), [torch.zeros(1)], [[torch.ones(1), torch.ones(1)]], opts)
     with pytest.raises(RuntimeError, match="timed out waiting for peer 1"):
         work.wait()

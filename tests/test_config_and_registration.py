@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import cupycoll
 from cupycoll.issue import Call
-from cupycoll import _registration, compat, config
+from cupycoll import _registration, compat, config, logs
 from cupycoll.errors import CupycollTypeError, CupycollValueError, NcclError
 from installed import cupycoll_entry_points
 from shapes import backend_shape, cupycoll_group_type, shell_of
@@ -244,7 +244,7 @@ def cupycoll_logger():
     yield logger
     logger.setLevel(level)
     logger.handlers[:] = handlers
-    config._LOG_HANDLER.clear()
+    logs._HANDLER.clear()
 
 
 def test_log_level_sets_the_cupycoll_loggers_level_and_unset_leaves_it(cupycoll_logger):
@@ -259,13 +259,13 @@ def test_log_level_sets_the_cupycoll_loggers_level_and_unset_leaves_it(cupycoll_
     assert cupycoll_logger.level == logging.ERROR
     # pytest's own handler sits on the root logger: an application's configuration prints
     # the records, so cupycoll adds no handler of its own
-    assert cupycoll_logger.handlers == [h for h in cupycoll_logger.handlers if h not in config._LOG_HANDLER]
+    assert cupycoll_logger.handlers == [h for h in cupycoll_logger.handlers if h not in logs._HANDLER]
 
 
 def test_the_group_line_says_shape_timeout_routes_and_policy(cupycoll_logger, caplog):
     settings = config.resolve(cupycoll.Options(timeout=5, nonblocking=True, on_timeout="terminate"), None, {})
     with caplog.at_level("INFO", logger="cupycoll"):
-        line = config.log_group("7", 1, 3, "backend", settings)
+        line = logs.log_group("7", 1, 3, "backend", settings)
     assert caplog.records[-1].getMessage() == line and caplog.records[-1].levelname == "INFO"
     assert line == ("process group '7': rank 1 of 3, backend shape, timeout 5 s; CUDA tensors to NCCL "
                     "(nonblocking communicators, algorithm auto), CPU tensors to gloo; a timeout or NCCL "

@@ -98,14 +98,14 @@ def test_cupycolls_nccl_candidate_runs_with_no_override_as_a_users_group_does():
     # an algorithm override in force sends every call the queue's way (Issuer._later): under one the
     # candidate would measure the general path, not what a user's calls take
     from bench import calls
-    from cupycoll import config
+    from cupycoll import algorithms
 
     picked = {c.name: c for c in calls.build_candidates(["cupycoll:nccl", "cupycoll:ring"])}
     assert catalog.CANDIDATES["cupycoll:nccl"].algorithm == calls.GROUP_ALGORITHM
     with picked["cupycoll:nccl"].scope():
-        assert config.algorithm_override() is None
+        assert algorithms.override() is None
     with picked["cupycoll:ring"].scope():
-        assert config.algorithm_override() == "ring"
+        assert algorithms.override() == "ring"
 
 
 def test_cpu_mode_names_cupycolls_path_gloo_not_nccl():

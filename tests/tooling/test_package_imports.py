@@ -3,7 +3,7 @@
 Read from the source (module- and function-level imports alike), so nothing is imported:
 no module imports one that imports it back, nor one of a layer above it; the NCCL layer,
 fault handling and the flight recorder keep apart; the package imports neither bench/ nor
-tools/, and bench/ no tool; torch's private state is read in cupycoll/compat.py alone.
+tools/, and bench/ no tool; torch's private state is read in cupycoll/compat/torch_state.py alone.
 """
 
 from __future__ import annotations
@@ -36,31 +36,44 @@ def test_torchs_private_state_is_read_in_compat_alone():
         source = path.read_text(encoding="utf-8")
         found = [name for name, pattern in _TORCH_PRIVATE.items() if re.search(pattern, source)]
         if found:
-            readers[path.name] = found
-    assert readers == {"compat.py": ["sys._getframe", "_world", "_get_default_group", "_get_default_store"]}
+            readers[path.relative_to(PACKAGE).as_posix()] = found
+    assert readers == {"compat/torch_state.py": ["sys._getframe", "_world", "_get_default_group",
+                                                 "_get_default_store"]}
 
 
+# compat's submodules, one per subject; the package's __init__ imports them all.
+_COMPAT = {"compat.release", "compat.calls", "compat.groups", "compat.dynamo", "compat.stores", "compat.gloo",
+           "compat.torch_state", "compat.cupy_calls"}
 # docs/design.md's house, top to bottom: a module may import its own layer and those below,
 # never one above (an arrow back up is a callback's business, handed down as an argument).
 LAYERS = (
     {"torchft"},
     {"", "__main__", "_registration", "process_group", "py_backend", "shrink", "trace.__main__", "trace.analyze"},
-    {"shell"},
+    {"shell", "shell_calls"},
     {"collectives"},
     {"issue", "coalescing"},
-    {"backend"},
+    {"backend", "cpu_half"},
     {"faults.all_groups", "faults.lifecycle", "faults.teardown", "nccl.bootstrap", "ring", "ring.algorithm"},
     {"_args", "call_forms", "cpu_average", "faults", "faults.watchdog", "faults.heartbeat", "faults.watchdog_cuda",
      "faults.watchdog_thread", "faults.reports", "faults.last_words",
      "nccl", "nccl.communicators", "nccl.communicator", "nccl.children", "nccl.call_guard", "nccl.group", "trace",
      "trace.group", "trace.gloo_work", "trace.listener", "trace.exchange", "trace.news", "trace.diagnosis",
      "trace.mismatch", "ring.programs", "ring.stream_order", "ring.schedule", "ring.kernels"},
-    {"work", "_cuda", "compat", "config", "_parsers", "bounds", "errors", "hooks", "algorithms", "kernels",
-     "nccl.bindings", "nccl.header", "trace.recorder", "trace.dumps", "trace.records", "_version"},
+    {"work", "_cuda", "compat", "config", "logs", "_parsers", "bounds", "errors", "hooks", "algorithms", "kernels",
+     "nccl.bindings", "nccl.header", "trace.recorder", "trace.dumps", "trace.records", "_version"} | _COMPAT,
 )
 # Subpackages that never import each other, whatever their layers: the NCCL layer knows no
 # policy, fault handling no flight recorder (the diagnosis is handed in), and back.
 NEVER = {"nccl": ("faults", "trace"), "faults": ("backend", "trace"), "trace": ("faults",)}
+
+
+def test_compats_submodules_are_imported_through_its_init_alone():
+    # The rest of the package reads compat.<name>, wherever a name's subject put it; a gate's
+    # submodule imports nothing of compat but the release the gates compare.
+    graph = imports(PACKAGE, "cupycoll")
+    importers = {module: sorted(targets & _COMPAT) for module, targets in graph.items() if targets & _COMPAT}
+    assert importers.pop("compat") == sorted(_COMPAT)
+    assert set(importers) <= _COMPAT and all(targets == ["compat.release"] for targets in importers.values())
 
 
 def _layer(module: str) -> int:

@@ -307,7 +307,7 @@ def test_a_cpu_half_is_made_once_every_rank_made_it_and_leaves_no_key_of_its_own
 
     import torch
 
-    from cupycoll import shell
+    from cupycoll import cpu_half
 
     if lazy is None:
         monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
@@ -318,7 +318,7 @@ def test_a_cpu_half_is_made_once_every_rank_made_it_and_leaves_no_key_of_its_own
 
     def make(rank, delay):
         time.sleep(delay)
-        made[rank] = shell.build_gloo_half(store, rank, 2, datetime.timedelta(seconds=30))
+        made[rank] = cpu_half.build_gloo_half(store, rank, 2, datetime.timedelta(seconds=30))
     threads = [threading.Thread(target=make, args=(0, 0.0)), threading.Thread(target=make, args=(1, 0.5))]
     for thread in threads:
         thread.start()
@@ -326,8 +326,8 @@ def test_a_cpu_half_is_made_once_every_rank_made_it_and_leaves_no_key_of_its_own
         thread.join(30)
     assert sorted(made) == [0, 1]
     assert time.monotonic() - started >= 0.5  # rank 0 waited for rank 1, in gloo or in the count
-    cpu = dist.PrefixStore(shell._CPU_PREFIX, store)
-    assert not any(cpu.check([key]) for key in (shell._MADE, shell._MADE_ALL, shell._MADE_LEFT))
+    cpu = dist.PrefixStore(cpu_half._CPU_PREFIX, store)
+    assert not any(cpu.check([key]) for key in (cpu_half._MADE, cpu_half._MADE_ALL, cpu_half._MADE_LEFT))
     tensors = {r: torch.full((2,), float(r + 1)) for r in (0, 1)}
     works = [made[r][1].allreduce([tensors[r]]) for r in (0, 1)]
     for work in works:
