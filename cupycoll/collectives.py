@@ -260,20 +260,21 @@ def all_gather(backend, output_tensors, input_tensors, opts, entry=None, op_name
                 entry=entry, run=run, prepare=prepare, finish=finish)
 
 
-def _check_flat_pair(backend, what: str, shard, shard_name: str, whole, whole_name: str):
+def _check_flat_pair(backend, shard, shard_what: str, whole, whole_what: str):
     """The one-tensor gather/scatter forms: both tensors on the group's device (the shard's is
-    returned), ``whole`` one ``shard`` per rank, in the shard's dtype."""
-    device = _on_device(backend, shard, f"{what} {shard_name}", whole, f"{what} {whole_name}")
+    returned), ``whole`` one ``shard`` per rank, in the shard's dtype. ``*_what``: each
+    tensor's name in an error (constants: nothing is formatted for a call that is right)."""
+    device = _on_device(backend, shard, shard_what, whole, whole_what)
     if whole.numel() != shard.numel() * backend.size:
-        _args.check_numel(whole, shard.numel() * backend.size, f"{what} {whole_name}")
+        _args.check_numel(whole, shard.numel() * backend.size, whole_what)
     if whole.dtype != shard.dtype:
-        _args.check_same_dtype([whole], shard, f"{what} {whole_name}")
+        _args.check_same_dtype([whole], shard, whole_what)
     return device
 
 
 def all_gather_into_tensor(backend, output, input, opts, entry=None) -> Call:
     what = "all_gather_into_tensor"
-    device = _check_flat_pair(backend, what, input, "input", output, "output")
+    device = _check_flat_pair(backend, input, "all_gather_into_tensor input", output, "all_gather_into_tensor output")
     size = input.numel() * input.element_size()
     return Call(op=what, device=device, outputs=[output], keep=(input, output), async_op=_async_requested(opts),
                 entry=entry, calls=(("ncclAllGather", (input.data_ptr(), output.data_ptr(), size, NCCL_BYTE)),))
@@ -300,7 +301,7 @@ def reduce_scatter(backend, output_tensors, input_tensors, opts, entry=None) -> 
 
 def reduce_scatter_tensor(backend, output, input, opts, entry=None) -> Call:
     what = "reduce_scatter_tensor"
-    device = _check_flat_pair(backend, what, output, "output", input, "input")
+    device = _check_flat_pair(backend, output, "reduce_scatter_tensor output", input, "reduce_scatter_tensor input")
     plan = None if _OVERRIDES else backend.plans.get((output.dtype, opts.reduceOp))
     if plan is None:
         plan = _reduction(backend, output, opts.reduceOp)
