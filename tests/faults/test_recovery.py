@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import os
 import threading
 import time
@@ -23,13 +22,11 @@ import torch.distributed as dist
 
 import cupycoll
 from cupycoll import bounds, compat, config
-from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, CupycollTypeError, NcclError, \
-    PeerFailedError
+from cupycoll.errors import CollectiveTimeoutError, CommunicatorAbortedError, NcclError, PeerFailedError
 from cupycoll.faults.last_words import TERMINATE_EXIT_CODE
-from cupycoll.faults.watchdog import Finding
 from cupycoll.trace import news
-from cupycoll.trace.group import GroupTrace, TracedWork
-from faulty import FakeComm, eventually, fault_group, issued_work, make_group, run_script, stuck_work, undiagnosed
+from cupycoll.trace.gloo_work import TracedWork
+from faulty import FakeComm, fault_group, make_group, run_script, stuck_work, undiagnosed
 from mp import run_ranks
 
 # -- a fault one rank finds reaches every rank ----------------------------------------------
