@@ -256,12 +256,12 @@ def measure(timed_calls: int = 2000) -> dict:
         # The caller's CPU time: what other processes on a loaded machine do not stretch.
         cpu_us = per_call_us(all_reduce, timed_calls, repeats=3, clock=time.thread_time)
         collections, gc_us = garbage_collections(all_reduce, GC_CALLS)
-        other_fast = {}
-        for name, call in other_fast_calls(group).items():
+        other_hot = {}
+        for name, call in other_hot_calls(group).items():
             call()  # the first call learns a reduction's plan
             steady()
             traced = trace_calls(call, Path(cupycoll.__file__).resolve().parent)
-            other_fast[name] = {"calls": len(traced),
+            other_hot[name] = {"calls": len(traced),
                                 "thread_cpu_us": per_call_us(call, timed_calls, repeats=3, clock=time.thread_time)}
         with cupycoll.algorithm("nccl"):  # an override in force: the plan is made at every call
             all_reduce()
@@ -296,7 +296,7 @@ def measure(timed_calls: int = 2000) -> dict:
         "gc_calls": GC_CALLS,
         "gc_collections": collections,
         "gc_us_per_call": gc_us,
-        "other_fast_calls": other_fast,
+        "other_hot_calls": other_hot,
         "general_calls": len(general),
         "general_modules": len(set(call.module for call in general)),
         "general_upward_calls": [{"from": name(a), "to": name(b)} for a, b in upward_calls(general, LAYERS)],
@@ -318,7 +318,7 @@ def _steady(group) -> Callable[[], None]:
     return steady
 
 
-def other_fast_calls(group) -> Dict[str, Callable[[], None]]:
+def other_hot_calls(group) -> Dict[str, Callable[[], None]]:
     """The other hot calls as torch hands them to the group, synchronous, on 4
     float32 elements (per rank: FSDP's shard): all_gather_into_tensor (FSDP unsharding
     parameters), reduce_scatter_tensor (FSDP reducing gradients) and broadcast (DDP's
@@ -749,7 +749,7 @@ def report(figures: dict) -> List[str]:
               "cost against torch's nccl (cupycoll-bench --scenario overhead)",
               "the other hot calls, synchronous, + wait: " + "; ".join(
                   f"{name} {f['calls']} calls into cupycoll, {f['thread_cpu_us']:.1f} us of thread CPU"
-                  for name, f in figures["other_fast_calls"].items()),
+                  for name, f in figures["other_hot_calls"].items()),
               f"the same all_reduce with an algorithm override in force (its plan made at every call): "
               f"{figures['general_calls']} calls into cupycoll, {figures['general_modules']} modules, "
               f"{len(figures['general_upward_calls'])} upward",
