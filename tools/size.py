@@ -6,7 +6,7 @@ first, against :data:`MODULE_LINES`, the most a module may have (the house keeps
 small enough to read in one sitting; a module past it is split by what it does).
 
 Deliberately left out: tests, tools and the benchmark; what a line holds (code, docstring or
-comment: the architecture reviews split those with ``ast`` and ``tokenize``).
+comment).
 """
 
 from __future__ import annotations
