@@ -171,6 +171,9 @@ def test_the_watchdog_thread_checks_on_the_groups_device(node):
     group.allreduce([torch.ones(4)], opts()).wait()
     before = len(node.ledger.calls)
     assert eventually(lambda: any(name == "cupycoll-watchdog" for name, _, _ in node.ledger.calls[before:]))
+    # its pass also records the synchronous call's shared event (sealing it), on cuda:3 too
+    watch = group._cuda.watch
+    assert eventually(lambda: all(slot.sealed for queue in watch._streams.values() for slot in queue))
     only_the_groups_device(node)
 
 
